@@ -1,0 +1,155 @@
+"""Per-scheduler decision: activate the fix, stand aside, or refuse to start.
+
+Runs right after vLLM's own ``Scheduler.__init__``, when the KV-cache groups are
+known. Logs exactly one line through vLLM's logger saying what it found and did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from . import __version__, settings
+from .errors import MambaAlignError
+from .fingerprint import CodeShape
+from .geometry import state_block_size
+from .releases import SUPPORTED_RELEASES, SplitBody, describe_version, expected_body
+from .settings import Mode
+from .split import StateGridSplit
+
+# The attribute upstream's fix (PR #54076) adds; if vLLM set it itself, the fix landed.
+STATE_BLOCK_ATTRIBUTE = "mamba_state_block_size"
+# Where the installed fix lives on a scheduler instance.
+SPLIT_ATTRIBUTE = "_vllm_mamba_align_split"
+
+
+@dataclass(frozen=True)
+class Recognition:
+    """What the plugin found when vLLM's scheduler module was imported."""
+
+    vllm_version: str | None
+    shape: CodeShape | None
+    """None when this vLLM has no ``_mamba_block_aligned_split`` at all."""
+    body: SplitBody | None
+    """The known body, or the best-effort rules of an opted-in unverified body."""
+    verified: bool
+
+
+def _logger() -> Any:
+    from vllm.logger import init_logger
+
+    return init_logger("vllm.plugins.mamba_align")
+
+
+def _needs_align_split(scheduler: Any) -> bool:
+    flag = getattr(scheduler, "need_mamba_block_aligned_split", None)
+    if flag is not None:
+        return bool(flag)
+    has_mamba = bool(getattr(scheduler.kv_cache_config, "has_mamba_layers", False))
+    mode = getattr(scheduler.cache_config, "mamba_cache_mode", None)
+    return has_mamba and mode == "align"
+
+
+def _refuse_unknown_code(recognition: Recognition) -> MambaAlignError:
+    shape = recognition.shape
+    found = shape.fingerprint if shape and shape.fingerprint else "unreadable source"
+    if shape and shape.problem:
+        found += f" ({shape.problem})"
+    expected = expected_body(recognition.vllm_version)
+    known = (
+        f" vLLM {recognition.vllm_version} as released has fingerprint "
+        f"{expected.fingerprint}: this installation's scheduler was edited."
+        if expected
+        else ""
+    )
+    structural = (
+        "It passes the structural check (one grid read, compatible signature), so "
+        if shape and shape.structurally_compatible
+        else "It does NOT pass the structural check (exactly one read of "
+        "self.cache_config.block_size and the usual signature), so the opt-in "
+        "cannot help either; "
+    )
+    return MambaAlignError(
+        "vllm-mamba-align: this model needs vLLM's align-mode chunk split, but the "
+        "installed Scheduler._mamba_block_aligned_split is code the plugin has not "
+        f"verified (vLLM {describe_version(recognition.vllm_version)}, fingerprint "
+        f"{found}).{known} Verified releases: {', '.join(SUPPORTED_RELEASES)}. "
+        f"{structural}to run the fix on it anyway set "
+        f"{settings.ALLOW_UNVERIFIED_VARIABLE}=1; or install a verified vLLM "
+        "release; or leave the plugin out of VLLM_PLUGINS to run stock vLLM."
+    )
+
+
+def _geometry(scheduler: Any, state_grid: int | None) -> str:
+    cache_block = scheduler.cache_config.block_size
+    hash_block = getattr(scheduler, "hash_block_size", cache_block)
+    grid = "none" if state_grid is None else state_grid
+    return (
+        f"cache block C={cache_block}, Mamba state block B={grid}, "
+        f"hash block {hash_block}"
+    )
+
+
+def _log(
+    scheduler: Any, recognition: Recognition, status: str, state_grid: int | None
+) -> None:
+    body = recognition.body
+    code = (
+        f"split body {body.name}, fingerprint {body.fingerprint}"
+        if body and recognition.verified
+        else f"unverified split, fingerprint {recognition.shape.fingerprint}"
+        if recognition.shape and recognition.shape.fingerprint
+        else "no align split in this vLLM"
+    )
+    _logger().info(
+        "vllm-mamba-align %s on vLLM %s (%s): %s; %s",
+        __version__,
+        describe_version(recognition.vllm_version),
+        code,
+        status,
+        _geometry(scheduler, state_grid),
+    )
+
+
+def attach(scheduler: Any, recognition: Recognition) -> None:
+    """Decide for one freshly built scheduler; raise to refuse it, never half-apply."""
+    mode = settings.read_mode()
+    if not _needs_align_split(scheduler):
+        _log(scheduler, recognition, "inactive (no Mamba layers in align mode)", None)
+        return
+    if hasattr(scheduler, STATE_BLOCK_ATTRIBUTE):
+        upstream = getattr(scheduler, STATE_BLOCK_ATTRIBUTE)
+        _log(
+            scheduler,
+            recognition,
+            "inactive (vLLM already derives mamba_state_block_size itself: "
+            "the upstream fix is present)",
+            upstream,
+        )
+        return
+    state_grid = state_block_size(scheduler.kv_cache_config)
+    if state_grid is None:
+        _log(scheduler, recognition, "inactive (no Mamba spec among KV groups)", None)
+        return
+    if recognition.body is None:
+        raise _refuse_unknown_code(recognition)
+    if mode is Mode.OFF:
+        _log(scheduler, recognition, "loaded, mode=off (stock vLLM split)", state_grid)
+        return
+    setattr(scheduler, STATE_BLOCK_ATTRIBUTE, state_grid)
+    setattr(
+        scheduler,
+        SPLIT_ATTRIBUTE,
+        StateGridSplit.for_scheduler(scheduler, mode, state_grid, recognition.body),
+    )
+    what = (
+        "chunks end on the B grid and stop at every B boundary"
+        if mode is Mode.FULL
+        else "chunks end on the B grid"
+    )
+    _log(
+        scheduler,
+        recognition,
+        f"ACTIVE, mode={mode.value}: {what} (backport of vLLM PR #54076)",
+        state_grid,
+    )

@@ -1,0 +1,120 @@
+"""Recognize vLLM's split function by its code, not by a version string.
+
+Vendor and dev builds report versions like ``0.1.dev20073+g8e685d198`` (or ``dev``),
+so a version range cannot tell which algorithm is installed. The fingerprint is a
+hash of the function's normalized syntax tree: comments, the docstring, formatting
+and line numbers do not count; any change to what the code does does.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import inspect
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# The parameters every released split function starts with (0.15.1 ... 0.33.0).
+SPLIT_PARAMETERS = (
+    "self",
+    "request",
+    "num_new_tokens",
+    "num_new_local_computed_tokens",
+    "num_external_computed_tokens",
+)
+
+
+@dataclass(frozen=True)
+class CodeShape:
+    """What the plugin learned about one installed split function."""
+
+    fingerprint: str | None
+    """16 hex digits, or None when the source cannot be read."""
+    grid_reads: int
+    """How often the function reads ``self.cache_config.block_size`` (the grid)."""
+    parameters: tuple[str, ...]
+    names: frozenset[str]
+    """Names the function uses, and ``name.attribute`` reads (``self.x``)."""
+    problem: str | None = None
+    """Why the source could not be analysed, if it could not."""
+
+    @property
+    def structurally_compatible(self) -> bool:
+        """The minimum the fix relies on: one grid read, a known call signature."""
+        return (
+            self.grid_reads == 1
+            and self.parameters[: len(SPLIT_PARAMETERS)] == SPLIT_PARAMETERS
+        )
+
+
+def _function_def(source: str) -> ast.FunctionDef:
+    tree = ast.parse(textwrap.dedent(source))
+    node = tree.body[0]
+    if not isinstance(node, ast.FunctionDef):
+        raise ValueError("source is not a plain function definition")
+    body = node.body
+    if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
+        node.body = body[1:]
+    return node
+
+
+def fingerprint_source(source: str) -> str:
+    """Hash of the normalized syntax tree of one function's source text."""
+    node = _function_def(source)
+    dump = ast.dump(node, annotate_fields=True, include_attributes=False)
+    return hashlib.sha256(dump.encode()).hexdigest()[:16]
+
+
+def _is_grid_read(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == "block_size"
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "cache_config"
+        and isinstance(node.value.value, ast.Name)
+        and node.value.value.id == "self"
+    )
+
+
+def analyse_source(source: str) -> CodeShape:
+    """Fingerprint and structural facts of one function's source text."""
+    node = _function_def(source)
+    names: set[str] = set()
+    grid_reads = 0
+    for child in ast.walk(node):
+        if _is_grid_read(child):
+            grid_reads += 1
+        if isinstance(child, ast.Name):
+            names.add(child.id)
+        elif isinstance(child, ast.Attribute) and isinstance(child.value, ast.Name):
+            names.add(f"{child.value.id}.{child.attr}")
+    args = node.args
+    parameters = tuple(a.arg for a in (*args.posonlyargs, *args.args))
+    return CodeShape(
+        fingerprint=fingerprint_source(source),
+        grid_reads=grid_reads,
+        parameters=parameters,
+        names=frozenset(names),
+    )
+
+
+def analyse_function(function: Callable[..., Any]) -> CodeShape:
+    """Like :func:`analyse_source`, for a live function (its source must be on disk)."""
+    try:
+        source = inspect.getsource(function)
+        return analyse_source(source)
+    except (OSError, TypeError, SyntaxError, ValueError) as exc:
+        return CodeShape(
+            fingerprint=None,
+            grid_reads=0,
+            parameters=(),
+            names=frozenset(),
+            problem=f"source not readable: {exc}",
+        )

@@ -1,0 +1,118 @@
+"""``register()``: the vLLM general-plugin entry point.
+
+Cheap and idempotent: it validates the settings, then arranges (with a wrapt
+post-import hook) for vLLM's scheduler module to be patched whenever it is
+imported, or at once if it already is. What is patched:
+
+- ``Scheduler.__init__``: after vLLM's init, decide per scheduler (activation.py).
+- ``Scheduler._mamba_block_aligned_split``: only when its code is recognized (or the
+  user opted in to unverified code that passes the structural check).
+- The scheduler module's ``is_mamba_prefill_checkpoint_valid``: only on bodies whose
+  internal-checkpoint decision is observed (0.30.0+); it records, never changes.
+
+``AsyncScheduler`` inherits all of it.
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib import metadata
+from types import ModuleType
+from typing import Any
+
+import wrapt
+
+from . import settings
+from .activation import SPLIT_ATTRIBUTE, Recognition, attach
+from .fingerprint import analyse_function
+from .releases import InternalCheckpoint, body_for, unverified_body
+from .split import observe_checkpoint_decision
+
+SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
+SPLIT_METHOD = "_mamba_block_aligned_split"
+CHECKPOINT_DECISION = "is_mamba_prefill_checkpoint_valid"
+# Set on every wrapper this plugin installs, so a second register() (or a forked
+# child, which inherits the patched class) never stacks another one.
+MARKER = "_self_vllm_mamba_align"
+
+_hook_installed = False
+
+
+def register() -> None:
+    """Entry point of the ``mamba_align`` plugin (group ``vllm.general_plugins``)."""
+    global _hook_installed
+    settings.read_mode()  # a bad setting fails here, before anything is patched
+    if _hook_installed:
+        return
+    wrapt.register_post_import_hook(patch_scheduler_module, SCHEDULER_MODULE)
+    _hook_installed = True
+
+
+def is_patched(attribute: Any) -> bool:
+    """Whether this attribute is a wrapper installed by this plugin."""
+    return getattr(attribute, MARKER, None) is not None
+
+
+def _installed_vllm_version() -> str | None:
+    vllm = sys.modules.get("vllm")
+    version = getattr(vllm, "__version__", None)
+    if isinstance(version, str):
+        return version
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def recognize(scheduler_class: type) -> Recognition:
+    """Identify the installed split function and pick the rules for it."""
+    version = _installed_vllm_version()
+    split = scheduler_class.__dict__.get(SPLIT_METHOD)
+    if split is None:
+        return Recognition(version, None, None, verified=False)
+    shape = analyse_function(split)
+    body = body_for(shape.fingerprint)
+    if body is not None:
+        return Recognition(version, shape, body, verified=True)
+    if settings.allow_unverified() and shape.structurally_compatible:
+        return Recognition(version, shape, unverified_body(shape), verified=False)
+    return Recognition(version, shape, None, verified=False)
+
+
+def _wrap(owner: Any, name: str, wrapper: Any, tag: Any) -> None:
+    wrapt.wrap_function_wrapper(owner, name, wrapper)
+    installed = (
+        owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    )
+    setattr(installed, MARKER, tag)
+
+
+def patch_scheduler_module(module: ModuleType) -> None:
+    """Post-import hook: install the wrappers on vLLM's scheduler module, once."""
+    scheduler_class = getattr(module, "Scheduler", None)
+    if scheduler_class is None or is_patched(scheduler_class.__dict__.get("__init__")):
+        return
+    recognition = recognize(scheduler_class)
+
+    def init_wrapper(
+        wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        wrapped(*args, **kwargs)
+        attach(instance, recognition)
+
+    body = recognition.body
+    if body is not None:
+        if body.internal_checkpoint is InternalCheckpoint.OBSERVED:
+            _wrap(module, CHECKPOINT_DECISION, observe_checkpoint_decision, recognition)
+        _wrap(scheduler_class, SPLIT_METHOD, split_wrapper, recognition)
+    _wrap(scheduler_class, "__init__", init_wrapper, recognition)
+
+
+def split_wrapper(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> int:
+    """Route the split through the scheduler's installed fix, if it has one."""
+    fix = getattr(instance, SPLIT_ATTRIBUTE, None)
+    if fix is None:
+        return int(wrapped(*args, **kwargs))
+    return int(fix(wrapped, instance, args, kwargs))

@@ -1,0 +1,48 @@
+"""User settings, read from the environment (vLLM plugins take no arguments)."""
+
+from __future__ import annotations
+
+import enum
+import os
+
+from .errors import MambaAlignError
+
+MODE_VARIABLE = "VLLM_MAMBA_ALIGN_MODE"
+ALLOW_UNVERIFIED_VARIABLE = "VLLM_MAMBA_ALIGN_ALLOW_UNVERIFIED"
+
+
+class Mode(str, enum.Enum):
+    """What the plugin does to a hybrid scheduler in align mode."""
+
+    FULL = "full"
+    """Chunks end on the Mamba state grid and stop at every boundary (PR #54076)."""
+    GRID = "grid"
+    """Chunks end on the Mamba state grid only: no poisoning, fewer extra stops."""
+    OFF = "off"
+    """Loaded and logging, changes nothing: for A/B runs against stock vLLM."""
+
+
+DEFAULT_MODE = Mode.FULL
+
+
+def read_mode() -> Mode:
+    """The mode chosen by ``VLLM_MAMBA_ALIGN_MODE`` (default ``full``)."""
+    raw = os.environ.get(MODE_VARIABLE)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_MODE
+    value = raw.strip().lower()
+    for mode in Mode:
+        if mode.value == value:
+            return mode
+    valid = ", ".join(m.value for m in Mode)
+    raise MambaAlignError(
+        f"{MODE_VARIABLE}={raw!r} is not a valid mode. Valid values: {valid} "
+        f"(default: {DEFAULT_MODE.value}). Unset {MODE_VARIABLE} or set it to one "
+        "of these."
+    )
+
+
+def allow_unverified() -> bool:
+    """Whether the user opted in to running the fix on code no release matches."""
+    raw = os.environ.get(ALLOW_UNVERIFIED_VARIABLE, "").strip().lower()
+    return raw in ("1", "true", "yes", "on")
