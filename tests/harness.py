@@ -1,0 +1,427 @@
+"""A real vLLM scheduler on CPU, and an oracle of the Mamba states its worker holds.
+
+Everything scheduled here goes through the installed vLLM's own ``VllmConfig``,
+``Scheduler``, ``KVCacheManager`` and ``Request``. Only the GPU worker is modeled,
+the way vLLM's align-mode worker behaves: after a step that ends at token ``e``, the
+request's running slot (block-table column ``ceil(e / B) - 1`` of the Mamba group)
+holds the state after exactly ``e`` tokens; other slots keep what they held.
+
+The oracle then checks the invariant users care about: a Mamba block published
+under the hash of prefix ``[0, L)`` holds the state after exactly those ``L`` tokens,
+and a request that reuses a cached state reads the state of its own prefix.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import json
+import os
+import tempfile
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+# A tiny hybrid (GDN + full attention) architecture; only config.json is needed.
+TINY_QWEN3_NEXT = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "full_attention_interval": 4,
+    "vocab_size": 1000,
+    "max_position_embeddings": 262144,
+    "torch_dtype": "float32",
+    "rope_theta": 10000.0,
+    "layer_types": [
+        "linear_attention",
+        "linear_attention",
+        "linear_attention",
+        "full_attention",
+    ],
+}
+
+MAX_MODEL_LEN = 131072
+
+
+@functools.cache
+def model_dir() -> str:
+    path = tempfile.mkdtemp(prefix="tiny-qwen3-next-")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(TINY_QWEN3_NEXT, f)
+    return path
+
+
+@functools.cache
+def base_vllm_config() -> Any:
+    """One real VllmConfig per process (building it inspects the model: seconds)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=model_dir(),
+        skip_tokenizer_init=True,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=8192,
+        max_model_len=MAX_MODEL_LEN,
+    )
+    config = args.create_engine_config()
+    assert config.cache_config.mamba_cache_mode == "align", (
+        "the tiny hybrid model must run in align mode with prefix caching on"
+    )
+    return config
+
+
+@functools.cache
+def _init_hashing() -> Any:
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    init_none_hash(sha256)
+    return sha256
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The block sizes and budgets of one scheduler."""
+
+    cache_block: int
+    """C: the attention group's block, which the engine copies into cache_config."""
+    state_block: int
+    """B: MambaSpec.block_size."""
+    budget: int = 8192
+    """max_num_batched_tokens."""
+    hash_block: int | None = None
+    """prefix_match_unit; None lets vLLM pick (the GCD of the groups' blocks)."""
+    long_prefill_threshold: int = 0
+    max_num_seqs: int = 256
+    num_blocks: int = 4000
+    extra_mamba_block: int | None = None
+    """A second Mamba group's block size (to test disagreeing groups)."""
+
+
+def kv_cache_config(geometry: Geometry) -> Any:
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
+
+    def mamba(block: int) -> Any:
+        return MambaSpec(
+            block_size=block,
+            shapes=((1,),),
+            dtypes=(torch.float32,),
+            mamba_cache_mode="align",
+        )
+
+    groups = [
+        KVCacheGroupSpec(
+            ["model.layers.3.self_attn.attn"],
+            FullAttentionSpec(
+                block_size=geometry.cache_block,
+                num_kv_heads=1,
+                head_size=16,
+                dtype=torch.float32,
+            ),
+        ),
+        KVCacheGroupSpec(
+            [f"model.layers.{i}.linear_attn" for i in range(3)],
+            mamba(geometry.state_block),
+        ),
+    ]
+    if geometry.extra_mamba_block is not None:
+        groups.append(
+            KVCacheGroupSpec(["mtp.layers.0.linear_attn"], mamba(geometry.extra_mamba_block))
+        )
+    return KVCacheConfig(
+        num_blocks=geometry.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
+    )
+
+
+def build_scheduler(geometry: Geometry) -> Any:
+    """A real Scheduler, configured the way vLLM's engine core configures it."""
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    config = copy.deepcopy(base_vllm_config())
+    kv_config = kv_cache_config(geometry)
+    # The engine core sets cache_config.block_size to the smallest group block.
+    config.cache_config.block_size = min(geometry.cache_block, geometry.state_block)
+    config.cache_config.num_gpu_blocks = geometry.num_blocks
+    if geometry.hash_block is not None:
+        config.cache_config.prefix_match_unit = geometry.hash_block
+    sched = config.scheduler_config
+    sched.max_num_batched_tokens = geometry.budget
+    sched.max_num_seqs = geometry.max_num_seqs
+    sched.long_prefill_token_threshold = geometry.long_prefill_threshold
+    scheduler_block, hash_block = resolve_kv_cache_block_sizes(kv_config, config)
+    kv_config.hash_block_size = hash_block
+    return Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_config,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=scheduler_block,
+        hash_block_size=hash_block,
+        log_stats=True,
+    )
+
+
+StateId = tuple[int, bytes]
+"""(number of tokens, digest of those tokens): which state a slot holds."""
+
+
+def state_id(tokens: Sequence[int], length: int) -> StateId:
+    return length, hashlib.blake2b(array("q", tokens[:length]).tobytes()).digest()
+
+
+@dataclass
+class Chunk:
+    start: int
+    end: int
+
+
+@dataclass
+class RequestRecord:
+    request: Any
+    chunks: list[Chunk] = field(default_factory=list)
+    reused_tokens: int | None = None
+    prefilled_at_step: int | None = None
+
+
+@dataclass
+class Poisoned:
+    block_id: int
+    claimed: StateId
+    held: StateId | None
+
+    def __str__(self) -> str:
+        held = "nothing" if self.held is None else f"state@{self.held[0]}"
+        return f"block {self.block_id} hashed as state@{self.claimed[0]} holds {held}"
+
+
+class Simulation:
+    """Drives a real scheduler step by step while modeling the Mamba worker."""
+
+    def __init__(self, geometry: Geometry) -> None:
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        self.geometry = geometry
+        self.scheduler = build_scheduler(geometry)
+        self.hash_fn = _init_hashing()
+        manager = self.scheduler.kv_cache_manager
+        self.block_pool = manager.block_pool
+        self.mamba_group = next(
+            i
+            for i, g in enumerate(self.scheduler.kv_cache_config.kv_cache_groups)
+            if isinstance(g.kv_cache_spec, MambaSpec)
+        )
+        self.mamba_manager = manager.coordinator.single_type_managers[self.mamba_group]
+        self.state_block = geometry.state_block
+        self.hash_block = self.scheduler.hash_block_size
+        self.records: dict[str, RequestRecord] = {}
+        self.holds: dict[int, StateId] = {}
+        self.hash_names: dict[bytes, StateId] = {}
+        self.poisoned: dict[tuple[int, bytes], Poisoned] = {}
+        self.wrong_reuse: list[str] = []
+        self.steps = 0
+
+    # -- requests ---------------------------------------------------------------
+    def add(self, request_id: str, tokens: Sequence[int], max_tokens: int = 1) -> Any:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+        from vllm.v1.request import Request
+
+        hasher = get_request_block_hasher(self.hash_block, self.hash_fn)
+        request = Request(
+            request_id,
+            list(tokens),
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            None,
+            block_hasher=hasher,
+        )
+        for index, block_hash in enumerate(request.block_hashes):
+            self.hash_names[bytes(block_hash)] = state_id(
+                tokens, (index + 1) * self.hash_block
+            )
+        self.records[request_id] = RequestRecord(request)
+        self.scheduler.add_request(request)
+        return request
+
+    # -- stepping ---------------------------------------------------------------
+    def step(self) -> dict[str, Chunk]:
+        """One schedule(), the modeled forward pass, and update_from_output()."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        output = self.scheduler.schedule()
+        self.steps += 1
+        starts: dict[str, int] = {
+            new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs
+        }
+        cached = output.scheduled_cached_reqs
+        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            starts[req_id] = computed
+        chunks: dict[str, Chunk] = {}
+        for req_id, count in output.num_scheduled_tokens.items():
+            start = starts[req_id]
+            chunks[req_id] = Chunk(start, start + count)
+        # The worker runs the step's queued block copies (copy-on-write of
+        # partially hit or moved Mamba states) before the forward pass.
+        for copy_op in getattr(output, "kv_cache_block_copies", None) or ():
+            held = self.holds.get(copy_op.src_block_id)
+            if held is None:
+                self.holds.pop(copy_op.dst_block_id, None)
+            else:
+                self.holds[copy_op.dst_block_id] = held
+        for new in output.scheduled_new_reqs:
+            self._check_reused_state(new.req_id, new.num_computed_tokens)
+        for req_id, chunk in chunks.items():
+            self._write_running_state(req_id, chunk.end)
+        self._check_published_hashes()
+
+        sampled: list[list[int]] = []
+        for req_id, chunk in chunks.items():
+            record = self.records[req_id]
+            request = record.request
+            if chunk.start < request.num_prompt_tokens:
+                record.chunks.append(chunk)
+            done = chunk.end >= request.num_tokens
+            if done and record.prefilled_at_step is None:
+                record.prefilled_at_step = self.steps
+            sampled.append([7] if done else [])
+        runner_output = ModelRunnerOutput(
+            req_ids=list(chunks),
+            req_id_to_index={req_id: i for i, req_id in enumerate(chunks)},
+            sampled_token_ids=sampled,
+        )
+        self.scheduler.update_from_output(output, runner_output)
+        return chunks
+
+    def run(self, max_steps: int = 10_000) -> None:
+        """Step until every request has finished; fail loudly on a stall."""
+        idle = 0
+        while self.scheduler.has_requests():
+            if self.steps >= max_steps:
+                raise AssertionError(f"requests still unfinished after {max_steps} steps")
+            chunks = self.step()
+            idle = 0 if chunks else idle + 1
+            if idle > 3:
+                raise AssertionError("the scheduler stalled: nothing scheduled 4 times")
+
+    # -- the worker model and the oracle ----------------------------------------
+    def _mamba_blocks(self, req_id: str) -> list[Any]:
+        return list(self.mamba_manager.req_to_blocks.get(req_id, ()))
+
+    def _tokens(self, req_id: str) -> Sequence[int]:
+        return self.records[req_id].request.all_token_ids
+
+    def _write_running_state(self, req_id: str, end: int) -> None:
+        column = -(-end // self.state_block) - 1
+        blocks = self._mamba_blocks(req_id)
+        block = blocks[column]
+        assert not block.is_null, f"{req_id}: running slot {column} is the null block"
+        self.holds[block.block_id] = state_id(self._tokens(req_id), end)
+
+    def _check_reused_state(self, req_id: str, num_computed: int) -> None:
+        record = self.records[req_id]
+        if record.reused_tokens is None:
+            record.reused_tokens = num_computed
+        if num_computed == 0:
+            return
+        column = (num_computed - 1) // self.state_block
+        block = self._mamba_blocks(req_id)[column]
+        wanted = state_id(self._tokens(req_id), num_computed)
+        held = None if block.is_null else self.holds.get(block.block_id)
+        if held != wanted:
+            got = "nothing" if held is None else f"state@{held[0]}"
+            self.wrong_reuse.append(
+                f"{req_id} resumed at {num_computed} from block {block.block_id} "
+                f"holding {got}"
+            )
+
+    def _check_published_hashes(self) -> None:
+        from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+
+        for block in self.block_pool.blocks:
+            key = block.block_hash
+            if key is None or get_group_id(key) != self.mamba_group:
+                continue
+            claimed = self.hash_names.get(bytes(get_block_hash(key)))
+            if claimed is None:
+                continue
+            held = self.holds.get(block.block_id)
+            if held != claimed:
+                self.poisoned.setdefault(
+                    (block.block_id, bytes(key)), Poisoned(block.block_id, claimed, held)
+                )
+
+    # -- measurements -----------------------------------------------------------
+    def chunk_ends(self, req_id: str) -> list[int]:
+        return [c.end for c in self.records[req_id].chunks]
+
+    def materialized_boundaries(self, req_id: str) -> list[int]:
+        """B boundaries of the prompt held by a Mamba block published for them.
+
+        Reads the block pool, so it still answers after the request finished (its
+        blocks stay cached until evicted).
+        """
+        from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+
+        request = self.records[req_id].request
+        tokens = self._tokens(req_id)
+        wanted = {
+            state_id(tokens, b): b
+            for b in cacheable_boundaries(request.num_prompt_tokens, self.state_block)
+        }
+        found = set()
+        for block in self.block_pool.blocks:
+            key = block.block_hash
+            if key is None or get_group_id(key) != self.mamba_group:
+                continue
+            claimed = self.hash_names.get(bytes(get_block_hash(key)))
+            if claimed in wanted and self.holds.get(block.block_id) == claimed:
+                found.add(wanted[claimed])
+        return sorted(found)
+
+    def reused(self, req_id: str) -> int:
+        reused = self.records[req_id].reused_tokens
+        assert reused is not None, f"{req_id} was never scheduled"
+        return reused
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    """Deterministic pseudo-random token ids."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(1, 1000) for _ in range(length)]
+
+
+def cacheable_boundaries(prompt_length: int, state_block: int) -> list[int]:
+    return list(range(state_block, prompt_length, state_block))
+
+
+def on_grid_or_tail(ends: Iterable[int], state_block: int, allowed: set[int]) -> list[int]:
+    """Chunk ends that are neither on the B grid nor an allowed stop."""
+    return [e for e in ends if e % state_block and e not in allowed]
