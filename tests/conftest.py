@@ -21,13 +21,13 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
     "ci",
-    max_examples=40,
+    max_examples=150,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.register_profile(
     "long",
-    max_examples=6000,
+    max_examples=2000,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -86,3 +86,11 @@ def scheduler_mode(mode: str) -> Iterator[None]:
             del os.environ["VLLM_MAMBA_ALIGN_MODE"]
         else:
             os.environ["VLLM_MAMBA_ALIGN_MODE"] = previous
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    from harness import Simulation
+
+    terminalreporter.write_line(
+        f"real vLLM schedule() calls in this run: {Simulation.schedule_calls}"
+    )

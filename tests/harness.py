@@ -114,6 +114,9 @@ class Geometry:
     long_prefill_threshold: int = 0
     max_num_seqs: int = 256
     num_blocks: int = 4000
+    reserve_full_input: bool = True
+    """scheduler_reserve_full_isl where vLLM has it; False admits more requests
+    than the pool can finish, so running ones get preempted and resumed."""
     extra_mamba_block: int | None = None
     """A second Mamba group's block size (to test disagreeing groups)."""
 
@@ -176,6 +179,8 @@ def build_scheduler(geometry: Geometry) -> Any:
     sched.max_num_batched_tokens = geometry.budget
     sched.max_num_seqs = geometry.max_num_seqs
     sched.long_prefill_token_threshold = geometry.long_prefill_threshold
+    if hasattr(sched, "scheduler_reserve_full_isl"):
+        sched.scheduler_reserve_full_isl = geometry.reserve_full_input
     scheduler_block, hash_block = resolve_kv_cache_block_sizes(kv_config, config)
     kv_config.hash_block_size = hash_block
     return Scheduler(
@@ -223,6 +228,9 @@ class Poisoned:
 
 class Simulation:
     """Drives a real scheduler step by step while modeling the Mamba worker."""
+
+    schedule_calls = 0
+    """schedule() calls made by all simulations of this process (for reports)."""
 
     def __init__(self, geometry: Geometry) -> None:
         from vllm.v1.kv_cache_interface import MambaSpec
@@ -276,6 +284,7 @@ class Simulation:
 
         output = self.scheduler.schedule()
         self.steps += 1
+        Simulation.schedule_calls += 1
         starts: dict[str, int] = {
             new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs
         }

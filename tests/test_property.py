@@ -1,0 +1,131 @@
+"""Property-based: random geometries and workloads on the real scheduler.
+
+For every drawn case, with the plugin in ``full`` and in ``grid`` mode: no Mamba
+hash is published over a state its slot does not hold, no request resumes from a
+wrong state, nothing stalls, every request finishes its prefill. In equal
+geometry ``grid`` mode schedules exactly like stock vLLM.
+
+Profiles: ``ci`` (default, quick) and ``long`` (HYPOTHESIS_PROFILE=long, about
+10^5 schedule() calls); ``nox -s property_long`` runs the long one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conftest import scheduler_mode
+from harness import Geometry, Simulation, prompt
+from hypothesis import assume, event, find, given, settings
+from hypothesis import strategies as st
+
+@dataclass(frozen=True)
+class Workload:
+    geometry: Geometry
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    arrivals: list[int]
+    """Step at which each request is added (later arrivals hit the cache)."""
+
+
+@st.composite
+def workloads(draw: st.DrawFn, equal_geometry: bool = False) -> Workload:
+    hash_block = draw(st.sampled_from([8, 16, 32]))
+    state_block = hash_block * draw(st.integers(1, 24))
+    cache_block = (
+        state_block if equal_geometry else hash_block * draw(st.integers(1, 24))
+    )
+    budget = draw(st.integers(max(hash_block, 16), 4 * state_block + 64))
+    threshold = draw(st.sampled_from([0, 0, 0, max(1, budget // 2)]))
+    base = prompt(draw(st.integers(1, 8 * state_block)), seed=draw(st.integers(0, 9)))
+    prompts = []
+    for index in range(draw(st.integers(1, 4))):
+        shared = draw(st.integers(0, len(base)))
+        tail = draw(st.integers(0 if shared else 1, 3 * state_block))
+        prompts.append(base[:shared] + prompt(tail, seed=100 + index))
+    count = len(prompts)
+    longest = max(len(p) for p in prompts) + 4
+    # Blocks one request needs in both groups; scarce pools force preemption.
+    need = -(-longest // cache_block) + -(-longest // state_block) + 4
+    geometry = Geometry(
+        cache_block=cache_block,
+        state_block=state_block,
+        budget=budget,
+        hash_block=hash_block,
+        long_prefill_threshold=threshold,
+        max_num_seqs=draw(st.integers(1, 4)),
+        # Scarce blocks force preemption: resumed requests replay their prefill.
+        num_blocks=draw(st.sampled_from([need + 2, 2 * need, 4000])),
+        reserve_full_input=draw(st.booleans()),
+    )
+    return Workload(
+        geometry=geometry,
+        prompts=prompts,
+        # Long outputs grow the KV footprint during decode (preemption).
+        max_tokens=draw(
+            st.lists(
+                st.one_of(st.integers(1, 4), st.integers(40, 160)),
+                min_size=count,
+                max_size=count,
+            )
+        ),
+        arrivals=draw(st.lists(st.integers(0, 40), min_size=count, max_size=count)),
+    )
+
+
+def simulate(mode: str, workload: Workload) -> Simulation:
+    with scheduler_mode(mode):
+        sim = Simulation(workload.geometry)
+        pending = sorted(
+            zip(workload.arrivals, range(len(workload.prompts))), reverse=True
+        )
+        step = 0
+        while pending or sim.scheduler.has_requests():
+            while pending and pending[-1][0] <= step:
+                _, index = pending.pop()
+                sim.add(
+                    f"r{index}", workload.prompts[index], workload.max_tokens[index]
+                )
+            if sim.scheduler.has_requests():
+                sim.step()
+            step += 1
+            assert step < 20_000, "the scheduler stalled"
+    return sim
+
+
+def fits(workload: Workload) -> bool:
+    """Workloads within the model length (vLLM rejects longer prompts)."""
+    return max(len(p) for p in workload.prompts) < 100_000
+
+
+@given(workloads())
+def test_fixed_scheduler_never_poisons_and_always_finishes(workload: Workload) -> None:
+    assume(fits(workload))
+    for mode in ("full", "grid"):
+        sim = simulate(mode, workload)
+        assert not sim.poisoned, [str(p) for p in sim.poisoned.values()]
+        assert not sim.wrong_reuse
+        for record in sim.records.values():
+            assert record.prefilled_at_step is not None
+            if record.request.num_preemptions:
+                event("a request was preempted and resumed")
+        if any(r.reused_tokens for r in sim.records.values()):
+            event("a request reused cached tokens")
+
+
+@given(workloads(equal_geometry=True))
+def test_grid_mode_is_stock_in_equal_geometry(workload: Workload) -> None:
+    assume(fits(workload))
+    grid = simulate("grid", workload)
+    stock = simulate("stock", workload)
+    for req_id, record in stock.records.items():
+        assert grid.chunk_ends(req_id) == [c.end for c in record.chunks]
+
+
+def test_the_property_catches_stock_vllm() -> None:
+    """The control: the same oracle finds poisoning on stock vLLM quickly."""
+    found = find(
+        workloads(),
+        lambda w: fits(w) and bool(simulate("stock", w).poisoned),
+        settings=settings(max_examples=400, database=None),
+    )
+    assert simulate("stock", found).poisoned
