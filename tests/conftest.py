@@ -94,3 +94,33 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     terminalreporter.write_line(
         f"real vLLM schedule() calls in this run: {Simulation.schedule_calls}"
     )
+
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_python(code: str, **env: str) -> Any:
+    """Run ``code`` in a fresh interpreter of this environment (a new vLLM process).
+
+    Returns the CompletedProcess; ``tests/`` is importable there. Variables set to
+    "" are removed from the child's environment.
+    """
+    import subprocess
+    import sys
+
+    child_env = dict(os.environ)
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (TESTS_DIR, child_env.get("PYTHONPATH", "")) if p
+    )
+    for key, value in env.items():
+        if value == "":
+            child_env.pop(key, None)
+        else:
+            child_env[key] = value
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )

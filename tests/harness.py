@@ -119,6 +119,8 @@ class Geometry:
     than the pool can finish, so running ones get preempted and resumed."""
     extra_mamba_block: int | None = None
     """A second Mamba group's block size (to test disagreeing groups)."""
+    hybrid: bool = True
+    """False: attention only (a model the plugin must leave alone)."""
 
 
 def kv_cache_config(geometry: Geometry) -> Any:
@@ -148,11 +150,14 @@ def kv_cache_config(geometry: Geometry) -> Any:
                 dtype=torch.float32,
             ),
         ),
-        KVCacheGroupSpec(
-            [f"model.layers.{i}.linear_attn" for i in range(3)],
-            mamba(geometry.state_block),
-        ),
     ]
+    if geometry.hybrid:
+        groups.append(
+            KVCacheGroupSpec(
+                [f"model.layers.{i}.linear_attn" for i in range(3)],
+                mamba(geometry.state_block),
+            )
+        )
     if geometry.extra_mamba_block is not None:
         groups.append(
             KVCacheGroupSpec(["mtp.layers.0.linear_attn"], mamba(geometry.extra_mamba_block))
@@ -171,7 +176,9 @@ def build_scheduler(geometry: Geometry) -> Any:
     config = copy.deepcopy(base_vllm_config())
     kv_config = kv_cache_config(geometry)
     # The engine core sets cache_config.block_size to the smallest group block.
-    config.cache_config.block_size = min(geometry.cache_block, geometry.state_block)
+    config.cache_config.block_size = min(
+        g.kv_cache_spec.block_size for g in kv_config.kv_cache_groups
+    )
     config.cache_config.num_gpu_blocks = geometry.num_blocks
     if geometry.hash_block is not None:
         config.cache_config.prefix_match_unit = geometry.hash_block

@@ -15,6 +15,8 @@ imported, or at once if it already is. What is patched:
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
 from importlib import metadata
 from types import ModuleType
@@ -29,6 +31,7 @@ from .releases import InternalCheckpoint, body_for, unverified_body
 from .split import observe_checkpoint_decision
 
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
+ENVS_MODULE = "vllm.envs"
 SPLIT_METHOD = "_mamba_block_aligned_split"
 CHECKPOINT_DECISION = "is_mamba_prefill_checkpoint_valid"
 # Set on every wrapper this plugin installs, so a second register() (or a forked
@@ -44,8 +47,23 @@ def register() -> None:
     settings.read_mode()  # a bad setting fails here, before anything is patched
     if _hook_installed:
         return
+    wrapt.register_post_import_hook(declare_settings, ENVS_MODULE)
     wrapt.register_post_import_hook(patch_scheduler_module, SCHEDULER_MODULE)
     _hook_installed = True
+
+
+def declare_settings(envs_module: ModuleType) -> None:
+    """Make our ``VLLM_MAMBA_ALIGN_*`` variables known to vLLM.
+
+    vLLM 0.33.0 warns about every ``VLLM_*`` variable it does not know, and refuses
+    to start on one when ``--fail-on-environ-validation`` is set. Declaring ours
+    in its table keeps users' logs clean and their servers starting.
+    """
+    table = getattr(envs_module, "environment_variables", None)
+    if not isinstance(table, dict):
+        return
+    for name in (settings.MODE_VARIABLE, settings.ALLOW_UNVERIFIED_VARIABLE):
+        table.setdefault(name, functools.partial(os.getenv, name))
 
 
 def is_patched(attribute: Any) -> bool:

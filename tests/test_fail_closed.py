@@ -1,0 +1,133 @@
+"""Refusals: each gives one clear error and leaves vLLM's scheduler unpatched."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from conftest import run_python, scheduler_mode
+from harness import Geometry, build_scheduler
+
+from vllm_mamba_align import MambaAlignError, register
+
+
+def test_disagreeing_mamba_groups_refuse_to_start() -> None:
+    geometry = Geometry(cache_block=816, state_block=1648, extra_mamba_block=1600)
+    with scheduler_mode("full"), pytest.raises(MambaAlignError) as error:
+        build_scheduler(geometry)
+    message = str(error.value)
+    assert "disagree" in message
+    assert "block_size=1648" in message and "block_size=1600" in message
+    assert "mtp.layers.0.linear_attn" in message
+    assert "--mamba-block-size" in message
+
+
+@pytest.mark.parametrize("mode", ["bogus", "FULLY"])
+def test_a_bad_mode_is_a_clear_error(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLM_MAMBA_ALIGN_MODE", mode)
+    with pytest.raises(MambaAlignError, match="VLLM_MAMBA_ALIGN_MODE") as error:
+        register()
+    assert "full, grid, off" in str(error.value)
+    # A scheduler started with the bad value in place refuses too.
+    with pytest.raises(MambaAlignError, match="not a valid mode"):
+        build_scheduler(Geometry(cache_block=816, state_block=1648))
+
+
+def test_a_bad_mode_patches_nothing() -> None:
+    result = run_python(
+        textwrap.dedent(
+            """
+            import vllm_mamba_align
+            from vllm_mamba_align.plugin import is_patched
+            try:
+                vllm_mamba_align.register()
+            except vllm_mamba_align.MambaAlignError as e:
+                print("refused:", e)
+            from vllm.v1.core.sched.scheduler import Scheduler
+            print("patched:", any(is_patched(v) for v in vars(Scheduler).values()))
+            """
+        ),
+        VLLM_MAMBA_ALIGN_MODE="sideways",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "refused: VLLM_MAMBA_ALIGN_MODE='sideways' is not a valid mode" in (
+        result.stdout
+    )
+    assert "patched: False" in result.stdout
+
+
+# Re-create vLLM's split from an edited copy of its source, the way a vendor
+# patch would, before the plugin sees it. The copy is written to a file so its
+# source stays readable (and fingerprintable) like the original's.
+EDIT_THE_SPLIT = """
+import ast, inspect, tempfile, textwrap
+import vllm.v1.core.sched.scheduler as module
+source = textwrap.dedent(inspect.getsource(module.Scheduler._mamba_block_aligned_split))
+tree = ast.parse(source)
+tree.body[0].body.insert(0, ast.parse("vendor_marker = 1").body[0])
+edited = ast.unparse(tree)
+path = tempfile.mktemp(suffix="_edited_split.py")
+open(path, "w").write(edited)
+namespace = {}
+exec(compile(edited, path, "exec"), module.__dict__, namespace)
+module.Scheduler._mamba_block_aligned_split = namespace["_mamba_block_aligned_split"]
+"""
+
+BUILD = """
+import vllm_mamba_align
+from vllm_mamba_align.plugin import is_patched
+from harness import Geometry, Simulation, build_scheduler, prompt
+vllm_mamba_align.register()
+from vllm.v1.core.sched.scheduler import Scheduler
+split_patched = is_patched(vars(Scheduler)["_mamba_block_aligned_split"])
+print("split patched:", split_patched)
+build_scheduler(Geometry(cache_block=816, state_block=1648, hybrid=False))
+print("non-hybrid started")
+try:
+    sim = Simulation(Geometry(cache_block=816, state_block=1648))
+except vllm_mamba_align.MambaAlignError as e:
+    print("refused:", e)
+else:
+    sim.add("a", prompt(5000, 1))
+    sim.run()
+    print("chunk ends:", sim.chunk_ends("a"))
+"""
+
+
+def test_unknown_code_in_align_mode_refuses_to_start() -> None:
+    result = run_python(EDIT_THE_SPLIT + BUILD)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "split patched: False" in out
+    assert "non-hybrid started" in out, "models without align split are never blocked"
+    refusal = next(line for line in out.splitlines() if line.startswith("refused:"))
+    for needed in (
+        "has not verified",
+        "fingerprint",
+        "was edited",
+        "Verified releases: 0.33.0",
+        "VLLM_MAMBA_ALIGN_ALLOW_UNVERIFIED=1",
+    ):
+        assert needed in refusal
+
+
+def test_unverified_code_runs_only_with_the_opt_in() -> None:
+    result = run_python(
+        EDIT_THE_SPLIT + BUILD, VLLM_MAMBA_ALIGN_ALLOW_UNVERIFIED="1"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "split patched: True" in result.stdout
+    assert "chunk ends: [1648, 3296, 4944, 4992, 5000]" in result.stdout
+
+
+def test_unverified_code_must_pass_the_structural_check() -> None:
+    # Two reads of the grid: the fix cannot know which one to redirect.
+    twice = EDIT_THE_SPLIT.replace(
+        '"vendor_marker = 1"', '"vendor_marker = self.cache_config.block_size"'
+    )
+    result = run_python(twice + BUILD, VLLM_MAMBA_ALIGN_ALLOW_UNVERIFIED="1")
+    assert result.returncode == 0, result.stderr
+    assert "split patched: False" in result.stdout
+    assert "does NOT pass the structural check" in result.stdout

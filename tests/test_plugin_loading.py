@@ -1,0 +1,111 @@
+"""Loading through vLLM's real plugin machinery, in fresh processes."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from conftest import run_python
+
+from vllm_mamba_align import __version__, register
+from vllm_mamba_align.plugin import SCHEDULER_MODULE, is_patched, patch_scheduler_module
+
+LOAD_AND_START = textwrap.dedent(
+    """
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    from vllm_mamba_align.plugin import is_patched
+    from vllm.v1.core.sched.scheduler import Scheduler
+    print("init patched:", is_patched(vars(Scheduler)["__init__"]))
+    print("split patched:", is_patched(vars(Scheduler)["_mamba_block_aligned_split"]))
+    from harness import Simulation, Geometry, prompt
+    sim = Simulation(Geometry(cache_block=816, state_block=1648))
+    sim.add("a", prompt(4000, 1))
+    sim.run()
+    print("chunk ends:", sim.chunk_ends("a"))
+    """
+)
+
+
+def test_vllm_plugins_naming_mamba_align_activates_it() -> None:
+    result = run_python(LOAD_AND_START, VLLM_PLUGINS="mamba_align")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout + result.stderr
+    assert "init patched: True" in out
+    assert "split patched: True" in out
+    assert "chunk ends: [1648, 3296, 3984, 4000]" in out
+    lines = [line for line in out.splitlines() if "vllm-mamba-align" in line]
+    assert len(lines) == 1, lines
+    assert f"vllm-mamba-align {__version__} on vLLM 0.33.0" in lines[0]
+    assert "ACTIVE, mode=full" in lines[0]
+    assert "C=816, Mamba state block B=1648, hash block 16" in lines[0]
+    assert "Unknown vLLM environment variable" not in out
+
+
+def test_our_settings_are_known_to_vllm() -> None:
+    result = run_python(
+        LOAD_AND_START, VLLM_PLUGINS="mamba_align", VLLM_MAMBA_ALIGN_MODE="grid"
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout + result.stderr
+    assert "ACTIVE, mode=grid" in out
+    assert "Unknown vLLM environment variable" not in out
+
+
+def test_vllm_plugins_naming_only_another_plugin_leaves_vllm_untouched() -> None:
+    result = run_python(LOAD_AND_START, VLLM_PLUGINS="some_other_plugin")
+    assert result.returncode == 0, result.stderr
+    assert "init patched: False" in result.stdout
+    assert "split patched: False" in result.stdout
+    assert "chunk ends: [3264, 3984, 4000]" in result.stdout
+    assert "vllm-mamba-align" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("scheduler_first", [True, False])
+def test_register_works_before_and_after_the_scheduler_import(
+    scheduler_first: bool,
+) -> None:
+    imports = "import vllm.v1.core.sched.scheduler\n"
+    code = textwrap.dedent(
+        f"""
+        {imports if scheduler_first else ""}
+        import sys, vllm_mamba_align
+        vllm_mamba_align.register()
+        print("imported before register:", {scheduler_first})
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm_mamba_align.plugin import is_patched
+        print("patched:", is_patched(vars(Scheduler)["__init__"]))
+        """
+    )
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert "patched: True" in result.stdout
+
+
+def test_register_three_times_wraps_once() -> None:
+    import importlib
+
+    module = importlib.import_module(SCHEDULER_MODULE)
+    register()
+    register()
+    register()
+    patch_scheduler_module(module)  # even a repeated hook call must not stack
+    for name in ("__init__", "_mamba_block_aligned_split"):
+        wrapper = vars(module.Scheduler)[name]
+        assert is_patched(wrapper)
+        assert not is_patched(wrapper.__wrapped__), f"{name} wrapped twice"
+
+
+def test_importing_the_package_touches_nothing() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        import vllm_mamba_align
+        print("vllm imported:", "vllm" in sys.modules)
+        print("torch imported:", "torch" in sys.modules)
+        """
+    )
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert "vllm imported: False" in result.stdout
+    assert "torch imported: False" in result.stdout
