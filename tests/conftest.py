@@ -17,7 +17,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, settings
 
 settings.register_profile(
     "ci",
@@ -43,6 +43,7 @@ def registered_plugin() -> None:
 
 def _patched_sites() -> list[tuple[Any, str]]:
     import vllm.v1.core.sched.scheduler as module
+
     from vllm_mamba_align.plugin import CHECKPOINT_DECISION, SPLIT_METHOD
 
     return [

@@ -20,7 +20,7 @@ import json
 import os
 import tempfile
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,7 +160,9 @@ def kv_cache_config(geometry: Geometry) -> Any:
         )
     if geometry.extra_mamba_block is not None:
         groups.append(
-            KVCacheGroupSpec(["mtp.layers.0.linear_attn"], mamba(geometry.extra_mamba_block))
+            KVCacheGroupSpec(
+                ["mtp.layers.0.linear_attn"], mamba(geometry.extra_mamba_block)
+            )
         )
     return KVCacheConfig(
         num_blocks=geometry.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
@@ -296,7 +298,9 @@ class Simulation:
             new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs
         }
         cached = output.scheduled_cached_reqs
-        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
+        for req_id, computed in zip(
+            cached.req_ids, cached.num_computed_tokens, strict=True
+        ):
             starts[req_id] = computed
         chunks: dict[str, Chunk] = {}
         for req_id, count in output.num_scheduled_tokens.items():
@@ -339,7 +343,9 @@ class Simulation:
         idle = 0
         while self.scheduler.has_requests():
             if self.steps >= max_steps:
-                raise AssertionError(f"requests still unfinished after {max_steps} steps")
+                raise AssertionError(
+                    f"requests still unfinished after {max_steps} steps"
+                )
             chunks = self.step()
             idle = 0 if chunks else idle + 1
             if idle > 3:
@@ -389,7 +395,8 @@ class Simulation:
             held = self.holds.get(block.block_id)
             if held != claimed:
                 self.poisoned.setdefault(
-                    (block.block_id, bytes(key)), Poisoned(block.block_id, claimed, held)
+                    (block.block_id, bytes(key)),
+                    Poisoned(block.block_id, claimed, held),
                 )
 
     # -- measurements -----------------------------------------------------------
@@ -436,8 +443,3 @@ def prompt(length: int, seed: int) -> list[int]:
 
 def cacheable_boundaries(prompt_length: int, state_block: int) -> list[int]:
     return list(range(state_block, prompt_length, state_block))
-
-
-def on_grid_or_tail(ends: Iterable[int], state_block: int, allowed: set[int]) -> list[int]:
-    """Chunk ends that are neither on the B grid nor an allowed stop."""
-    return [e for e in ends if e % state_block and e not in allowed]

@@ -114,9 +114,7 @@ def test_unknown_code_in_align_mode_refuses_to_start() -> None:
 
 
 def test_unverified_code_runs_only_with_the_opt_in() -> None:
-    result = run_python(
-        EDIT_THE_SPLIT + BUILD, VLLM_MAMBA_ALIGN_ALLOW_UNVERIFIED="1"
-    )
+    result = run_python(EDIT_THE_SPLIT + BUILD, VLLM_MAMBA_ALIGN_ALLOW_UNVERIFIED="1")
     assert result.returncode == 0, result.stderr
     assert "split patched: True" in result.stdout
     assert "chunk ends: [1648, 3296, 4944, 4992, 5000]" in result.stdout

@@ -18,6 +18,7 @@ from harness import Geometry, Simulation, prompt
 from hypothesis import assume, event, find, given, settings
 from hypothesis import strategies as st
 
+
 @dataclass(frozen=True)
 class Workload:
     geometry: Geometry
@@ -76,7 +77,8 @@ def simulate(mode: str, workload: Workload) -> Simulation:
     with scheduler_mode(mode):
         sim = Simulation(workload.geometry)
         pending = sorted(
-            zip(workload.arrivals, range(len(workload.prompts))), reverse=True
+            zip(workload.arrivals, range(len(workload.prompts)), strict=True),
+            reverse=True,
         )
         step = 0
         while pending or sim.scheduler.has_requests():

@@ -80,7 +80,9 @@ def test_full_mode_never_crosses_a_state_boundary() -> None:
     ends = heterogeneous("full").chunk_ends
     starts = [0, *ends[:-1]]
     crossing = [
-        (s, e) for s, e in zip(starts, ends) if (s // B + 1) * B < e and s < P
+        (s, e)
+        for s, e in zip(starts, ends, strict=True)
+        if (s // B + 1) * B < e and s < P
     ]
     assert crossing == []
     assert ends[:10] == [k * B for k in range(1, 11)]

@@ -1,0 +1,93 @@
+"""Environments and checks. `nox` runs lint and the tests on every pinned vLLM.
+
+Each vLLM release gets a CPU environment from its pinned file in envs/: torch's
+CPU build, vLLM without its CUDA dependencies, then exactly the listed versions.
+The plugin is installed from a freshly built wheel, as users install it.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["lint", "tests"]
+
+REPO = Path(__file__).parent
+ENVS = REPO / "envs"
+TORCH = "torch==2.13.0"  # the CPU build on this kind of machine
+VLLM_RELEASES = sorted(
+    (p.stem.removeprefix("vllm-") for p in ENVS.glob("vllm-*.txt")),
+    key=lambda v: tuple(int(x) for x in v.split(".")),
+)
+TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100"]
+
+
+def install_vllm(session: nox.Session, release: str) -> None:
+    """torch CPU, vLLM without dependencies, then the pinned pure-Python stack."""
+    pinned = ENVS / f"vllm-{release}.txt"
+    no_deps = [
+        word
+        for line in pinned.read_text().splitlines()
+        if line.startswith("# NODEPS:")
+        for word in line.split(":", 1)[1].split()
+    ]
+    session.install(TORCH)
+    session.install("--no-deps", f"vllm=={release}", *no_deps)
+    session.install("--no-deps", "-r", str(pinned))
+
+
+def install_plugin_wheel(session: nox.Session) -> str:
+    out = tempfile.mkdtemp(prefix="vllm-mamba-align-dist-")
+    session.run("python", "-m", "pip", "wheel", "--no-deps", "-q", "-w", out, str(REPO))
+    wheel = str(next(Path(out).glob("vllm_mamba_align-*.whl")))
+    session.install(wheel)  # with its dependencies, as a user installs it
+    # Same version as an earlier build: make sure this build's code is in place.
+    session.install("--force-reinstall", "--no-deps", wheel)
+    return wheel
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff and mypy (strict) on the package."""
+    session.install("ruff", "mypy", "wrapt", "packaging", "nox")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("mypy")
+
+
+@nox.session
+@nox.parametrize("vllm", VLLM_RELEASES)
+def tests(session: nox.Session, vllm: str) -> None:
+    """The test suite against the real scheduler of one vLLM release."""
+    install_vllm(session, vllm)
+    session.install(*TEST_TOOLS)
+    wheel = install_plugin_wheel(session)
+    env = {
+        "MAMBA_ALIGN_WHEEL": wheel,
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_TARGET_DEVICE": "cpu",
+    }
+    session.run("python", "-m", "pytest", *session.posargs, env=env)
+
+
+@nox.session
+@nox.parametrize("vllm", VLLM_RELEASES[-1:])
+def property_long(session: nox.Session, vllm: str) -> None:
+    """The long property profile (about 10^5 real schedule() calls and more)."""
+    install_vllm(session, vllm)
+    session.install(*TEST_TOOLS)
+    install_plugin_wheel(session)
+    env = {"HYPOTHESIS_PROFILE": "long", "HF_HUB_OFFLINE": "1"}
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "tests/test_property.py",
+        "--hypothesis-show-statistics",
+        *session.posargs,
+        env=env,
+    )

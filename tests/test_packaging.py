@@ -1,0 +1,70 @@
+"""What `pip install vllm-mamba-align` does to a pinned vLLM image: nothing else."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+OURS = ("vllm-mamba-align", "vllm_mamba_align")
+
+
+def _pip(*args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", *args],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout
+
+
+def _freeze() -> list[str]:
+    lines = _pip("freeze", "--all").splitlines()
+    return sorted(line for line in lines if not line.lower().startswith(OURS))
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    built = os.environ.get("MAMBA_ALIGN_WHEEL")
+    if built:
+        return Path(built)
+    out = tmp_path_factory.mktemp("dist")
+    _pip("wheel", "--no-deps", "-w", str(out), str(REPO))
+    return next(out.glob("vllm_mamba_align-*.whl"))
+
+
+def test_the_wheel_depends_on_wrapt_and_packaging_only(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
+        requires = [
+            line.split(":", 1)[1].strip()
+            for line in archive.read(metadata).decode().splitlines()
+            if line.startswith("Requires-Dist:")
+        ]
+        points = next(n for n in names if n.endswith("entry_points.txt"))
+        entry_points = archive.read(points).decode()
+    assert sorted(r.split(">")[0].split("=")[0] for r in requires) == [
+        "packaging",
+        "wrapt",
+    ]
+    assert "[vllm.general_plugins]" in entry_points
+    assert "mamba_align = vllm_mamba_align:register" in entry_points
+    assert "vllm_mamba_align/py.typed" in names
+
+
+def test_installing_the_wheel_leaves_vllm_and_torch_untouched(wheel: Path) -> None:
+    _pip("uninstall", "-y", "vllm-mamba-align")
+    before = _freeze()
+    assert any(line.startswith("vllm==") for line in before)
+    assert any(line.startswith("torch==") for line in before)
+    _pip("install", str(wheel))
+    after = _freeze()
+    assert after == before
+    assert "vllm-mamba-align" in _pip("list").lower().replace("_", "-")
