@@ -90,7 +90,7 @@ def scheduler_mode(mode: str) -> Iterator[None]:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    from harness import Simulation
+    from vllm_mamba_align.simulation import Simulation
 
     terminalreporter.write_line(
         f"real vLLM schedule() calls in this run: {Simulation.schedule_calls}"
@@ -110,8 +110,9 @@ def run_python(code: str, **env: str) -> Any:
     import sys
 
     child_env = dict(os.environ)
+    repo = os.path.dirname(TESTS_DIR)  # this checkout's package, not another copy
     child_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (TESTS_DIR, child_env.get("PYTHONPATH", "")) if p
+        p for p in (repo, TESTS_DIR, child_env.get("PYTHONPATH", "")) if p
     )
     for key, value in env.items():
         if value == "":

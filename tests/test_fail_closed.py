@@ -6,9 +6,9 @@ import textwrap
 
 import pytest
 from conftest import run_python, scheduler_mode
-from harness import Geometry, build_scheduler
 
 from vllm_mamba_align import MambaAlignError, register
+from vllm_mamba_align.simulation import Geometry, build_scheduler
 
 
 def test_disagreeing_mamba_groups_refuse_to_start() -> None:
@@ -78,7 +78,7 @@ module.Scheduler._mamba_block_aligned_split = namespace["_mamba_block_aligned_sp
 BUILD = """
 import vllm_mamba_align
 from vllm_mamba_align.plugin import is_patched
-from harness import Geometry, Simulation, build_scheduler, prompt
+from vllm_mamba_align.simulation import Geometry, Simulation, build_scheduler, prompt
 vllm_mamba_align.register()
 from vllm.v1.core.sched.scheduler import Scheduler
 split_patched = is_patched(vars(Scheduler)["_mamba_block_aligned_split"])

@@ -18,7 +18,7 @@ LOAD_AND_START = textwrap.dedent(
     from vllm.v1.core.sched.scheduler import Scheduler
     print("init patched:", is_patched(vars(Scheduler)["__init__"]))
     print("split patched:", is_patched(vars(Scheduler)["_mamba_block_aligned_split"]))
-    from harness import Simulation, Geometry, prompt
+    from vllm_mamba_align.simulation import Simulation, Geometry, prompt
     sim = Simulation(Geometry(cache_block=816, state_block=1648))
     sim.add("a", prompt(4000, 1))
     sim.run()

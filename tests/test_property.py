@@ -14,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from conftest import scheduler_mode
-from harness import Geometry, Simulation, prompt
 from hypothesis import assume, event, find, given, settings
 from hypothesis import strategies as st
+
+from vllm_mamba_align.simulation import Geometry, Simulation, prompt
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,17 @@ def workloads(draw: st.DrawFn, equal_geometry: bool = False) -> Workload:
         tail = draw(st.integers(0 if shared else 1, 3 * state_block))
         prompts.append(base[:shared] + prompt(tail, seed=100 + index))
     count = len(prompts)
-    longest = max(len(p) for p in prompts) + 4
-    # Blocks one request needs in both groups; scarce pools force preemption.
+    # Long outputs grow the KV footprint during decode (preemption).
+    max_tokens = draw(
+        st.lists(
+            st.one_of(st.integers(1, 4), st.integers(40, 160)),
+            min_size=count,
+            max_size=count,
+        )
+    )
+    longest = max(len(p) + n for p, n in zip(prompts, max_tokens, strict=True))
+    # Blocks one request needs in both groups, so each request fits on its own
+    # (vLLM cannot serve one that does not); scarce pools force preemption.
     need = -(-longest // cache_block) + -(-longest // state_block) + 4
     geometry = Geometry(
         cache_block=cache_block,
@@ -61,14 +71,7 @@ def workloads(draw: st.DrawFn, equal_geometry: bool = False) -> Workload:
     return Workload(
         geometry=geometry,
         prompts=prompts,
-        # Long outputs grow the KV footprint during decode (preemption).
-        max_tokens=draw(
-            st.lists(
-                st.one_of(st.integers(1, 4), st.integers(40, 160)),
-                min_size=count,
-                max_size=count,
-            )
-        ),
+        max_tokens=max_tokens,
         arrivals=draw(st.lists(st.integers(0, 40), min_size=count, max_size=count)),
     )
 

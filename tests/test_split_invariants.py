@@ -13,7 +13,13 @@ from dataclasses import dataclass
 
 import pytest
 from conftest import scheduler_mode
-from harness import Geometry, Simulation, cacheable_boundaries, prompt
+
+from vllm_mamba_align.simulation import (
+    Geometry,
+    Simulation,
+    cacheable_boundaries,
+    prompt,
+)
 
 C, B, P, BUDGET = 816, 1648, 16764, 8192
 HETEROGENEOUS = Geometry(cache_block=C, state_block=B, budget=BUDGET)

@@ -1,5 +1,9 @@
 """A real vLLM scheduler on CPU, and an oracle of the Mamba states its worker holds.
 
+Used by the test suite and by ``vllm-mamba-align simulate``; it needs vLLM (and its
+torch) installed, which the plugin itself never does. No GPU, no weights: the model
+is a config-only tiny hybrid written to a temporary directory.
+
 Everything scheduled here goes through the installed vLLM's own ``VllmConfig``,
 ``Scheduler``, ``KVCacheManager`` and ``Request``. Only the GPU worker is modeled,
 the way vLLM's align-mode worker behaves: after a step that ends at token ``e``, the
@@ -23,9 +27,6 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 # A tiny hybrid (GDN + full attention) architecture; only config.json is needed.
 TINY_QWEN3_NEXT = {
@@ -74,6 +75,8 @@ def model_dir() -> str:
 @functools.cache
 def base_vllm_config() -> Any:
     """One real VllmConfig per process (building it inspects the model: seconds)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(
@@ -356,7 +359,8 @@ class Simulation:
         return list(self.mamba_manager.req_to_blocks.get(req_id, ()))
 
     def _tokens(self, req_id: str) -> Sequence[int]:
-        return self.records[req_id].request.all_token_ids
+        tokens: Sequence[int] = self.records[req_id].request.all_token_ids
+        return tokens
 
     def _write_running_state(self, req_id: str, end: int) -> None:
         column = -(-end // self.state_block) - 1
