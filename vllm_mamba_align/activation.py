@@ -80,6 +80,36 @@ def _refuse_unknown_code(recognition: Recognition) -> MambaAlignError:
     )
 
 
+def step_budget(scheduler: Any) -> tuple[int, str]:
+    """The most prefill tokens one request may get in a step, and what sets it."""
+    budget = int(scheduler.max_num_scheduled_tokens)
+    source = f"--max-num-batched-tokens={budget}"
+    threshold = int(scheduler.scheduler_config.long_prefill_token_threshold or 0)
+    if 0 < threshold < budget:
+        budget, source = threshold, f"--long-prefill-token-threshold={threshold}"
+    return budget, source
+
+
+def _refuse_stall(scheduler: Any, body: SplitBody, state_grid: int) -> None:
+    """Stall guard for bodies without vLLM's "block too wide for one chunk" rule.
+
+    Those bodies (0.15.1-0.26.0) floor every non-final chunk to the grid; on the B
+    grid a B wider than the step budget floors to 0 tokens forever.
+    """
+    budget, source = step_budget(scheduler)
+    if state_grid <= budget:
+        return
+    raise MambaAlignError(
+        f"vllm-mamba-align: the Mamba state block B={state_grid} is larger than "
+        f"the per-step prefill budget {budget} ({source}). On vLLM "
+        f"{body.name} a prefill chunk must end on the state grid, so no request "
+        f"could ever finish its prefill. Raise --max-num-batched-tokens (and "
+        f"--long-prefill-token-threshold, if set) to at least {state_grid}, or "
+        "lower --mamba-block-size, or upgrade to vLLM 0.27.1+ (which lets a wide "
+        "block advance in sub-block steps)."
+    )
+
+
 def _geometry(scheduler: Any, state_grid: int | None) -> str:
     cache_block = scheduler.cache_config.block_size
     hash_block = getattr(scheduler, "hash_block_size", cache_block)
@@ -136,6 +166,8 @@ def attach(scheduler: Any, recognition: Recognition) -> None:
     if mode is Mode.OFF:
         _log(scheduler, recognition, "loaded, mode=off (stock vLLM split)", state_grid)
         return
+    if not recognition.body.wide_block_exemption:
+        _refuse_stall(scheduler, recognition.body, state_grid)
     setattr(scheduler, STATE_BLOCK_ATTRIBUTE, state_grid)
     setattr(
         scheduler,

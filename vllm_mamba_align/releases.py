@@ -58,11 +58,58 @@ class SplitBody:
         return first if first == last else f"{first}-{last}"
 
 
+def _body(
+    releases: str,
+    fingerprint: str,
+    prefill: PrefillRule = PrefillRule.BEFORE_PREFILL_END,
+    internal_checkpoint: InternalCheckpoint = InternalCheckpoint.NONE,
+    wide_block_exemption: bool = False,
+) -> SplitBody:
+    return SplitBody(
+        tuple(releases.split()),
+        fingerprint,
+        prefill,
+        internal_checkpoint,
+        wide_block_exemption,
+    )
+
+
+# Fingerprints of the wheels on PyPI; each body's source is byte-identical across
+# the releases listed with it.
 BODIES: tuple[SplitBody, ...] = (
-    SplitBody(
-        releases=("0.33.0",),
-        fingerprint="f3405419e904a2f8",
-        prefill=PrefillRule.BEFORE_PREFILL_END,
+    _body("0.15.1 0.16.0", "135e05b99088c4ba", PrefillRule.NO_OUTPUT_YET),
+    _body("0.17.1 0.18.1 0.19.1 0.20.2 0.21.0 0.22.1", "2143cb64ffd26346"),
+    _body("0.23.0", "b94b057ceb52248e"),  # 0.22.1 minus an external-token assert
+    _body("0.24.0 0.25.1", "f5d07d86cd551d4f"),  # a 5th parameter, passed through
+    _body("0.26.0", "ef698701aa153b4b"),  # stops tuple, partial-tail stop
+    _body("0.27.1 0.28.0", "f285174274bce8f3", wide_block_exemption=True),
+    _body(
+        "0.29.0",
+        "449dccad75450784",
+        internal_checkpoint=InternalCheckpoint.ALIGNED_START,
+        wide_block_exemption=True,
+    ),
+    _body(
+        "0.30.0",
+        "750217f9574730c5",
+        internal_checkpoint=InternalCheckpoint.OBSERVED,
+        wide_block_exemption=True,
+    ),
+    _body(
+        "0.31.0",
+        "b6ec618ee4fe28dd",
+        internal_checkpoint=InternalCheckpoint.OBSERVED,
+        wide_block_exemption=True,
+    ),
+    _body(
+        "0.32.0",
+        "3fed017193dfee3c",
+        internal_checkpoint=InternalCheckpoint.OBSERVED,
+        wide_block_exemption=True,
+    ),
+    _body(
+        "0.33.0",
+        "f3405419e904a2f8",
         internal_checkpoint=InternalCheckpoint.OBSERVED,
         wide_block_exemption=True,
     ),
