@@ -7,6 +7,9 @@ imported, or at once if it already is. What is patched:
 - ``Scheduler.__init__``: after vLLM's init, decide per scheduler (activation.py).
 - ``Scheduler._mamba_block_aligned_split``: only when its code is recognized (or the
   user opted in to unverified code that passes the structural check).
+- Model Runner V2's ``MambaHybridModelState.add_request`` (and
+  ``_get_mamba_group_info``): only on 0.25.1-0.31.0 code, which seeds the running
+  state column with the wrong block size (worker_seed.py).
 - The scheduler module's ``is_mamba_prefill_checkpoint_valid``: only on bodies whose
   internal-checkpoint decision is observed (0.30.0+); it records, never changes.
 
@@ -28,7 +31,16 @@ from . import settings
 from .activation import SPLIT_ATTRIBUTE, Recognition, attach
 from .fingerprint import analyse_function
 from .releases import InternalCheckpoint, body_for, unverified_body
+from .settings import Mode
 from .split import observe_checkpoint_decision
+from .worker_seed import (
+    MODEL_STATE,
+    WORKER_MODULE,
+    SeedSite,
+    add_request_wrapper,
+    classify,
+    group_info_wrapper,
+)
 
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 ENVS_MODULE = "vllm.envs"
@@ -49,6 +61,7 @@ def register() -> None:
         return
     wrapt.register_post_import_hook(declare_settings, ENVS_MODULE)
     wrapt.register_post_import_hook(patch_scheduler_module, SCHEDULER_MODULE)
+    wrapt.register_post_import_hook(patch_worker_module, WORKER_MODULE)
     _hook_installed = True
 
 
@@ -134,3 +147,17 @@ def split_wrapper(
     if fix is None:
         return int(wrapped(*args, **kwargs))
     return int(fix(wrapped, instance, args, kwargs))
+
+
+def patch_worker_module(module: ModuleType) -> None:
+    """Post-import hook: fix the worker's state seed where the code needs it, once."""
+    model_state = getattr(module, MODEL_STATE, None)
+    if model_state is None or is_patched(vars(model_state).get("add_request")):
+        return
+    if settings.read_mode() is Mode.OFF:
+        return
+    site = classify(model_state)
+    if site is not SeedSite.SEEDS_WITH_CACHE_BLOCK:
+        return
+    _wrap(model_state, "_get_mamba_group_info", group_info_wrapper, site)
+    _wrap(model_state, "add_request", add_request_wrapper, site)
