@@ -5,15 +5,19 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-from conftest import run_python, scheduler_mode
+from conftest import built_or_skipped, run_python, scheduler_mode, vllm_refuses
 
 from vllm_mamba_align import MambaAlignError, register
-from vllm_mamba_align.simulation import Geometry, build_scheduler
+from vllm_mamba_align.simulation import Geometry, Simulation, build_scheduler, prompt
 
 
 def test_disagreeing_mamba_groups_refuse_to_start() -> None:
     geometry = Geometry(cache_block=816, state_block=1648, extra_mamba_block=1600)
-    with scheduler_mode("full"), pytest.raises(MambaAlignError) as error:
+    with (
+        built_or_skipped(),
+        scheduler_mode("full"),
+        pytest.raises(MambaAlignError) as error,
+    ):
         build_scheduler(geometry)
     message = str(error.value)
     assert "disagree" in message
@@ -32,7 +36,7 @@ def test_a_bad_mode_is_a_clear_error(
     assert "full, grid, off" in str(error.value)
     # A scheduler started with the bad value in place refuses too.
     with pytest.raises(MambaAlignError, match="not a valid mode"):
-        build_scheduler(Geometry(cache_block=816, state_block=1648))
+        build_scheduler(Geometry(cache_block=1648, state_block=1648))
 
 
 def test_a_bad_mode_patches_nothing() -> None:
@@ -86,7 +90,7 @@ print("split patched:", split_patched)
 build_scheduler(Geometry(cache_block=816, state_block=1648, hybrid=False))
 print("non-hybrid started")
 try:
-    sim = Simulation(Geometry(cache_block=816, state_block=1648))
+    sim = Simulation(Geometry(cache_block=1648, state_block=1648))
 except vllm_mamba_align.MambaAlignError as e:
     print("refused:", e)
 else:
@@ -117,7 +121,8 @@ def test_unverified_code_runs_only_with_the_opt_in() -> None:
     result = run_python(EDIT_THE_SPLIT + BUILD, VLLM_MAMBA_ALIGN_ALLOW_UNVERIFIED="1")
     assert result.returncode == 0, result.stderr
     assert "split patched: True" in result.stdout
-    assert "chunk ends: [1648, 3296, 4944, 4992, 5000]" in result.stdout
+    # Equal geometry: stock's first chunk would end at 4944, crossing 2 boundaries.
+    assert "chunk ends: [1648, 3296, 4944, " in result.stdout
 
 
 def test_unverified_code_must_pass_the_structural_check() -> None:
@@ -129,3 +134,45 @@ def test_unverified_code_must_pass_the_structural_check() -> None:
     assert result.returncode == 0, result.stderr
     assert "split patched: False" in result.stdout
     assert "does NOT pass the structural check" in result.stdout
+
+
+def _accepted(*geometries: Geometry) -> Geometry:
+    """The first geometry the installed vLLM itself starts with."""
+    for geometry in geometries:
+        try:
+            with scheduler_mode("stock"):
+                build_scheduler(geometry)
+        except Exception as error:
+            if vllm_refuses(error):
+                continue
+            raise
+        return geometry
+    pytest.skip("this vLLM starts none of these geometries")
+
+
+def test_a_state_block_wider_than_the_step_budget() -> None:
+    """Stall guard: bodies without vLLM's wide-block rule refuse; others finish."""
+    import vllm.v1.core.sched.scheduler as module
+
+    from vllm_mamba_align.plugin import recognize
+
+    geometry = _accepted(
+        Geometry(cache_block=412, state_block=1648, budget=1024),
+        Geometry(cache_block=1648, state_block=1648, budget=1024),
+    )
+    body = recognize(module.Scheduler).body
+    assert body is not None
+    if not body.wide_block_exemption:
+        with scheduler_mode("full"), pytest.raises(MambaAlignError) as error:
+            build_scheduler(geometry)
+        message = str(error.value)
+        assert "B=1648 is larger than the per-step prefill budget 1024" in message
+        assert "--max-num-batched-tokens=1024" in message
+        return
+    for mode in ("full", "grid"):
+        with scheduler_mode(mode):
+            sim = Simulation(geometry)
+            sim.add("wide", prompt(5000, seed=4))
+            sim.run()
+        assert sim.records["wide"].prefilled_at_step is not None
+        assert not sim.poisoned

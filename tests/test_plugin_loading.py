@@ -5,11 +5,13 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-from conftest import run_python
+from conftest import plugins, run_python
 
 from vllm_mamba_align import __version__, register
 from vllm_mamba_align.plugin import SCHEDULER_MODULE, is_patched, patch_scheduler_module
 
+# Equal geometry (C == B == 1648), reachable on every release: stock runs the
+# 4,000-token prompt's first chunk across two boundaries, the fix stops at each.
 LOAD_AND_START = textwrap.dedent(
     """
     from vllm.plugins import load_general_plugins
@@ -19,7 +21,7 @@ LOAD_AND_START = textwrap.dedent(
     print("init patched:", is_patched(vars(Scheduler)["__init__"]))
     print("split patched:", is_patched(vars(Scheduler)["_mamba_block_aligned_split"]))
     from vllm_mamba_align.simulation import Simulation, Geometry, prompt
-    sim = Simulation(Geometry(cache_block=816, state_block=1648))
+    sim = Simulation(Geometry(cache_block=1648, state_block=1648))
     sim.add("a", prompt(4000, 1))
     sim.run()
     print("chunk ends:", sim.chunk_ends("a"))
@@ -28,23 +30,27 @@ LOAD_AND_START = textwrap.dedent(
 
 
 def test_vllm_plugins_naming_mamba_align_activates_it() -> None:
-    result = run_python(LOAD_AND_START, VLLM_PLUGINS="mamba_align")
+    import vllm
+
+    result = run_python(LOAD_AND_START, VLLM_PLUGINS=plugins("mamba_align"))
     assert result.returncode == 0, result.stderr
     out = result.stdout + result.stderr
     assert "init patched: True" in out
     assert "split patched: True" in out
-    assert "chunk ends: [1648, 3296, 3984, 4000]" in out
+    assert "chunk ends: [1648, 3296, " in out
     lines = [line for line in out.splitlines() if "vllm-mamba-align" in line]
     assert len(lines) == 1, lines
-    assert f"vllm-mamba-align {__version__} on vLLM 0.33.0" in lines[0]
+    assert f"vllm-mamba-align {__version__} on vLLM {vllm.__version__}" in lines[0]
     assert "ACTIVE, mode=full" in lines[0]
-    assert "C=816, Mamba state block B=1648, hash block 16" in lines[0]
+    assert "C=1648, Mamba state block B=1648, hash block" in lines[0]
     assert "Unknown vLLM environment variable" not in out
 
 
 def test_our_settings_are_known_to_vllm() -> None:
     result = run_python(
-        LOAD_AND_START, VLLM_PLUGINS="mamba_align", VLLM_MAMBA_ALIGN_MODE="grid"
+        LOAD_AND_START,
+        VLLM_PLUGINS=plugins("mamba_align"),
+        VLLM_MAMBA_ALIGN_MODE="grid",
     )
     assert result.returncode == 0, result.stderr
     out = result.stdout + result.stderr
@@ -53,11 +59,11 @@ def test_our_settings_are_known_to_vllm() -> None:
 
 
 def test_vllm_plugins_naming_only_another_plugin_leaves_vllm_untouched() -> None:
-    result = run_python(LOAD_AND_START, VLLM_PLUGINS="some_other_plugin")
+    result = run_python(LOAD_AND_START, VLLM_PLUGINS=plugins("some_other_plugin"))
     assert result.returncode == 0, result.stderr
     assert "init patched: False" in result.stdout
     assert "split patched: False" in result.stdout
-    assert "chunk ends: [3264, 3984, 4000]" in result.stdout
+    assert "chunk ends: [3296, " in result.stdout
     assert "vllm-mamba-align" not in result.stdout + result.stderr
 
 

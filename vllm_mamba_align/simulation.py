@@ -86,11 +86,30 @@ def base_vllm_config() -> Any:
         max_num_batched_tokens=8192,
         max_model_len=MAX_MODEL_LEN,
     )
-    config = args.create_engine_config()
+    config = _without_amx(args.create_engine_config)
     assert config.cache_config.mamba_cache_mode == "align", (
         "the tiny hybrid model must run in align mode with prefix caching on"
     )
     return config
+
+
+def _without_amx(build: Any) -> Any:
+    """Build a config as on a CPU without AMX, whatever this host has.
+
+    vLLM 0.24.0-0.25.1's CPU platform turns prefix caching off for linear-attention
+    models when the CPU has AMX; no setting avoids it. Results must not depend on
+    the host, and the scheduler under test never runs a CPU kernel.
+    """
+    import torch
+
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    if probe is None:
+        return build()
+    torch.cpu._is_amx_tile_supported = lambda: False
+    try:
+        return build()
+    finally:
+        torch.cpu._is_amx_tile_supported = probe
 
 
 @functools.cache
@@ -100,6 +119,13 @@ def _init_hashing() -> Any:
 
     init_none_hash(sha256)
     return sha256
+
+
+def supports_hash_block() -> bool:
+    """Whether this vLLM lets the hash block be chosen (prefix_match_unit, 0.26.0+)."""
+    from vllm.config import CacheConfig
+
+    return "prefix_match_unit" in getattr(CacheConfig, "__dataclass_fields__", {})
 
 
 @dataclass(frozen=True)
@@ -174,7 +200,7 @@ def kv_cache_config(geometry: Geometry) -> Any:
 
 def build_scheduler(geometry: Geometry) -> Any:
     """A real Scheduler, configured the way vLLM's engine core configures it."""
-    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+    from vllm.v1.core import kv_cache_utils
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -186,6 +212,8 @@ def build_scheduler(geometry: Geometry) -> Any:
     )
     config.cache_config.num_gpu_blocks = geometry.num_blocks
     if geometry.hash_block is not None:
+        if not hasattr(config.cache_config, "prefix_match_unit"):
+            raise NotImplementedError("choosing the hash block needs vLLM 0.26.0+")
         config.cache_config.prefix_match_unit = geometry.hash_block
     sched = config.scheduler_config
     sched.max_num_batched_tokens = geometry.budget
@@ -193,14 +221,20 @@ def build_scheduler(geometry: Geometry) -> Any:
     sched.long_prefill_token_threshold = geometry.long_prefill_threshold
     if hasattr(sched, "scheduler_reserve_full_isl"):
         sched.scheduler_reserve_full_isl = geometry.reserve_full_input
-    scheduler_block, hash_block = resolve_kv_cache_block_sizes(kv_config, config)
-    kv_config.hash_block_size = hash_block
+    resolve = getattr(kv_cache_utils, "resolve_kv_cache_block_sizes", None)
+    block_sizes: dict[str, int] = {}
+    if resolve is not None:  # 0.20.2+: the engine core resolves both sizes
+        scheduler_block, hash_block = resolve(kv_config, config)
+        if hasattr(kv_config, "hash_block_size"):  # 0.32.0+
+            kv_config.hash_block_size = hash_block
+        block_sizes = {"block_size": scheduler_block, "hash_block_size": hash_block}
+    else:  # older engines pass cache_config.block_size (also the hash block)
+        block_sizes = {"block_size": config.cache_config.block_size}
     return Scheduler(
         vllm_config=config,
         kv_cache_config=kv_config,
         structured_output_manager=StructuredOutputManager(config),
-        block_size=scheduler_block,
-        hash_block_size=hash_block,
+        **block_sizes,
         log_stats=True,
     )
 
@@ -259,7 +293,7 @@ class Simulation:
         )
         self.mamba_manager = manager.coordinator.single_type_managers[self.mamba_group]
         self.state_block = geometry.state_block
-        self.hash_block = self.scheduler.hash_block_size
+        self.hash_block = self.block_pool.hash_block_size
         self.records: dict[str, RequestRecord] = {}
         self.holds: dict[int, StateId] = {}
         self.hash_names: dict[bytes, StateId] = {}
@@ -281,13 +315,29 @@ class Simulation:
             None,
             block_hasher=hasher,
         )
-        for index, block_hash in enumerate(request.block_hashes):
-            self.hash_names[bytes(block_hash)] = state_id(
-                tokens, (index + 1) * self.hash_block
-            )
+        self._name_hashes(request, tokens)
         self.records[request_id] = RequestRecord(request)
         self.scheduler.add_request(request)
         return request
+
+    def _name_hashes(self, request: Any, tokens: Sequence[int]) -> None:
+        """Remember which prefix every hash this request can publish names."""
+        for index, block_hash in enumerate(request.block_hashes):
+            length = (index + 1) * self.hash_block
+            self.hash_names[bytes(block_hash)] = state_id(tokens, length)
+        wide = self.state_block
+        if wide != self.hash_block and wide % self.hash_block == 0:
+            # Releases before 0.26.0 publish a block wider than the hash block under
+            # vLLM's merged hash of its hash blocks; later ones reuse the last hash.
+            from vllm.v1.core.kv_cache_utils import BlockHashListWithBlockSize
+
+            merged = BlockHashListWithBlockSize(
+                request.block_hashes, self.hash_block, wide
+            )
+            for index in range(len(merged)):
+                self.hash_names.setdefault(
+                    bytes(merged[index]), state_id(tokens, (index + 1) * wide)
+                )
 
     # -- stepping ---------------------------------------------------------------
     def step(self) -> dict[str, Chunk]:
