@@ -8,13 +8,14 @@ The plugin is installed from a freshly built wheel, as users install it.
 from __future__ import annotations
 
 import tempfile
+import time
 from pathlib import Path
 
 import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "tests"]
+nox.options.sessions = ["lint", "ci"]
 
 REPO = Path(__file__).parent
 ENVS = REPO / "envs"
@@ -23,21 +24,38 @@ VLLM_RELEASES = sorted(
     (p.stem.removeprefix("vllm-") for p in ENVS.glob("vllm-*.txt")),
     key=lambda v: tuple(int(x) for x in v.split(".")),
 )
+# What CI runs (its 90 minutes fit these comfortably): the newest release, the
+# internal-checkpoint rule of 0.29.0, the first wide-block body (0.27.1) and one
+# release from before 0.20 (C must divide B there).
+CI_RELEASES = ["0.33.0", "0.29.0", "0.27.1", "0.18.1"]
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100"]
+PLATFORM_PLUGIN = REPO / "tests" / "support" / "cpu_platform_plugin"
 
 
-def install_vllm(session: nox.Session, release: str) -> None:
-    """torch CPU, vLLM without dependencies, then the pinned pure-Python stack."""
-    pinned = ENVS / f"vllm-{release}.txt"
-    no_deps = [
+def _marker(pinned: Path, name: str) -> list[str]:
+    return [
         word
         for line in pinned.read_text().splitlines()
-        if line.startswith("# NODEPS:")
-        for word in line.split(":", 1)[1].split()
+        if line.startswith(f"# {name}:")
+        for word in line.split(":", 1)[1].split("(")[0].split()
     ]
+
+
+def install_vllm(session: nox.Session, release: str) -> dict[str, str]:
+    """torch CPU, vLLM without dependencies, then the pinned pure-Python stack.
+
+    Returns the environment variables the tests need for this release.
+    """
+    pinned = ENVS / f"vllm-{release}.txt"
     session.install(TORCH)
-    session.install("--no-deps", f"vllm=={release}", *no_deps)
+    session.install("--no-deps", f"vllm=={release}", *_marker(pinned, "NODEPS"))
     session.install("--no-deps", "-r", str(pinned))
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    platform = _marker(pinned, "PLATFORM")
+    if platform:
+        session.install(str(PLATFORM_PLUGIN))
+        env["MAMBA_ALIGN_TEST_PLATFORM_PLUGINS"] = ",".join(platform)
+    return env
 
 
 def install_plugin_wheel(session: nox.Session) -> str:
@@ -59,29 +77,61 @@ def lint(session: nox.Session) -> None:
     session.run("mypy")
 
 
+def run_suite(session: nox.Session, release: str) -> None:
+    env = install_vllm(session, release)
+    session.install(*TEST_TOOLS)
+    env["MAMBA_ALIGN_WHEEL"] = install_plugin_wheel(session)
+    junit = Path(tempfile.mkdtemp()) / "junit.xml"
+    started = time.monotonic()
+    try:
+        session.run(
+            "python", "-m", "pytest", f"--junitxml={junit}", *session.posargs, env=env
+        )
+    finally:
+        if junit.exists():
+            seconds = str(time.monotonic() - started)
+            session.run(
+                "python",
+                "tools/matrix.py",
+                "record",
+                "--release",
+                release,
+                "--junit",
+                str(junit),
+                "--seconds",
+                seconds,
+                env=env,
+            )
+
+
 @nox.session
 @nox.parametrize("vllm", VLLM_RELEASES)
 def tests(session: nox.Session, vllm: str) -> None:
     """The test suite against the real scheduler of one vLLM release."""
-    install_vllm(session, vllm)
-    session.install(*TEST_TOOLS)
-    wheel = install_plugin_wheel(session)
-    env = {
-        "MAMBA_ALIGN_WHEEL": wheel,
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_TARGET_DEVICE": "cpu",
-    }
-    session.run("python", "-m", "pytest", *session.posargs, env=env)
+    run_suite(session, vllm)
+
+
+@nox.session
+@nox.parametrize("vllm", CI_RELEASES)
+def ci(session: nox.Session, vllm: str) -> None:
+    """The suite on the releases CI covers."""
+    run_suite(session, vllm)
+
+
+@nox.session(venv_backend="none")
+def matrix_table(session: nox.Session) -> None:
+    """Rewrite the README's release table from matrix/*.json (after `tests`)."""
+    session.run("python3", "tools/matrix.py", "table")
 
 
 @nox.session
 @nox.parametrize("vllm", VLLM_RELEASES[-1:])
 def property_long(session: nox.Session, vllm: str) -> None:
     """The long property profile (about 10^5 real schedule() calls and more)."""
-    install_vllm(session, vllm)
+    env = install_vllm(session, vllm)
     session.install(*TEST_TOOLS)
     install_plugin_wheel(session)
-    env = {"HYPOTHESIS_PROFILE": "long", "HF_HUB_OFFLINE": "1"}
+    env["HYPOTHESIS_PROFILE"] = "long"
     session.run(
         "python",
         "-m",
