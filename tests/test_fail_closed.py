@@ -176,3 +176,27 @@ def test_a_state_block_wider_than_the_step_budget() -> None:
             sim.run()
         assert sim.records["wide"].prefilled_at_step is not None
         assert not sim.poisoned
+
+
+def test_a_vendor_build_with_a_known_body_is_accepted() -> None:
+    """Recognized by its code: a dev/vendor version string does not matter."""
+    code = textwrap.dedent(
+        """
+        import vllm
+        vllm.__version__ = "0.1.dev20073+g8e685d198"
+        import vllm_mamba_align
+        from vllm_mamba_align.simulation import Geometry, Simulation, prompt
+        vllm_mamba_align.register()
+        sim = Simulation(Geometry(cache_block=1648, state_block=1648))
+        sim.add("a", prompt(5000, 1))
+        sim.run()
+        print("chunk ends:", sim.chunk_ends("a"))
+        """
+    )
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout + result.stderr
+    line = next(x for x in out.splitlines() if "vllm-mamba-align" in x)
+    assert "on vLLM 0.1.dev20073+g8e685d198 (dev/vendor build)" in line
+    assert "ACTIVE, mode=full" in line
+    assert "chunk ends: [1648, 3296, 4944, " in out
