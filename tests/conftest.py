@@ -8,6 +8,7 @@ mode.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -23,13 +24,21 @@ settings.register_profile(
     "ci",
     max_examples=150,
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+    ],
 )
 settings.register_profile(
     "long",
     max_examples=2000,
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+    ],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
@@ -159,3 +168,24 @@ def built_or_skipped() -> Iterator[None]:
         if vllm_refuses(error):
             pytest.skip(f"this vLLM refuses the geometry at startup: {error}")
         raise
+
+
+@functools.cache
+def geometry_rule() -> str:
+    """Which C < B geometries the installed vLLM starts with.
+
+    "any" (0.28.0+), "divisor" (C must divide B: 0.15.1-0.19.1) or "equal"
+    (0.20.2-0.27.1 refuse C < B at startup).
+    """
+    from vllm_mamba_align.simulation import Geometry, build_scheduler
+
+    for rule, cache_block in (("any", 816), ("divisor", 824)):
+        try:
+            with scheduler_mode("stock"):
+                build_scheduler(Geometry(cache_block, 1648))
+        except Exception as error:
+            if vllm_refuses(error):
+                continue
+            raise
+        return rule
+    return "equal"

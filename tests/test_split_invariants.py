@@ -14,12 +14,11 @@ import functools
 from dataclasses import dataclass
 
 import pytest
-from conftest import scheduler_mode, vllm_refuses
+from conftest import geometry_rule, scheduler_mode
 
 from vllm_mamba_align.simulation import (
     Geometry,
     Simulation,
-    build_scheduler,
     cacheable_boundaries,
     prompt,
 )
@@ -42,19 +41,9 @@ class Outcome:
     prefill_steps: int
 
 
-@functools.cache
 def cache_block() -> int | None:
     """C: 816 as upstream, or 824 (a divisor of B) where vLLM requires one."""
-    for candidate in (816, 824):
-        try:
-            with scheduler_mode("stock"):
-                build_scheduler(Geometry(candidate, B, budget=BUDGET))
-        except Exception as error:
-            if vllm_refuses(error):
-                continue
-            raise
-        return candidate
-    return None
+    return {"any": 816, "divisor": 824}.get(geometry_rule())
 
 
 def heterogeneous_geometry() -> Geometry:
