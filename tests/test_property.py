@@ -52,7 +52,9 @@ def workloads(draw: st.DrawFn, equal_geometry: bool = False) -> Workload:
     else:
         cache_block = state_block
     # vLLM's own config check keeps the step budget at least one cache block.
-    budget = draw(st.integers(max(cache_block, 16), 4 * state_block + 64))
+    budget = draw(
+        st.integers(max(cache_block, 16), max(cache_block, 4 * state_block) + 64)
+    )
     threshold = draw(st.sampled_from([0, 0, 0, max(1, budget // 2)]))
     base = prompt(draw(st.integers(1, 8 * state_block)), seed=draw(st.integers(0, 9)))
     prompts = []
