@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import inspect
 import json
 import os
 import tempfile
@@ -308,12 +309,16 @@ class Simulation:
         from vllm.v1.request import Request
 
         hasher = get_request_block_hasher(self.hash_block, self.hash_fn)
+        extra: dict[str, Any] = {}
+        if "eos_token_id" in inspect.signature(Request.__init__).parameters:
+            extra["eos_token_id"] = None  # 0.15.1-0.16.0 require it
         request = Request(
             request_id,
             list(tokens),
             SamplingParams(max_tokens=max_tokens, ignore_eos=True),
             None,
             block_hasher=hasher,
+            **extra,
         )
         self._name_hashes(request, tokens)
         self.records[request_id] = RequestRecord(request)
