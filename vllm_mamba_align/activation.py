@@ -172,7 +172,7 @@ def attach(scheduler: Any, recognition: Recognition) -> None:
     setattr(
         scheduler,
         SPLIT_ATTRIBUTE,
-        StateGridSplit.for_scheduler(scheduler, mode, state_grid, recognition.body),
+        StateGridSplit(scheduler, mode, state_grid, recognition.body),
     )
     what = (
         "chunks end on the B grid and stop at every B boundary"
