@@ -142,6 +142,8 @@ def test_fixed_scheduler_never_poisons_and_always_finishes(workload: Workload) -
             assert record.prefilled_at_step is not None
             if record.request.num_preemptions:
                 event("a request was preempted and resumed")
+        if sim.same_step_reuse:
+            event("vLLM served a same-step hit (its own defect, before 0.17)")
         if any(r.reused_tokens for r in sim.records.values()):
             event("a request reused cached tokens")
 

@@ -300,6 +300,8 @@ class Simulation:
         self.hash_names: dict[bytes, StateId] = {}
         self.poisoned: dict[tuple[int, bytes], Poisoned] = {}
         self.wrong_reuse: list[str] = []
+        self.same_step_reuse: list[str] = []
+        """Hits on a state written in the same step: vLLM's own, not the grid's."""
         self.steps = 0
 
     # -- requests ---------------------------------------------------------------
@@ -372,8 +374,9 @@ class Simulation:
                 self.holds.pop(copy_op.dst_block_id, None)
             else:
                 self.holds[copy_op.dst_block_id] = held
+        written = {self._running_block(r, c.end).block_id for r, c in chunks.items()}
         for new in output.scheduled_new_reqs:
-            self._check_reused_state(new.req_id, new.num_computed_tokens)
+            self._check_reused_state(new.req_id, new.num_computed_tokens, written)
         for req_id, chunk in chunks.items():
             self._write_running_state(req_id, chunk.end)
         self._check_published_hashes()
@@ -424,7 +427,12 @@ class Simulation:
         assert not block.is_null, f"{req_id}: running slot {column} is the null block"
         self.holds[block.block_id] = state_id(self._tokens(req_id), end)
 
-    def _check_reused_state(self, req_id: str, num_computed: int) -> None:
+    def _running_block(self, req_id: str, end: int) -> Any:
+        return self._mamba_blocks(req_id)[-(-end // self.state_block) - 1]
+
+    def _check_reused_state(
+        self, req_id: str, num_computed: int, written: set[int]
+    ) -> None:
         record = self.records[req_id]
         if record.reused_tokens is None:
             record.reused_tokens = num_computed
@@ -434,7 +442,11 @@ class Simulation:
         block = self._mamba_blocks(req_id)[column]
         wanted = state_id(self._tokens(req_id), num_computed)
         held = None if block.is_null else self.holds.get(block.block_id)
-        if held != wanted:
+        if held != wanted and block.block_id in written:
+            # vLLM before the same-step deferral (0.15.1-0.16.0 seen) lets a request
+            # hit a block another request of this very step is still writing.
+            self.same_step_reuse.append(f"{req_id} hit block {block.block_id}")
+        elif held != wanted:
             got = "nothing" if held is None else f"state@{held[0]}"
             self.wrong_reuse.append(
                 f"{req_id} resumed at {num_computed} from block {block.block_id} "
