@@ -17,6 +17,7 @@ and a request that reuses a cached state reads the state of its own prefix.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
@@ -24,7 +25,7 @@ import json
 import os
 import tempfile
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -264,6 +265,8 @@ class Simulation:
         self.holds: dict[int, StateId] = {}
         self.hash_names: dict[bytes, StateId] = {}
         self.poisoned: dict[tuple[int, bytes], Poisoned] = {}
+        self.published: set[tuple[int, bytes]] = set()
+        """Every (block, hash) the Mamba group published while we watched."""
         self.wrong_reuse: list[str] = []
         self.steps = 0
 
@@ -396,6 +399,7 @@ class Simulation:
             claimed = self.hash_names.get(bytes(get_block_hash(key)))
             if claimed is None:
                 continue
+            self.published.add((block.block_id, bytes(key)))
             held = self.holds.get(block.block_id)
             if held != claimed:
                 self.poisoned.setdefault(
@@ -447,3 +451,67 @@ def prompt(length: int, seed: int) -> list[int]:
 
 def cacheable_boundaries(prompt_length: int, state_block: int) -> list[int]:
     return list(range(state_block, prompt_length, state_block))
+
+
+# -- stock vs patched in one process ---------------------------------------------
+
+STOCK = "stock"
+"""vLLM's own code, the plugin's wrappers temporarily removed (not our ``off``)."""
+
+
+def _patched_sites() -> list[tuple[Any, str]]:
+    import vllm.v1.core.sched.scheduler as module
+
+    from .plugin import CHECKPOINT_DECISION, SPLIT_METHOD
+
+    return [
+        (module.Scheduler, "__init__"),
+        (module.Scheduler, SPLIT_METHOD),
+        (module, CHECKPOINT_DECISION),
+    ]
+
+
+@contextlib.contextmanager
+def stock_vllm() -> Iterator[None]:
+    """Run vLLM's unpatched scheduler code inside the block.
+
+    Puts the wrapped originals (``__wrapped__``) back on the class and module, so
+    stock and patched can be compared in one process, interleaved.
+    """
+    from .plugin import is_patched
+
+    saved = []
+    for owner, name in _patched_sites():
+        current = vars(owner).get(name)
+        if is_patched(current):
+            saved.append((owner, name, current))
+            setattr(owner, name, current.__wrapped__)
+    try:
+        yield
+    finally:
+        for owner, name, current in saved:
+            setattr(owner, name, current)
+
+
+@contextlib.contextmanager
+def scheduler_mode(mode: str) -> Iterator[None]:
+    """Schedulers built and run inside use ``mode``: ``stock`` or a plugin mode.
+
+    Plugin modes need :func:`vllm_mamba_align.register` to have run in this
+    process; the mode is read from the environment at scheduler start.
+    """
+    from .settings import MODE_VARIABLE
+
+    if mode == STOCK:
+        with stock_vllm():
+            yield
+        return
+    previous = os.environ.get(MODE_VARIABLE)
+    os.environ[MODE_VARIABLE] = mode
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[MODE_VARIABLE]
+        else:
+            os.environ[MODE_VARIABLE] = previous
