@@ -80,6 +80,17 @@ def _refuse_unknown_code(recognition: Recognition) -> MambaAlignError:
     )
 
 
+def hybrid_refusal(recognition: Recognition) -> MambaAlignError | None:
+    """Why a hybrid align-mode scheduler would be refused with this code, if at all.
+
+    The one decision both :func:`attach` and ``vllm-mamba-align doctor`` use, so
+    the doctor cannot disagree with what vLLM will do at start.
+    """
+    if recognition.body is None:
+        return _refuse_unknown_code(recognition)
+    return None
+
+
 def _geometry(scheduler: Any, state_grid: int | None) -> str:
     cache_block = scheduler.cache_config.block_size
     hash_block = getattr(scheduler, "hash_block_size", cache_block)
@@ -131,8 +142,11 @@ def attach(scheduler: Any, recognition: Recognition) -> None:
     if state_grid is None:
         _log(scheduler, recognition, "inactive (no Mamba spec among KV groups)", None)
         return
-    if recognition.body is None:
-        raise _refuse_unknown_code(recognition)
+    refusal = hybrid_refusal(recognition)
+    if refusal is not None:
+        raise refusal
+    body = recognition.body
+    assert body is not None  # hybrid_refusal refuses every body-less recognition
     if mode is Mode.OFF:
         _log(scheduler, recognition, "loaded, mode=off (stock vLLM split)", state_grid)
         return
@@ -140,7 +154,7 @@ def attach(scheduler: Any, recognition: Recognition) -> None:
     setattr(
         scheduler,
         SPLIT_ATTRIBUTE,
-        StateGridSplit.for_scheduler(scheduler, mode, state_grid, recognition.body),
+        StateGridSplit.for_scheduler(scheduler, mode, state_grid, body),
     )
     what = (
         "chunks end on the B grid and stop at every B boundary"
