@@ -297,8 +297,9 @@ def simulate(
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    # vLLM's INFO lines (one per scheduler built) would bury the comparison.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # vLLM's log lines (one per scheduler built, CPU-platform warnings) would bury
+    # the comparison on stdout: leave them to Python's default (stderr, warnings+).
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     from . import register
 
     register()
