@@ -92,9 +92,10 @@ def _parser() -> argparse.ArgumentParser:
     simulate.add_argument(
         "--share",
         type=int,
-        default=d.share,
+        default=None,
         metavar="S",
-        help=f"tokens the sibling prompt shares with the first (default {d.share})",
+        help="tokens the sibling prompt shares with the first (default "
+        f"{d.share}, or half the prompt if that is shorter)",
     )
     simulate.add_argument(
         "--requests",
@@ -131,13 +132,14 @@ def _doctor(as_json: bool) -> int:
 def _simulate(args: argparse.Namespace) -> int:
     from .simulate import Scenario, render, simulate, simulated_modes, validate
 
+    d = Scenario()
     scenario = Scenario(
         cache_block=args.cache_block,
         state_block=args.mamba_block,
         hash_block=args.hash_block,
         prompt=args.prompt,
         budget=args.budget,
-        share=args.share,
+        share=min(d.share, args.prompt // 2) if args.share is None else args.share,
         requests=args.requests,
     )
     problems = validate(scenario)

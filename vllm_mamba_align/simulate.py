@@ -297,9 +297,12 @@ def simulate(
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    # vLLM's log lines (one per scheduler built, CPU-platform warnings) would bury
-    # the comparison on stdout: leave them to Python's default (stderr, warnings+).
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    if "vllm" not in sys.modules:
+        # vLLM's log lines (one per scheduler built, CPU-platform warnings) would
+        # bury the comparison on stdout: leave them to Python's default (stderr,
+        # warnings and up). Only before vLLM configures its logging, so a process
+        # that already runs vLLM (a test session) keeps its settings.
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     from . import register
 
     register()
