@@ -487,11 +487,11 @@ def main() -> int:
     quick = args.quick
     sections = [
         overhead(
-            rounds=3 if quick else 9,
+            rounds=3 if quick else 7,
             steps=60 if quick else 200,
-            calls=2000 if quick else 20000,
+            calls=2000 if quick else 10000,
         ),
-        benefit(count=8 if quick else 40),
+        benefit(count=8 if quick else 16),
         scaling(quick),
         register_cost(runs=3 if quick else 15),
     ]
@@ -500,9 +500,10 @@ def main() -> int:
         f"## Benchmarks (vLLM {vllm.__version__}, vllm-mamba-align "
         f"{vllm_mamba_align.__version__}, {os.cpu_count()} CPUs)",
         "",
-        "Produced by `python3 -m nox -s bench` (`benchmarks/bench.py`"
+        "Produced by `benchmarks/bench.py`"
         + (" --quick" if quick else "")
-        + f"), {elapsed / 60:.1f} minutes. Modes: "
+        + " (what `python3 -m nox -s bench` runs), "
+        + f"{elapsed / 60:.1f} minutes. Modes: "
         + ", ".join(f"`{m}`" for m in MODES)
         + " (`stock` = vLLM's own code, the plugin's wrappers removed).",
         "",
