@@ -160,7 +160,8 @@ def test_simulate_defaults_show_the_defect_and_the_fix(
     ]
     assert row["prefill steps, first prompt"] == ["4", "12", "5"]
     # The picture: one row per mode, stock never ends a chunk on the B grid.
-    picture = {line[:8].strip(): line[8:] for line in lines[3:8]}
+    top = next(i for i, line in enumerate(lines) if line.startswith("B grid"))
+    picture = {line[:8].strip(): line[8:] for line in lines[top : top + 4]}
     assert "*" not in picture["stock"] and "^" in picture["stock"]
     assert picture["full"].count("*") == 10
     ours = [line for line in lines if not line.startswith("(MainProcess")]
@@ -227,3 +228,10 @@ def test_simulate_unparseable_arguments_exit_2(
         main(["simulate", *args])
     assert exit_.value.code == EXIT_USAGE
     assert "usage: vllm-mamba-align simulate" in capsys.readouterr().err
+
+
+def test_simulate_short_prompt_default_share_fits(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["simulate", "--prompt", "4000", "--mode", "stock"]) == EXIT_OK
+    assert "sibling sharing its first 2000 tokens" in capsys.readouterr().out

@@ -95,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="S",
         help="tokens the sibling prompt shares with the first (default "
-        f"{d.share}, or half the prompt if that is shorter)",
+        f"{d.share}, or half the prompt if the prompt is not longer)",
     )
     simulate.add_argument(
         "--requests",
@@ -129,6 +129,11 @@ def _doctor(as_json: bool) -> int:
     return EXIT_REFUSE if report.would_refuse else EXIT_OK
 
 
+def _default_share(share: int, prompt: int) -> int:
+    """The default sibling overlap, or half the prompt when that does not fit."""
+    return share if share < prompt else prompt // 2
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from .simulate import Scenario, render, simulate, simulated_modes, validate
 
@@ -139,7 +144,9 @@ def _simulate(args: argparse.Namespace) -> int:
         hash_block=args.hash_block,
         prompt=args.prompt,
         budget=args.budget,
-        share=min(d.share, args.prompt // 2) if args.share is None else args.share,
+        share=_default_share(d.share, args.prompt)
+        if args.share is None
+        else args.share,
         requests=args.requests,
     )
     problems = validate(scenario)
