@@ -235,3 +235,12 @@ def test_simulate_short_prompt_default_share_fits(
 ) -> None:
     assert main(["simulate", "--prompt", "4000", "--mode", "stock"]) == EXIT_OK
     assert "sibling sharing its first 2000 tokens" in capsys.readouterr().out
+
+
+def test_the_oracle_names_prefix_states_in_linear_time_identically() -> None:
+    from vllm_mamba_align.simulation import prefix_state_ids, prompt, state_id
+
+    tokens = prompt(1000, seed=3)
+    ids = list(prefix_state_ids(tokens, 16))
+    assert len(ids) == 1000 // 16
+    assert ids == [state_id(tokens, (k + 1) * 16) for k in range(len(ids))]
