@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+from pathlib import Path
 
 import pytest
 from conftest import run_python
@@ -244,3 +245,30 @@ def test_the_oracle_names_prefix_states_in_linear_time_identically() -> None:
     ids = list(prefix_state_ids(tokens, 16))
     assert len(ids) == 1000 // 16
     assert ids == [state_id(tokens, (k + 1) * 16) for k in range(len(ids))]
+
+
+SEED_0_31 = """
+class MambaHybridModelState:
+    def add_request(self, req_index, new_req_data):
+        if self._align_mode:
+            self._mamba_state_idx_gpu[req_index].fill_(
+                (new_req_data.num_computed_tokens - 1) // self.cache_config.block_size
+            )
+"""
+
+
+def test_worker_seed_site_on_older_and_absent_runners(tmp_path: Path) -> None:
+    """0.25.1-0.31.0 seed with C (affected); before MRV2 the file is absent."""
+    from vllm_mamba_align.doctor import WORKER_SEED_FILE, worker_seed_status
+
+    assert worker_seed_status(tmp_path)[0] == "absent"
+    site = tmp_path / WORKER_SEED_FILE
+    site.parent.mkdir(parents=True)
+    site.write_text(SEED_0_31)
+    status, detail = worker_seed_status(tmp_path)
+    assert status == "affected"
+    assert "seeds with cache_config.block_size (not patched by this version" in detail
+    site.write_text(
+        SEED_0_31.replace("cache_config.block_size", "cache_config.mamba_block_size")
+    )
+    assert worker_seed_status(tmp_path)[0] == "not needed"
