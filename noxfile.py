@@ -146,3 +146,35 @@ def property_long(session: nox.Session, vllm: str) -> None:
         *session.posargs,
         env=env,
     )
+
+
+@nox.session
+@nox.parametrize("vllm", VLLM_RELEASES[-1:])
+def demo(session: nox.Session, vllm: str) -> None:
+    """See it work on a laptop: a CPU vLLM, the plugin, then `simulate`.
+
+    Arguments after `--` go to `vllm-mamba-align simulate`
+    (e.g. `nox -s demo -- --requests 4`).
+    """
+    install_vllm(session, vllm)
+    install_plugin_wheel(session)
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    session.run("vllm-mamba-align", "doctor", env=env, success_codes=[0, 1])
+    session.run("vllm-mamba-align", "simulate", *session.posargs, env=env)
+
+
+@nox.session
+@nox.parametrize("vllm", VLLM_RELEASES[-1:])
+def bench(session: nox.Session, vllm: str) -> None:
+    """The benchmarks; writes benchmarks/RESULTS.md (about 6 minutes on 2 cores)."""
+    install_vllm(session, vllm)
+    install_plugin_wheel(session)
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    session.run(
+        "python",
+        str(REPO / "benchmarks" / "bench.py"),
+        "--output",
+        str(REPO / "benchmarks" / "RESULTS.md"),
+        *session.posargs,
+        env=env,
+    )

@@ -1,8 +1,8 @@
-"""Shared fixtures: the plugin registered once per session, and a way back to stock.
+"""Shared fixtures: the plugin registered once per session; stock vs patched helpers.
 
-Stock runs temporarily put vLLM's original functions back on the class (the
-wrappers' ``__wrapped__``), so "stock" below is vLLM's own code, not our ``off``
-mode.
+`stock_vllm` and `scheduler_mode` live in the package (simulation.py), so the
+`simulate` command and the benchmarks compare modes with the same code as the
+tests.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from hypothesis import HealthCheck, settings
+
+from vllm_mamba_align.simulation import scheduler_mode, stock_vllm
 
 settings.register_profile(
     "ci",
@@ -42,60 +44,14 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+__all__ = ["run_python", "scheduler_mode", "stock_vllm"]
+
 
 @pytest.fixture(scope="session", autouse=True)
 def registered_plugin() -> None:
     import vllm_mamba_align
 
     vllm_mamba_align.register()
-
-
-def _patched_sites() -> list[tuple[Any, str]]:
-    import vllm.v1.core.sched.scheduler as module
-
-    from vllm_mamba_align.plugin import CHECKPOINT_DECISION, SPLIT_METHOD
-
-    return [
-        (module.Scheduler, "__init__"),
-        (module.Scheduler, SPLIT_METHOD),
-        (module, CHECKPOINT_DECISION),
-    ]
-
-
-@contextlib.contextmanager
-def stock_vllm() -> Iterator[None]:
-    """Run vLLM's unpatched scheduler code inside the block."""
-    from vllm_mamba_align.plugin import is_patched
-
-    saved = []
-    for owner, name in _patched_sites():
-        current = vars(owner).get(name)
-        if is_patched(current):
-            saved.append((owner, name, current))
-            setattr(owner, name, current.__wrapped__)
-    try:
-        yield
-    finally:
-        for owner, name, current in saved:
-            setattr(owner, name, current)
-
-
-@contextlib.contextmanager
-def scheduler_mode(mode: str) -> Iterator[None]:
-    """Schedulers built and run inside use ``mode``: stock, off, grid or full."""
-    if mode == "stock":
-        with stock_vllm():
-            yield
-        return
-    previous = os.environ.get("VLLM_MAMBA_ALIGN_MODE")
-    os.environ["VLLM_MAMBA_ALIGN_MODE"] = mode
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["VLLM_MAMBA_ALIGN_MODE"]
-        else:
-            os.environ["VLLM_MAMBA_ALIGN_MODE"] = previous
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

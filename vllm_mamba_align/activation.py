@@ -110,6 +110,17 @@ def _refuse_stall(scheduler: Any, body: SplitBody, state_grid: int) -> None:
     )
 
 
+def hybrid_refusal(recognition: Recognition) -> MambaAlignError | None:
+    """Why a hybrid align-mode scheduler would be refused with this code, if at all.
+
+    The one decision both :func:`attach` and ``vllm-mamba-align doctor`` use, so
+    the doctor cannot disagree with what vLLM will do at start.
+    """
+    if recognition.body is None:
+        return _refuse_unknown_code(recognition)
+    return None
+
+
 def _geometry(scheduler: Any, state_grid: int | None) -> str:
     cache_block = scheduler.cache_config.block_size
     hash_block = getattr(scheduler, "hash_block_size", cache_block)
@@ -161,18 +172,21 @@ def attach(scheduler: Any, recognition: Recognition) -> None:
     if state_grid is None:
         _log(scheduler, recognition, "inactive (no Mamba spec among KV groups)", None)
         return
-    if recognition.body is None:
-        raise _refuse_unknown_code(recognition)
+    refusal = hybrid_refusal(recognition)
+    if refusal is not None:
+        raise refusal
+    body = recognition.body
+    assert body is not None  # hybrid_refusal refuses every body-less recognition
     if mode is Mode.OFF:
         _log(scheduler, recognition, "loaded, mode=off (stock vLLM split)", state_grid)
         return
-    if not recognition.body.wide_block_exemption:
-        _refuse_stall(scheduler, recognition.body, state_grid)
+    if not body.wide_block_exemption:
+        _refuse_stall(scheduler, body, state_grid)
     setattr(scheduler, STATE_BLOCK_ATTRIBUTE, state_grid)
     setattr(
         scheduler,
         SPLIT_ATTRIBUTE,
-        StateGridSplit(scheduler, mode, state_grid, recognition.body),
+        StateGridSplit(scheduler, mode, state_grid, body),
     )
     what = (
         "chunks end on the B grid and stop at every B boundary"

@@ -17,6 +17,7 @@ and a request that reuses a cached state reads the state of its own prefix.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
@@ -25,7 +26,7 @@ import json
 import os
 import tempfile
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,6 +249,18 @@ def state_id(tokens: Sequence[int], length: int) -> StateId:
     return length, hashlib.blake2b(array("q", tokens[:length]).tobytes()).digest()
 
 
+def prefix_state_ids(tokens: Sequence[int], step: int) -> Iterator[StateId]:
+    """``state_id(tokens, k * step)`` for k = 1, 2, ... in linear time.
+
+    Streaming blake2b gives the same digest as hashing the prefix in one go, so
+    long prompts cost O(P), not O(P^2 / step) (a 60k-token prompt: ms, not s).
+    """
+    digest = hashlib.blake2b()
+    for end in range(step, len(tokens) + 1, step):
+        digest.update(array("q", tokens[end - step : end]).tobytes())
+        yield end, digest.copy().digest()
+
+
 @dataclass
 class Chunk:
     start: int
@@ -299,6 +312,8 @@ class Simulation:
         self.holds: dict[int, StateId] = {}
         self.hash_names: dict[bytes, StateId] = {}
         self.poisoned: dict[tuple[int, bytes], Poisoned] = {}
+        self.published: set[tuple[int, bytes]] = set()
+        """Every (block, hash) the Mamba group published while we watched."""
         self.wrong_reuse: list[str] = []
         self.same_step_reuse: list[str] = []
         """Hits on a state written in the same step: vLLM's own, not the grid's."""
@@ -329,9 +344,9 @@ class Simulation:
 
     def _name_hashes(self, request: Any, tokens: Sequence[int]) -> None:
         """Remember which prefix every hash this request can publish names."""
-        for index, block_hash in enumerate(request.block_hashes):
-            length = (index + 1) * self.hash_block
-            self.hash_names[bytes(block_hash)] = state_id(tokens, length)
+        names = prefix_state_ids(tokens, self.hash_block)
+        for block_hash, name in zip(request.block_hashes, names, strict=False):
+            self.hash_names[bytes(block_hash)] = name
         wide = self.state_block
         if wide != self.hash_block and wide % self.hash_block == 0:
             # Releases before 0.26.0 publish a block wider than the hash block under
@@ -341,10 +356,9 @@ class Simulation:
             merged = BlockHashListWithBlockSize(
                 request.block_hashes, self.hash_block, wide
             )
-            for index in range(len(merged)):
-                self.hash_names.setdefault(
-                    bytes(merged[index]), state_id(tokens, (index + 1) * wide)
-                )
+            wide_names = prefix_state_ids(tokens, wide)
+            for index, name in zip(range(len(merged)), wide_names, strict=False):
+                self.hash_names.setdefault(bytes(merged[index]), name)
 
     # -- stepping ---------------------------------------------------------------
     def step(self) -> dict[str, Chunk]:
@@ -463,6 +477,7 @@ class Simulation:
             claimed = self.hash_names.get(bytes(get_block_hash(key)))
             if claimed is None:
                 continue
+            self.published.add((block.block_id, bytes(key)))
             held = self.holds.get(block.block_id)
             if held != claimed:
                 self.poisoned.setdefault(
@@ -514,3 +529,67 @@ def prompt(length: int, seed: int) -> list[int]:
 
 def cacheable_boundaries(prompt_length: int, state_block: int) -> list[int]:
     return list(range(state_block, prompt_length, state_block))
+
+
+# -- stock vs patched in one process ---------------------------------------------
+
+STOCK = "stock"
+"""vLLM's own code, the plugin's wrappers temporarily removed (not our ``off``)."""
+
+
+def _patched_sites() -> list[tuple[Any, str]]:
+    import vllm.v1.core.sched.scheduler as module
+
+    from .plugin import CHECKPOINT_DECISION, SPLIT_METHOD
+
+    return [
+        (module.Scheduler, "__init__"),
+        (module.Scheduler, SPLIT_METHOD),
+        (module, CHECKPOINT_DECISION),
+    ]
+
+
+@contextlib.contextmanager
+def stock_vllm() -> Iterator[None]:
+    """Run vLLM's unpatched scheduler code inside the block.
+
+    Puts the wrapped originals (``__wrapped__``) back on the class and module, so
+    stock and patched can be compared in one process, interleaved.
+    """
+    from .plugin import is_patched
+
+    saved = []
+    for owner, name in _patched_sites():
+        current = vars(owner).get(name)
+        if is_patched(current):
+            saved.append((owner, name, current))
+            setattr(owner, name, current.__wrapped__)
+    try:
+        yield
+    finally:
+        for owner, name, current in saved:
+            setattr(owner, name, current)
+
+
+@contextlib.contextmanager
+def scheduler_mode(mode: str) -> Iterator[None]:
+    """Schedulers built and run inside use ``mode``: ``stock`` or a plugin mode.
+
+    Plugin modes need :func:`vllm_mamba_align.register` to have run in this
+    process; the mode is read from the environment at scheduler start.
+    """
+    from .settings import MODE_VARIABLE
+
+    if mode == STOCK:
+        with stock_vllm():
+            yield
+        return
+    previous = os.environ.get(MODE_VARIABLE)
+    os.environ[MODE_VARIABLE] = mode
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[MODE_VARIABLE]
+        else:
+            os.environ[MODE_VARIABLE] = previous

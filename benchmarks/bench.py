@@ -1,0 +1,523 @@
+"""Benefit and cost of the plugin, measured on the installed vLLM's real scheduler.
+
+Run: ``python benchmarks/bench.py [--output benchmarks/RESULTS.md] [--quick]``
+(or ``nox -s bench``). Prints one markdown report. Every mode of
+``settings.Mode`` is measured next to stock vLLM, so a new mode shows up by itself.
+
+How it measures (CPU only, no weights; see vllm_mamba_align/simulation.py):
+
+- overhead: wall time of ``schedule()`` + ``update_from_output()`` per step on a
+  64-request mixed prefill/decode batch, modes interleaved round by round (stock,
+  then each mode, the order rotated each round), median per-step time per run,
+  median over rounds of each round's ratio to stock. The oracle is not running.
+  Per split call: ``_mamba_block_aligned_split`` called in a tight loop on a
+  request mid-prefill, same interleaving.
+- benefit and cost: the Mamba state oracle on a workload of varied prompts and
+  budgets, each prompt followed by an immediate re-ask and a shared-prefix sibling.
+- scaling: prefill steps of a lone request (its time to first token, in steps)
+  against prompt length and budget / B, and steps for N concurrent prefills.
+- register(): timed inside fresh interpreters, with and without vLLM's scheduler
+  module already imported (0.33.0 imports it before plugins run, so the patch and
+  the code fingerprint happen inside register()).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+
+import vllm_mamba_align
+from vllm_mamba_align.settings import Mode
+from vllm_mamba_align.simulation import (
+    STOCK,
+    Geometry,
+    Simulation,
+    prompt,
+    scheduler_mode,
+)
+
+C, B, H = 816, 1648, 16
+MODES = [STOCK, *(m.value for m in Mode)]
+"""Stock vLLM, then every plugin mode (``off`` measures the wrappers alone)."""
+SCHEDULING_MODES = [STOCK, *(m.value for m in Mode if m is not Mode.OFF)]
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def rotations(items: list[str], rounds: int) -> Iterator[tuple[int, list[str]]]:
+    """ABAB...: each round runs every item, starting one further along."""
+    for r in range(rounds):
+        k = r % len(items)
+        yield r, items[k:] + items[:k]
+
+
+def ratio_line(per_round: dict[str, list[float]], unit: str, scale: float) -> list[str]:
+    stock = per_round[STOCK]
+    rows = []
+    for mode, values in per_round.items():
+        ratios = [v / s for v, s in zip(values, stock, strict=True)]
+        rows.append(
+            f"| {mode} | {statistics.median(values) * scale:.1f} {unit} | "
+            f"{statistics.median(ratios):.3f} | {min(ratios):.3f} - {max(ratios):.3f} |"
+        )
+    return rows
+
+
+# -- overhead --------------------------------------------------------------------
+
+
+def _runner_output(output: Any, finishing: set[str]) -> Any:
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    ids = list(output.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[7] if r in finishing else [] for r in ids],
+    )
+
+
+@dataclass
+class MixedBatch:
+    """64 requests in flight: 48 decoding, 16 prefilling long prompts."""
+
+    sim: Simulation
+    rng: random.Random
+    serial: int = 0
+    step_times: list[float] = field(default_factory=list)
+
+    def add(self, decode: bool) -> None:
+        self.serial += 1
+        length = (
+            self.rng.randrange(500, 3000) if decode else self.rng.randrange(4000, 40000)
+        )
+        # Straight into the scheduler: the oracle's bookkeeping is not timed and
+        # not needed here.
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+        from vllm.v1.request import Request
+
+        request = Request(
+            f"{'d' if decode else 'p'}{self.serial}",
+            prompt(length, seed=self.serial),
+            SamplingParams(max_tokens=100_000 if decode else 1, ignore_eos=True),
+            None,
+            block_hasher=get_request_block_hasher(
+                self.sim.hash_block, self.sim.hash_fn
+            ),
+        )
+        self.sim.scheduler.add_request(request)
+
+    def step(self, timed: bool) -> None:
+        scheduler = self.sim.scheduler
+        begin = time.perf_counter()
+        output = scheduler.schedule()
+        prep_begin = time.perf_counter()
+        finishing = set()
+        for req_id, count in output.num_scheduled_tokens.items():
+            request = scheduler.requests[req_id]
+            if request.num_computed_tokens + count >= request.num_tokens:
+                finishing.add(req_id)
+        runner_output = _runner_output(output, finishing)
+        prep_end = time.perf_counter()
+        outputs = scheduler.update_from_output(output, runner_output)
+        end = time.perf_counter()
+        if timed:
+            self.step_times.append((prep_begin - begin) + (end - prep_end))
+        finished = sum(len(o.finished_requests or ()) for o in outputs.values())
+        for _ in range(finished):
+            self.add(decode=False)
+
+
+def overhead_run(mode: str, steps: int) -> float:
+    geometry = Geometry(cache_block=C, state_block=B, hash_block=H, num_blocks=30000)
+    with scheduler_mode(mode):
+        batch = MixedBatch(Simulation(geometry), random.Random(4))
+        for i in range(64):
+            batch.add(decode=i < 48)
+        for i in range(steps + 20):
+            batch.step(timed=i >= 20)
+    return statistics.median(batch.step_times)
+
+
+def split_call_run(mode: str, calls: int) -> float:
+    geometry = Geometry(cache_block=C, state_block=B, hash_block=H)
+    with scheduler_mode(mode):
+        sim = Simulation(geometry)
+        request = sim.add("r", prompt(30000, seed=9))
+        sim.step()  # mid-prefill: num_computed_tokens = first chunk end
+        split = sim.scheduler._mamba_block_aligned_split
+        begin = time.perf_counter()
+        for _ in range(calls):
+            split(request, 8192, 0, 0)
+        return (time.perf_counter() - begin) / calls
+
+
+def overhead(rounds: int, steps: int, calls: int) -> list[str]:
+    log(f"overhead: {rounds} rounds x {len(MODES)} modes, {steps} steps each")
+    per_step: dict[str, list[float]] = {m: [] for m in MODES}
+    per_call: dict[str, list[float]] = {m: [] for m in MODES}
+    for r, order in rotations(MODES, rounds):
+        for mode in order:
+            per_step[mode].append(overhead_run(mode, steps))
+            per_call[mode].append(split_call_run(mode, calls))
+        log(f"  round {r + 1}/{rounds} done")
+    return [
+        "### Overhead: `schedule()` + `update_from_output()`",
+        "",
+        f"64 requests in flight (48 decoding, 16 prefilling 4k-40k-token prompts, "
+        f"replaced as they finish), C={C}, B={B}, budget 8192; median per-step time "
+        f"over {steps} steps per run, {rounds} interleaved rounds.",
+        "",
+        "| mode | per step | ratio to stock (median) | ratio range |",
+        "|---|---|---|---|",
+        *ratio_line(per_step, "µs", 1e6),
+        "",
+        "Modes other than `off` schedule differently (more, shorter prefill chunks), "
+        "so their steps are not the same work; `off` runs the wrappers on stock "
+        "schedules and isolates the plugin's own cost.",
+        "",
+        "### Overhead per `_mamba_block_aligned_split` call",
+        "",
+        f"{calls} calls per run on a request mid-prefill, {rounds} interleaved rounds.",
+        "",
+        "| mode | per call | ratio to stock (median) | ratio range |",
+        "|---|---|---|---|",
+        *ratio_line(per_call, "µs", 1e6),
+    ]
+
+
+# -- benefit and cost ------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    prompts: int = 0
+    prompt_tokens: int = 0
+    prefill_steps: int = 0
+    boundaries: int = 0
+    materialized: int = 0
+    published: int = 0
+    poisoned: int = 0
+    wrong_reads: int = 0
+    reask_reuse: int = 0
+    reask_legal: int = 0
+    sibling_reuse: int = 0
+    sibling_shared: int = 0
+    sibling_wrong: int = 0
+
+
+def workload(seed: int, count: int) -> list[tuple[int, int, int]]:
+    """(prompt length, budget, shared tokens) triples, varied."""
+    rng = random.Random(seed)
+    budgets = [2048, 4096, 8192, 16384]
+    out = []
+    for i in range(count):
+        length = rng.randrange(2000, 48000)
+        out.append(
+            (length, budgets[i % len(budgets)], rng.randrange(length // 5, length))
+        )
+    return out
+
+
+def benefit_run(mode: str, items: list[tuple[int, int, int]]) -> Tally:
+    tally = Tally()
+    by_budget: dict[int, list[tuple[int, int, int, int]]] = {}
+    for index, (length, budget, share) in enumerate(items):
+        by_budget.setdefault(budget, []).append((index, length, budget, share))
+    for budget, group in by_budget.items():
+        geometry = Geometry(
+            cache_block=C, state_block=B, hash_block=H, budget=budget, num_blocks=8000
+        )
+        with scheduler_mode(mode):
+            sim = Simulation(geometry)
+            for index, length, _budget, share in group:
+                tokens = prompt(length, seed=1000 + index)
+                first = f"p{index}"
+                sim.add(first, tokens)
+                sim.run()
+                record = sim.records[first]
+                tally.prompts += 1
+                tally.prompt_tokens += length
+                tally.prefill_steps += len(record.chunks)
+                wanted = len(range(B, length, B))
+                tally.boundaries += wanted
+                tally.materialized += len(sim.materialized_boundaries(first))
+                sim.add(f"{first}-reask", tokens)
+                sim.run()
+                tally.reask_reuse += sim.reused(f"{first}-reask")
+                tally.reask_legal += length
+                wrong_before = len(sim.wrong_reuse)
+                sim.add(
+                    f"{first}-sibling",
+                    tokens[:share] + prompt(2000, seed=5000 + index),
+                )
+                sim.run()
+                tally.sibling_reuse += sim.reused(f"{first}-sibling")
+                tally.sibling_shared += share
+                tally.sibling_wrong += len(sim.wrong_reuse) - wrong_before
+        tally.published += len(sim.published)
+        tally.poisoned += len(sim.poisoned)
+        tally.wrong_reads += len(sim.wrong_reuse)
+    return tally
+
+
+def benefit(count: int) -> list[str]:
+    items = workload(seed=7, count=count)
+    log(f"benefit/cost: {count} prompts x {len(SCHEDULING_MODES)} modes")
+    tallies = {}
+    for mode in SCHEDULING_MODES:
+        tallies[mode] = benefit_run(mode, items)
+        log(f"  {mode} done")
+    stock = tallies[STOCK]
+    rows = [
+        "### Benefit and cost on a varied workload",
+        "",
+        f"{count} prompts of 2k-48k tokens at budgets 2048/4096/8192/16384 (C={C}, "
+        f"B={B}, hash block {H}), each prompt alone, then an immediate re-ask and a "
+        "sibling sharing a random 20-100 % of it. Whole workload:",
+        "",
+        "| | " + " | ".join(SCHEDULING_MODES) + " |",
+        "|---|" + "---|" * len(SCHEDULING_MODES),
+    ]
+
+    def row(label: str, fn: Callable[[Tally], str]) -> str:
+        return (
+            f"| {label} | "
+            + " | ".join(fn(tallies[m]) for m in SCHEDULING_MODES)
+            + " |"
+        )
+
+    rows += [
+        row("Mamba hashes published", lambda t: f"{t.published}"),
+        row("… naming a wrong state (poisoned)", lambda t: f"**{t.poisoned}**"),
+        row("requests that read a wrong state", lambda t: f"{t.wrong_reads}"),
+        row(
+            "B boundaries materialized",
+            lambda t: (
+                f"{t.materialized}/{t.boundaries} "
+                f"({100 * t.materialized / max(1, t.boundaries):.0f} %)"
+            ),
+        ),
+        row(
+            "re-ask reuse (of the prompt)",
+            lambda t: f"{100 * t.reask_reuse / max(1, t.reask_legal):.1f} %",
+        ),
+        row(
+            "sibling reuse (of the shared tokens)",
+            lambda t: (
+                f"{100 * t.sibling_reuse / max(1, t.sibling_shared):.1f} %"
+                + (f" ({t.sibling_wrong} wrong)" if t.sibling_wrong else "")
+            ),
+        ),
+        row("prefill steps per prompt", lambda t: f"{t.prefill_steps / t.prompts:.2f}"),
+        row(
+            "prefill steps vs stock",
+            lambda t: f"{t.prefill_steps / stock.prefill_steps:.2f}x",
+        ),
+        row(
+            "prompt tokens per prefill step",
+            lambda t: f"{t.prompt_tokens / t.prefill_steps:.0f}",
+        ),
+    ]
+    return rows
+
+
+# -- scaling ---------------------------------------------------------------------
+
+
+def lone_steps(mode: str, length: int, budget: int) -> int:
+    geometry = Geometry(cache_block=C, state_block=B, hash_block=H, budget=budget)
+    with scheduler_mode(mode):
+        sim = Simulation(geometry)
+        sim.add("r", prompt(length, seed=length))
+        sim.run()
+    return len(sim.records["r"].chunks)
+
+
+def concurrent(mode: str, n: int, length: int) -> tuple[int, float, float]:
+    """(steps until all prefilled, mean TTFT in steps, prompt tokens per step)."""
+    geometry = Geometry(
+        cache_block=C, state_block=B, hash_block=H, budget=8192, num_blocks=8000
+    )
+    with scheduler_mode(mode):
+        sim = Simulation(geometry)
+        for i in range(n):
+            sim.add(f"r{i}", prompt(length, seed=300 + i))
+        sim.run()
+    done = [r.prefilled_at_step or 0 for r in sim.records.values()]
+    return max(done), statistics.mean(done), n * length / max(done)
+
+
+def scaling(quick: bool) -> list[str]:
+    log("scaling: prompt length, budget / B, concurrency")
+    modes = SCHEDULING_MODES
+    head = "| | " + " | ".join(modes) + " |"
+    rule = "|---|" + "---|" * len(modes)
+
+    def ratio_cells(values: dict[str, int]) -> str:
+        base = values[STOCK]
+        return " | ".join(
+            f"{values[m]}" + ("" if m == STOCK else f" ({values[m] / base:.2f}x)")
+            for m in modes
+        )
+
+    lengths = [4096, 16764, 65536] if quick else [4096, 16764, 32768, 65536]
+    rows = [
+        "### Cost against prompt length (lone request, budget 8192)",
+        "",
+        "Prefill steps = the request's time to first token, in steps.",
+        "",
+        head.replace("| |", "| prompt |", 1),
+        rule,
+    ]
+    for length in lengths:
+        values = {m: lone_steps(m, length, 8192) for m in modes}
+        rows.append(f"| {length} | {ratio_cells(values)} |")
+    rows += [
+        "",
+        "### Cost against budget / B (lone 32,768-token prompt)",
+        "",
+        head.replace("| |", "| budget (÷ B) |", 1),
+        rule,
+    ]
+    for budget in [1648, 4096, 8192, 16384, 32768]:
+        values = {m: lone_steps(m, 32768, budget) for m in modes}
+        rows.append(f"| {budget} ({budget / B:.1f}) | {ratio_cells(values)} |")
+    rows += [
+        "",
+        "### Cost under load: N concurrent 16,764-token prefills, budget 8192",
+        "",
+        "Steps until every prompt has prefilled (throughput), the mean step at which "
+        "a prompt finished its prefill (time to first token) and prompt tokens per "
+        "step. Other requests fill the budget around the extra stops.",
+        "",
+        "| N | "
+        + " | ".join(f"{m}: all / mean TTFT / tok per step" for m in modes)
+        + " |",
+        rule,
+    ]
+    for n in [1, 4, 16]:
+        cells = []
+        for m in modes:
+            steps, ttft, per_step = concurrent(m, n, 16764)
+            cells.append(f"{steps} / {ttft:.1f} / {per_step:.0f}")
+        rows.append(f"| {n} | " + " | ".join(cells) + " |")
+    return rows
+
+
+# -- register() --------------------------------------------------------------------
+
+REGISTER_CHILD = """
+import os, sys, time
+{pre}
+t0 = time.perf_counter()
+import vllm_mamba_align
+t1 = time.perf_counter()
+vllm_mamba_align.register()
+t2 = time.perf_counter()
+print(t1 - t0, t2 - t1)
+"""
+
+
+def register_cost(runs: int) -> list[str]:
+    log(f"register(): {runs} fresh interpreters per case")
+    cases = {
+        "vLLM not imported yet (hooks only)": "",
+        "vLLM's scheduler already imported (0.33.0's order: patch + fingerprint)": (
+            "import vllm.v1.core.sched.scheduler"
+        ),
+    }
+    results: dict[str, tuple[list[float], list[float]]] = {c: ([], []) for c in cases}
+    env = dict(os.environ)
+    for _ in range(runs):
+        for case, pre in cases.items():  # interleaved
+            out = subprocess.run(
+                [sys.executable, "-c", REGISTER_CHILD.format(pre=pre)],
+                capture_output=True,
+                text=True,
+                env=env,
+                check=True,
+            ).stdout.split()
+            results[case][0].append(float(out[-2]))
+            results[case][1].append(float(out[-1]))
+    rows = [
+        "### `register()` cost at process start",
+        "",
+        f"Timed inside {runs} fresh interpreters per case (interleaved), medians. "
+        "`import` is `import vllm_mamba_align` (wrapt, packaging); `register()` is the "
+        "entry point vLLM calls.",
+        "",
+        "| case | import | register() |",
+        "|---|---|---|",
+    ]
+    for case, (imports, registers) in results.items():
+        rows.append(
+            f"| {case} | {statistics.median(imports) * 1e3:.1f} ms | "
+            f"{statistics.median(registers) * 1e3:.2f} ms |"
+        )
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", help="also write the markdown report here")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer rounds (a smoke run)"
+    )
+    args = parser.parse_args()
+    import vllm
+
+    vllm_mamba_align.register()
+    began = time.monotonic()
+    quick = args.quick
+    sections = [
+        overhead(
+            rounds=3 if quick else 7,
+            steps=60 if quick else 200,
+            calls=2000 if quick else 10000,
+        ),
+        benefit(count=8 if quick else 16),
+        scaling(quick),
+        register_cost(runs=3 if quick else 15),
+    ]
+    elapsed = time.monotonic() - began
+    report = [
+        f"## Benchmarks (vLLM {vllm.__version__}, vllm-mamba-align "
+        f"{vllm_mamba_align.__version__}, {os.cpu_count()} CPUs)",
+        "",
+        "Produced by `benchmarks/bench.py`"
+        + (" --quick" if quick else "")
+        + " (what `python3 -m nox -s bench` runs), "
+        + f"{elapsed / 60:.1f} minutes. Modes: "
+        + ", ".join(f"`{m}`" for m in MODES)
+        + " (`stock` = vLLM's own code, the plugin's wrappers removed).",
+        "",
+    ]
+    for section in sections:
+        report += [*section, ""]
+    text = "\n".join(report)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+    log(f"done in {elapsed:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

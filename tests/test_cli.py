@@ -1,0 +1,274 @@
+"""The ``vllm-mamba-align`` command: doctor and simulate, on the installed vLLM."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import run_python
+
+from vllm_mamba_align import releases
+from vllm_mamba_align.cli import EXIT_OK, EXIT_REFUSE, EXIT_USAGE, main
+from vllm_mamba_align.doctor import would_load
+
+# -- doctor ----------------------------------------------------------------------
+
+
+def doctor(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    code = main(["doctor", *args])
+    return code, capsys.readouterr().out
+
+
+def test_doctor_recognizes_the_installed_release(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.delenv("VLLM_MAMBA_ALIGN_MODE", raising=False)
+    code, out = doctor(capsys)
+    assert code == EXIT_OK, out
+    assert "vLLM            0.33.0" in out
+    assert "fingerprint f3405419e904a2f8: matches the verified body of vLLM 0.33.0" in (
+        out
+    )
+    assert "visible -> vllm_mamba_align:register" in out
+    assert "VLLM_PLUGINS is unset" in out
+    assert "mode            full" in out
+    assert "worker seed     not needed (0.32.0+" in out
+    assert "upstream fix    not present" in out
+    assert (
+        "verdict: [ok] a hybrid model in align mode starts with the fix active" in out
+    )
+
+
+def test_doctor_json(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLM_PLUGINS", "other_plugin")
+    monkeypatch.setenv("VLLM_MAMBA_ALIGN_MODE", "grid")
+    code, out = doctor(capsys, "--json")
+    report = json.loads(out)
+    assert code == EXIT_OK
+    assert report["vllm_version"] == "0.33.0"
+    assert report["split_body"] == "0.33.0"
+    assert report["split_fingerprint"] == "f3405419e904a2f8"
+    assert report["entry_point_visible"] is True
+    assert report["vllm_plugins"] == "other_plugin"
+    assert report["would_load"] is False
+    assert report["mode"] == "grid"
+    assert report["worker_seed"] == "not needed"
+    assert report["upstream_fix_present"] is False
+    assert report["would_refuse"] is False
+
+
+def test_doctor_exits_1_when_the_plugin_would_refuse_unknown_code(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same table the plugin consults: forget 0.33.0 and both must refuse."""
+    monkeypatch.setattr(releases, "_BY_FINGERPRINT", {})
+    monkeypatch.delenv("VLLM_MAMBA_ALIGN_ALLOW_UNVERIFIED", raising=False)
+    code, out = doctor(capsys)
+    assert code == EXIT_REFUSE, out
+    assert "matches no verified release" in out
+    assert "would REFUSE" in out
+    assert "VLLM_MAMBA_ALIGN_ALLOW_UNVERIFIED=1" in out  # the way out, from the plugin
+    # The opt-in makes the plugin run it (structurally compatible): doctor agrees.
+    monkeypatch.setenv("VLLM_MAMBA_ALIGN_ALLOW_UNVERIFIED", "1")
+    code, out = doctor(capsys)
+    assert code == EXIT_OK, out
+    assert "running it anyway" in out
+
+
+def test_doctor_exits_1_on_a_bad_mode(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLM_MAMBA_ALIGN_MODE", "sideways")
+    code, out = doctor(capsys)
+    assert code == EXIT_REFUSE
+    assert "VLLM_MAMBA_ALIGN_MODE='sideways' is not a valid mode" in out
+
+
+@pytest.mark.parametrize(
+    ("value", "loads"),
+    [
+        (None, True),
+        ("mamba_align", True),
+        ("a,mamba_align", True),
+        ("", False),
+        ("a, mamba_align", False),  # vLLM does not strip spaces
+        ("other", False),
+    ],
+)
+def test_vllm_plugins_rule(value: str | None, loads: bool) -> None:
+    assert would_load(value)[0] is loads
+
+
+# -- no vLLM ----------------------------------------------------------------------
+
+NO_VLLM = textwrap.dedent(
+    """
+    import sys
+    sys.modules["vllm"] = None  # import vllm now fails
+    from vllm_mamba_align.cli import main
+    sys.exit(main({args!r}))
+    """
+)
+
+
+@pytest.mark.parametrize("args", [["doctor"], ["doctor", "--json"], ["simulate"]])
+def test_without_vllm_a_clear_message_and_exit_2(args: list[str]) -> None:
+    result = run_python(NO_VLLM.format(args=args))
+    assert result.returncode == 2, result.stderr
+    assert "vLLM is not installed in this Python environment" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_python_dash_m_runs_the_command() -> None:
+    result = run_python(
+        "import runpy; runpy.run_module('vllm_mamba_align', run_name='__main__')",
+    )
+    # No arguments: argparse's usage error (a subcommand is required).
+    assert result.returncode == 2
+    assert "usage: vllm-mamba-align" in result.stderr
+    assert "{doctor,simulate}" in result.stderr
+
+
+# -- simulate ----------------------------------------------------------------------
+
+
+def test_simulate_defaults_show_the_defect_and_the_fix(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["simulate"]) == EXIT_OK
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    at = lines.index("chunk ends of the first prompt:")
+    ends = {line.split()[0]: line for line in lines[at + 1 : at + 4]}
+    assert ends["stock"].endswith("8160, 16320, 16752, 16764")
+    assert ends["grid"].endswith("6592, 13184, 16480, 16752, 16764")
+    assert "1648, 3296, 4944" in ends["full"]
+    row = {line[:34].strip(): line[34:].split() for line in lines}
+    assert row["B boundaries materialized (of 10)"] == ["0", "10", "3"]
+    assert row["... naming a wrong state"][1:] == ["0", "0"]
+    assert int(row["... naming a wrong state"][0]) > 0
+    assert row["sibling (shares 9000) reuses"] == [
+        "8240",
+        "WRONG",
+        "STATE",
+        "8240",
+        "6592",
+    ]
+    assert row["prefill steps, first prompt"] == ["4", "12", "5"]
+    # The picture: one row per mode, stock never ends a chunk on the B grid.
+    top = next(i for i, line in enumerate(lines) if line.startswith("B grid"))
+    picture = {line[:8].strip(): line[8:] for line in lines[top : top + 4]}
+    assert "*" not in picture["stock"] and "^" in picture["stock"]
+    assert picture["full"].count("*") == 10
+    ours = [line for line in lines if not line.startswith("(MainProcess")]
+    assert max(len(line) for line in ours) <= 100  # vLLM's own log lines aside
+
+
+def test_simulate_concurrent_prefills_and_chosen_modes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = main(
+        [
+            "simulate",
+            "--prompt",
+            "5000",
+            "--share",
+            "3400",
+            "--requests",
+            "3",
+            "--mode",
+            "stock",
+            "--mode",
+            "full",
+        ]
+    )
+    assert code == EXIT_OK
+    out = capsys.readouterr().out
+    assert "3 prompt(s) of 5000 tokens" in out
+    assert "steps until all 3 prefilled" in out
+    assert "  grid " not in out
+    row = {line[:34].strip(): line[34:].split() for line in out.splitlines()}
+    # Attention holds 3,264 of the 3,400 shared tokens (4 blocks of 816): the
+    # largest B boundary within that is 1,648, which only the fix saved.
+    assert row["sibling (shares 3400) reuses"] == ["0", "1648"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--mamba-block", "1650"], "--mamba-block 1650 is not a multiple of"),
+        (["--cache-block", "820"], "--cache-block 820 is not a multiple of"),
+        (["--budget", "0"], "--budget must be a positive number of tokens, not 0"),
+        (["--prompt", "-5"], "--prompt must be a positive"),
+        (["--share", "20000"], "--share must be between 0 and --prompt (16764)"),
+        (["--prompt", "200000"], "--prompt must be below 131072"),
+        (["--requests", "0"], "--requests must be a positive"),
+    ],
+)
+def test_simulate_bad_geometry_is_a_clear_message(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", *args]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert message in err
+    assert "invalid arguments" in err
+
+
+@pytest.mark.parametrize(
+    "args", [["--budget", "lots"], ["--mode", "sideways"], ["--prompt"]]
+)
+def test_simulate_unparseable_arguments_exit_2(
+    args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", *args])
+    assert exit_.value.code == EXIT_USAGE
+    assert "usage: vllm-mamba-align simulate" in capsys.readouterr().err
+
+
+def test_simulate_short_prompt_default_share_fits(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["simulate", "--prompt", "4000", "--mode", "stock"]) == EXIT_OK
+    assert "sibling sharing its first 2000 tokens" in capsys.readouterr().out
+
+
+def test_the_oracle_names_prefix_states_in_linear_time_identically() -> None:
+    from vllm_mamba_align.simulation import prefix_state_ids, prompt, state_id
+
+    tokens = prompt(1000, seed=3)
+    ids = list(prefix_state_ids(tokens, 16))
+    assert len(ids) == 1000 // 16
+    assert ids == [state_id(tokens, (k + 1) * 16) for k in range(len(ids))]
+
+
+SEED_0_31 = """
+class MambaHybridModelState:
+    def add_request(self, req_index, new_req_data):
+        if self._align_mode:
+            self._mamba_state_idx_gpu[req_index].fill_(
+                (new_req_data.num_computed_tokens - 1) // self.cache_config.block_size
+            )
+"""
+
+
+def test_worker_seed_site_on_older_and_absent_runners(tmp_path: Path) -> None:
+    """0.25.1-0.31.0 seed with C (affected); before MRV2 the file is absent."""
+    from vllm_mamba_align.doctor import WORKER_SEED_FILE, worker_seed_status
+
+    assert worker_seed_status(tmp_path)[0] == "absent"
+    site = tmp_path / WORKER_SEED_FILE
+    site.parent.mkdir(parents=True)
+    site.write_text(SEED_0_31)
+    status, detail = worker_seed_status(tmp_path)
+    assert status == "affected"
+    assert "seeds with cache_config.block_size (not patched by this version" in detail
+    site.write_text(
+        SEED_0_31.replace("cache_config.block_size", "cache_config.mamba_block_size")
+    )
+    assert worker_seed_status(tmp_path)[0] == "not needed"

@@ -1,0 +1,187 @@
+"""The ``vllm-mamba-align`` command: ``doctor`` and ``simulate``.
+
+Exit status: 0 fine; 1 ``doctor`` found that the plugin would refuse to start a
+hybrid align-mode scheduler; 2 bad usage, or vLLM is not installed. vLLM (and its
+torch) are imported only inside the commands, so ``--help`` works anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from . import __version__
+from .errors import MambaAlignError
+
+EXIT_OK = 0
+EXIT_REFUSE = 1
+EXIT_USAGE = 2
+
+NO_VLLM = (
+    "vllm-mamba-align: vLLM is not installed in this Python environment "
+    "({detail}).\nInstall the plugin into the environment that runs `vllm serve` "
+    "(the same python), or run this command with that environment's interpreter."
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .settings import Mode
+    from .simulate import Scenario
+    from .simulation import STOCK
+
+    parser = argparse.ArgumentParser(
+        prog="vllm-mamba-align",
+        description="Check and demonstrate align-mode prefix caching of hybrid "
+        "Mamba/GDN models in vLLM (backport of vLLM PR #54076).",
+    )
+    parser.add_argument("--version", action="version", version=__version__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="what the installed vLLM is and what the plugin will do with it",
+        description="Inspect the installed vLLM (no engine, no GPU). Exits 1 exactly "
+        "when the plugin would refuse to start a hybrid model in align mode.",
+    )
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
+
+    d = Scenario()
+    simulate = commands.add_parser(
+        "simulate",
+        help="stock vs patched vLLM scheduler, side by side, on CPU",
+        description="Run the installed vLLM's real scheduler (no GPU, no weights) "
+        "stock and patched on one geometry. The defaults are the geometry from the "
+        "upstream report: a drafter's 816-token attention block next to a "
+        "1648-token Mamba state block.",
+    )
+    simulate.add_argument(
+        "--cache-block",
+        type=int,
+        default=d.cache_block,
+        metavar="C",
+        help=f"attention block, cache_config.block_size (default {d.cache_block})",
+    )
+    simulate.add_argument(
+        "--mamba-block",
+        type=int,
+        default=d.state_block,
+        metavar="B",
+        help=f"Mamba state block, MambaSpec.block_size (default {d.state_block})",
+    )
+    simulate.add_argument(
+        "--hash-block",
+        type=int,
+        default=d.hash_block,
+        metavar="H",
+        help=f"prefix hash block; divides C and B (default {d.hash_block})",
+    )
+    simulate.add_argument(
+        "--prompt",
+        type=int,
+        default=d.prompt,
+        metavar="P",
+        help=f"prompt length in tokens (default {d.prompt})",
+    )
+    simulate.add_argument(
+        "--budget",
+        type=int,
+        default=d.budget,
+        help=f"max_num_batched_tokens per step (default {d.budget})",
+    )
+    simulate.add_argument(
+        "--share",
+        type=int,
+        default=None,
+        metavar="S",
+        help="tokens the sibling prompt shares with the first (default "
+        f"{d.share}, or half the prompt if the prompt is not longer)",
+    )
+    simulate.add_argument(
+        "--requests",
+        type=int,
+        default=d.requests,
+        metavar="N",
+        help="distinct prompts prefilled concurrently (default 1)",
+    )
+    choices = [STOCK, *(m.value for m in Mode)]
+    simulate.add_argument(
+        "--mode",
+        action="append",
+        choices=choices,
+        help="a mode to run; repeat for several (default: stock and every plugin "
+        "mode that changes scheduling)",
+    )
+    return parser
+
+
+def _doctor(as_json: bool) -> int:
+    from .doctor import VllmMissing, collect, render_text
+
+    try:
+        report = collect()
+    except VllmMissing as missing:
+        print(NO_VLLM.format(detail=missing), file=sys.stderr)
+        if as_json:
+            print('{"vllm_installed": false}')
+        return EXIT_USAGE
+    print(report.to_json() if as_json else render_text(report))
+    return EXIT_REFUSE if report.would_refuse else EXIT_OK
+
+
+def _default_share(share: int, prompt: int) -> int:
+    """The default sibling overlap, or half the prompt when that does not fit."""
+    return share if share < prompt else prompt // 2
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from .simulate import Scenario, render, simulate, simulated_modes, validate
+
+    d = Scenario()
+    scenario = Scenario(
+        cache_block=args.cache_block,
+        state_block=args.mamba_block,
+        hash_block=args.hash_block,
+        prompt=args.prompt,
+        budget=args.budget,
+        share=_default_share(d.share, args.prompt)
+        if args.share is None
+        else args.share,
+        requests=args.requests,
+    )
+    problems = validate(scenario)
+    if problems:
+        print(
+            "\n  ".join(["vllm-mamba-align simulate: invalid arguments:", *problems])
+            + "\n(see vllm-mamba-align simulate --help)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    try:
+        import vllm  # noqa: F401
+    except ImportError as error:
+        print(NO_VLLM.format(detail=error), file=sys.stderr)
+        return EXIT_USAGE
+    modes = list(dict.fromkeys(args.mode)) if args.mode else simulated_modes()
+    try:
+        results = simulate(scenario, modes)
+    except MambaAlignError as error:
+        print(f"vllm-mamba-align: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except (ValueError, AssertionError, RuntimeError) as error:
+        print(
+            "vllm-mamba-align: the installed vLLM rejected or could not run this "
+            f"geometry: {error}",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    print(render(scenario, results))
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "doctor":
+        return _doctor(args.json)
+    return _simulate(args)

@@ -1,0 +1,346 @@
+"""``vllm-mamba-align doctor``: does this deployment hit the defect; would we fix it?
+
+Collects one :class:`Report` from the installed vLLM without starting an engine or
+touching a GPU: vLLM's version, which known split body its code matches, whether
+vLLM's plugin loader would load this plugin, the mode, the Model Runner V2 worker's
+state-seed site, and whether the upstream fix is already in vLLM.
+
+The verdict ("would refuse") is computed by the plugin's own decision code
+(:func:`plugin.recognize` and :func:`activation.hybrid_refusal`), never a copy, so
+the doctor cannot disagree with what happens at ``vllm serve``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from . import __version__, settings
+from .errors import MambaAlignError
+from .releases import SUPPORTED_RELEASES, describe_version, expected_body
+
+PLUGIN_NAME = "mamba_align"
+PLUGIN_GROUP = "vllm.general_plugins"
+WORKER_SEED_FILE = "v1/worker/gpu/model_states/mamba_hybrid.py"
+WORKER_SEED_CLASS = "MambaHybridModelState"
+
+
+class VllmMissing(Exception):
+    """vLLM cannot be imported in this environment (the doctor has nothing to read)."""
+
+
+@dataclass
+class Report:
+    """Everything the doctor found; ``--json`` prints it as is."""
+
+    plugin_version: str
+    vllm_version: str | None
+    vllm_location: str | None
+    split_present: bool
+    split_fingerprint: str | None
+    split_body: str | None
+    """The release(s) whose split body the installed code matches, if any."""
+    split_verified: bool
+    split_meaning: str
+    expected_fingerprint: str | None
+    """What the release named by the version ships, when that release is known."""
+    entry_point_visible: bool
+    entry_point_target: str | None
+    vllm_plugins: str | None
+    """The current ``VLLM_PLUGINS`` value (None: unset)."""
+    would_load: bool
+    loading_note: str
+    mode: str | None
+    mode_error: str | None
+    allow_unverified: bool
+    worker_seed: str
+    """``not needed`` / ``affected`` / ``absent`` / ``unknown``."""
+    worker_seed_detail: str
+    upstream_fix_present: bool
+    would_refuse: bool
+    refusal: str | None
+    """The exact error the plugin would raise for a hybrid align-mode model."""
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+
+def _vllm_root() -> Path:
+    """vLLM's package directory, after checking that ``import vllm`` works."""
+    try:
+        import vllm
+    except ImportError as error:  # includes sys.modules["vllm"] = None
+        raise VllmMissing(str(error)) from error
+    origin = getattr(vllm, "__file__", None)
+    if origin is None:
+        raise VllmMissing("the vllm package has no __file__")
+    return Path(origin).parent
+
+
+def would_load(value: str | None) -> tuple[bool, str]:
+    """vLLM's rule: unset loads all; otherwise exact names, comma separated."""
+    if value is None:
+        return True, "VLLM_PLUGINS is unset: vLLM loads every installed plugin"
+    names = value.split(",")
+    if PLUGIN_NAME in names:
+        return True, f"VLLM_PLUGINS={value!r} names {PLUGIN_NAME}"
+    near = [n for n in names if n.strip() == PLUGIN_NAME]
+    hint = (
+        " (vLLM does not strip spaces: remove them)"
+        if near
+        else f" (add {PLUGIN_NAME}, keeping every other plugin you need)"
+    )
+    return False, f"VLLM_PLUGINS={value!r} does not name {PLUGIN_NAME}{hint}"
+
+
+def _entry_point() -> metadata.EntryPoint | None:
+    for entry in metadata.entry_points(group=PLUGIN_GROUP):
+        if entry.name == PLUGIN_NAME:
+            return entry
+    return None
+
+
+def _cache_config_reads(function: ast.AST) -> set[str]:
+    """Attributes read as ``<anything>.cache_config.<attr>`` inside ``function``."""
+    reads = set()
+    for node in ast.walk(function):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "cache_config"
+        ):
+            reads.add(node.attr)
+    return reads
+
+
+def worker_seed_status(vllm_root: Path) -> tuple[str, str]:
+    """Which block size MRV2's ``add_request`` seeds the running-state column with.
+
+    Reads the source file (never imports it: it is GPU code). 0.25.1-0.31.0 divide
+    by ``cache_config.block_size`` (wrong when C < B, upstream issue #53142); 0.32.0+
+    by ``cache_config.mamba_block_size``.
+    """
+    path = vllm_root / WORKER_SEED_FILE
+    if not path.exists():
+        return "absent", f"{WORKER_SEED_FILE} is not in this vLLM (no Model Runner V2)"
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError, ValueError) as error:
+        return "unknown", f"could not read {path}: {error}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == WORKER_SEED_CLASS:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "add_request":
+                    reads = _cache_config_reads(item)
+                    if "mamba_block_size" in reads:
+                        return (
+                            "not needed",
+                            "not needed (0.32.0+ uses the Mamba block size: "
+                            "cache_config.mamba_block_size)",
+                        )
+                    if "block_size" in reads:
+                        return (
+                            "affected",
+                            "affected: seeds with cache_config.block_size (not "
+                            "patched by this version; wrong column when C < B, "
+                            "vLLM issue #53142)",
+                        )
+                    return "unknown", "add_request reads no cache_config block size"
+    return "unknown", f"{WORKER_SEED_CLASS}.add_request not found in {path}"
+
+
+def _upstream_fix_present(scheduler_module: Any) -> bool:
+    """Whether vLLM's own scheduler source assigns ``self.mamba_state_block_size``.
+
+    Reads the module's file, not an instance: the plugin sets the same attribute.
+    """
+    from .activation import STATE_BLOCK_ATTRIBUTE
+
+    source_file = getattr(scheduler_module, "__file__", None)
+    if source_file is None:
+        return False
+    try:
+        tree = ast.parse(Path(source_file).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return False
+    return any(
+        isinstance(node, ast.Attribute)
+        and isinstance(node.ctx, ast.Store)
+        and node.attr == STATE_BLOCK_ATTRIBUTE
+        for node in ast.walk(tree)
+    )
+
+
+def collect() -> Report:
+    """Inspect the installed vLLM. Raises :class:`VllmMissing` without it."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    root = _vllm_root()
+    from .activation import hybrid_refusal
+    from .plugin import SCHEDULER_MODULE, SPLIT_METHOD, recognize
+
+    notes: list[str] = []
+    module = importlib.import_module(SCHEDULER_MODULE)
+    scheduler_class = module.Scheduler
+    recognition = recognize(scheduler_class)
+    version = recognition.vllm_version
+    shape = recognition.shape
+    body = recognition.body
+    expected = expected_body(version)
+    if shape is None:
+        meaning = (
+            f"this vLLM has no Scheduler.{SPLIT_METHOD}: it predates align mode "
+            "(before 0.15.1); the plugin has nothing to fix"
+        )
+    elif body is not None and recognition.verified:
+        meaning = f"matches the verified body of vLLM {body.name}"
+    elif body is not None:
+        meaning = (
+            "matches no verified release; running it anyway because "
+            f"{settings.ALLOW_UNVERIFIED_VARIABLE}=1 and it passes the structural check"
+        )
+    else:
+        meaning = (
+            "matches no verified release (an edited, vendor or not yet verified "
+            "build): hybrid models in align mode will be refused at start"
+        )
+
+    mode: str | None = None
+    mode_error: str | None = None
+    try:
+        mode = settings.read_mode().value
+    except MambaAlignError as error:
+        mode_error = str(error)
+
+    entry = _entry_point()
+    plugins = os.environ.get("VLLM_PLUGINS")
+    loads, loading_note = would_load(plugins)
+    if entry is None:
+        loads = False
+        loading_note = (
+            f"no {PLUGIN_GROUP} entry point named {PLUGIN_NAME} is visible to this "
+            "Python: install vllm-mamba-align into vLLM's environment"
+        )
+
+    upstream = _upstream_fix_present(module)
+    refusal: str | None = None
+    if mode_error is not None:
+        refusal = mode_error
+    elif not upstream:
+        refused = hybrid_refusal(recognition)
+        refusal = None if refused is None else str(refused)
+    if upstream:
+        notes.append(
+            "vLLM already derives mamba_state_block_size itself (upstream fix "
+            "present): the plugin stands aside"
+        )
+    if refusal is not None and not loads:
+        notes.append(
+            "the plugin would refuse, but vLLM would not load it with the current "
+            "settings (see plugin loading)"
+        )
+    seed, seed_detail = worker_seed_status(root)
+    return Report(
+        plugin_version=__version__,
+        vllm_version=version,
+        vllm_location=str(root),
+        split_present=shape is not None,
+        split_fingerprint=shape.fingerprint if shape else None,
+        split_body=body.name if body is not None and recognition.verified else None,
+        split_verified=recognition.verified,
+        split_meaning=meaning,
+        expected_fingerprint=expected.fingerprint if expected else None,
+        entry_point_visible=entry is not None,
+        entry_point_target=entry.value if entry is not None else None,
+        vllm_plugins=plugins,
+        would_load=loads,
+        loading_note=loading_note,
+        mode=mode,
+        mode_error=mode_error,
+        allow_unverified=settings.allow_unverified(),
+        worker_seed=seed,
+        worker_seed_detail=seed_detail,
+        upstream_fix_present=upstream,
+        would_refuse=refusal is not None,
+        refusal=refusal,
+        notes=notes,
+    )
+
+
+def render_text(report: Report) -> str:
+    """The human reading: one line per question an operator asks."""
+    ok, bad = "ok", "!!"
+    fingerprint = report.split_fingerprint or "none"
+    lines = [
+        f"vllm-mamba-align {report.plugin_version} doctor",
+        f"  vLLM            {describe_version(report.vllm_version)} "
+        f"({report.vllm_location})",
+        f"  split function  fingerprint {fingerprint}: {report.split_meaning}",
+    ]
+    if (
+        report.expected_fingerprint
+        and report.split_fingerprint
+        and report.expected_fingerprint != report.split_fingerprint
+    ):
+        lines.append(
+            f"                  (the release as shipped has "
+            f"{report.expected_fingerprint}: this installation was edited)"
+        )
+    lines += [
+        f"                  verified releases: {', '.join(SUPPORTED_RELEASES)}",
+        f"  entry point     {PLUGIN_GROUP}:{PLUGIN_NAME} "
+        + (
+            f"visible -> {report.entry_point_target}"
+            if report.entry_point_visible
+            else "NOT visible"
+        ),
+        f"  plugin loading  [{ok if report.would_load else bad}] {report.loading_note}",
+        "  mode            "
+        + (
+            f"{report.mode}"
+            + (
+                f" ({settings.ALLOW_UNVERIFIED_VARIABLE}=1)"
+                if report.allow_unverified
+                else ""
+            )
+            if report.mode
+            else f"[{bad}] {report.mode_error}"
+        ),
+        f"  worker seed     {report.worker_seed_detail}",
+        "  upstream fix    "
+        + (
+            "present in this vLLM (the plugin stands aside)"
+            if report.upstream_fix_present
+            else "not present (vLLM PR #54076 is in no release)"
+        ),
+    ]
+    lines.extend(f"  note            {note}" for note in report.notes)
+    if report.would_refuse:
+        lines.append(
+            "verdict: [!!] the plugin would REFUSE to start a hybrid model in align "
+            f"mode:\n  {report.refusal}"
+        )
+    elif not report.would_load:
+        lines.append(
+            "verdict: [!!] vLLM would not load the plugin: stock vLLM runs, with the "
+            "defect"
+        )
+    else:
+        lines.append(
+            "verdict: [ok] a hybrid model in align mode starts "
+            + (
+                "with the fix active"
+                if report.mode not in (None, settings.Mode.OFF.value)
+                and not report.upstream_fix_present
+                else "unchanged"
+            )
+        )
+    return "\n".join(lines)

@@ -1,0 +1,309 @@
+"""``vllm-mamba-align simulate``: stock and patched vLLM side by side on one geometry.
+
+Runs the installed vLLM's real scheduler on CPU (simulation.py: no GPU, no weights)
+once per mode on the same scenario: ``requests`` prompts of ``prompt`` tokens
+prefilled together, then an immediate re-ask of the first and a sibling sharing
+its first ``share`` tokens. What operators asked upstream, answered per mode:
+where chunks end, which states get saved, how many published hashes lie, what a
+re-ask and a sibling reuse, and how many prefill steps it took.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from .settings import Mode
+from .simulation import STOCK
+
+
+def simulated_modes() -> list[str]:
+    """``stock`` then every plugin mode that changes scheduling (``off`` is stock)."""
+    return [STOCK, *(m.value for m in Mode if m is not Mode.OFF)]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What the user asked for (validated by the CLI)."""
+
+    cache_block: int = 816
+    state_block: int = 1648
+    hash_block: int = 16
+    prompt: int = 16764
+    budget: int = 8192
+    share: int = 9000
+    requests: int = 1
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    chunk_ends: list[int]
+    materialized: list[int]
+    published: int
+    poisoned: int
+    wrong_reuse: list[str]
+    reask_reuse: int
+    sibling_reuse: int
+    prefill_steps: int
+    """Steps the first request needed to finish its prefill."""
+    all_prefilled_steps: int
+    """Steps until every one of the concurrent prompts had finished its prefill."""
+    seconds: float
+
+
+def validate(s: Scenario) -> list[str]:
+    """Everything wrong with a scenario, as sentences (empty: fine)."""
+    from .simulation import MAX_MODEL_LEN
+
+    problems = []
+    for name, value in (
+        ("--cache-block", s.cache_block),
+        ("--mamba-block", s.state_block),
+        ("--hash-block", s.hash_block),
+        ("--prompt", s.prompt),
+        ("--budget", s.budget),
+        ("--requests", s.requests),
+    ):
+        if value <= 0:
+            problems.append(f"{name} must be a positive number of tokens, not {value}")
+    if problems:
+        return problems
+    if s.state_block % s.hash_block:
+        problems.append(
+            f"--mamba-block {s.state_block} is not a multiple of --hash-block "
+            f"{s.hash_block}: vLLM hashes prefixes in hash blocks, so every group's "
+            "block must be a multiple of it"
+        )
+    if s.cache_block % s.hash_block:
+        problems.append(
+            f"--cache-block {s.cache_block} is not a multiple of --hash-block "
+            f"{s.hash_block}"
+        )
+    if s.share < 0 or s.share > s.prompt:
+        problems.append(f"--share must be between 0 and --prompt ({s.prompt})")
+    if s.prompt + 1 > MAX_MODEL_LEN:
+        problems.append(f"--prompt must be below {MAX_MODEL_LEN} (the model length)")
+    if s.requests > 64:
+        problems.append("--requests is limited to 64 (the simulated pool size)")
+    return problems
+
+
+def _geometry(s: Scenario) -> Any:
+    from .simulation import Geometry
+
+    # Enough blocks that nothing is evicted: every prompt's attention and Mamba
+    # blocks, plus the re-ask and the sibling, twice over.
+    per_request = -(-s.prompt // s.cache_block) + -(-s.prompt // s.state_block) + 4
+    return Geometry(
+        cache_block=s.cache_block,
+        state_block=s.state_block,
+        budget=s.budget,
+        hash_block=s.hash_block,
+        num_blocks=max(4000, 2 * per_request * (s.requests + 3)),
+    )
+
+
+class Progress:
+    """A line on stderr every couple of seconds, only once a run takes a while."""
+
+    def __init__(self, stream: TextIO, label: str) -> None:
+        self.stream = stream
+        self.label = label
+        self.start = time.monotonic()
+        self.last = self.start
+
+    def tick(self, steps: int, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.start > 2 and now - self.last > 2:
+            self.last = now
+            print(
+                f"  {self.label}: step {steps}, {done}/{total} prompts prefilled, "
+                f"{now - self.start:.0f}s",
+                file=self.stream,
+                flush=True,
+            )
+
+
+def _run(sim: Any, progress: Progress, total: int, max_steps: int = 200_000) -> None:
+    """Step until idle, reporting progress; raise on a stall (never hang)."""
+    idle = 0
+    while sim.scheduler.has_requests():
+        if sim.steps >= max_steps:
+            raise RuntimeError(f"requests still unfinished after {max_steps} steps")
+        chunks = sim.step()
+        idle = 0 if chunks else idle + 1
+        if idle > 3:
+            raise RuntimeError("the scheduler stalled: nothing scheduled 4 times")
+        done = sum(1 for r in sim.records.values() if r.prefilled_at_step is not None)
+        progress.tick(sim.steps, done, total)
+
+
+def run_mode(s: Scenario, mode: str, progress_stream: TextIO) -> ModeResult:
+    """The scenario on a fresh real scheduler in one mode."""
+    from .simulation import Simulation, prompt, scheduler_mode
+
+    began = time.monotonic()
+    first = prompt(s.prompt, seed=1)
+    with scheduler_mode(mode):
+        sim = Simulation(_geometry(s))
+        progress = Progress(progress_stream, mode)
+        sim.add("r0", first)
+        for i in range(1, s.requests):
+            sim.add(f"r{i}", prompt(s.prompt, seed=100 + i))
+        _run(sim, progress, s.requests)
+        all_prefilled = max(r.prefilled_at_step or 0 for r in sim.records.values())
+        ends = sim.chunk_ends("r0")
+        materialized = sim.materialized_boundaries("r0")
+        sim.add("re-ask", first)
+        _run(sim, progress, s.requests + 1)
+        sim.add("sibling", first[: s.share] + prompt(max(1, s.prompt - s.share), 2))
+        _run(sim, progress, s.requests + 2)
+    first_record = sim.records["r0"]
+    return ModeResult(
+        mode=mode,
+        chunk_ends=ends,
+        materialized=materialized,
+        published=len(sim.published),
+        poisoned=len(sim.poisoned),
+        wrong_reuse=list(sim.wrong_reuse),
+        reask_reuse=sim.reused("re-ask"),
+        sibling_reuse=sim.reused("sibling"),
+        prefill_steps=first_record.prefilled_at_step or 0,
+        all_prefilled_steps=all_prefilled,
+        seconds=time.monotonic() - began,
+    )
+
+
+# -- rendering ---------------------------------------------------------------------
+
+PICTURE_WIDTH = 80
+
+
+def picture(s: Scenario, results: list[ModeResult]) -> list[str]:
+    """Chunk ends of the first request against the state grid, one line per mode.
+
+    ``|`` marks a B boundary; ``*`` a chunk end on a boundary (a state is saved
+    there), ``^`` a chunk end off the grid (nothing saved), ``#`` both in one cell.
+    """
+    width = PICTURE_WIDTH
+    scale = s.prompt / width
+
+    def column(position: int) -> int:
+        return min(width - 1, max(0, round(position / scale) - 1))
+
+    grid = ["-"] * width
+    for boundary in range(s.state_block, s.prompt, s.state_block):
+        grid[column(boundary)] = "|"
+    label = 8
+    lines = [
+        f"{'B grid':<{label}}{''.join(grid)}",
+    ]
+    for result in results:
+        row = [" "] * width
+        for end in result.chunk_ends:
+            mark = "*" if end % s.state_block == 0 else "^"
+            cell = column(end)
+            row[cell] = mark if row[cell] in (" ", mark) else "#"
+        lines.append(f"{result.mode:<{label}}{''.join(row).rstrip()}")
+    lines.append(
+        f"{'':<{label}}0{'':<{width - 2 - len(str(s.prompt))}}{s.prompt} tokens"
+    )
+    lines.append(
+        f"{'':<{label}}| = a multiple of B={s.state_block}   * = chunk end on it "
+        "(state saved)   ^ = chunk end off it"
+    )
+    return lines
+
+
+def _ends(ends: list[int], limit: int = 12) -> str:
+    shown = ", ".join(str(e) for e in ends[:limit])
+    return shown + (f", … ({len(ends)} chunks)" if len(ends) > limit else "")
+
+
+def render(s: Scenario, results: list[ModeResult]) -> str:
+    boundaries = len(range(s.state_block, s.prompt, s.state_block))
+    legal_reask = (s.prompt - 1) // s.state_block * s.state_block
+    lines = [
+        f"Real vLLM scheduler, C={s.cache_block}, B={s.state_block}, hash block "
+        f"{s.hash_block}, budget {s.budget}:",
+        f"{s.requests} prompt(s) of {s.prompt} tokens, then a re-ask of the first "
+        f"and a sibling sharing its first {s.share} tokens.",
+        "",
+        *picture(s, results),
+        "",
+        "chunk ends of the first prompt:",
+        *(f"  {r.mode:<7} {_ends(r.chunk_ends)}" for r in results),
+        "",
+    ]
+    header = ["", *(r.mode for r in results)]
+    rows: list[list[str]] = [
+        [
+            f"B boundaries materialized (of {boundaries})",
+            *(str(len(r.materialized)) for r in results),
+        ],
+        ["Mamba hashes published", *(str(r.published) for r in results)],
+        ["  ... naming a wrong state", *(str(r.poisoned) for r in results)],
+        [
+            f"re-ask reuses (last B boundary {legal_reask})",
+            *(str(r.reask_reuse) for r in results),
+        ],
+        [
+            f"sibling (shares {s.share}) reuses",
+            *(
+                f"{r.sibling_reuse}"
+                + (" WRONG STATE" if any("sibling" in w for w in r.wrong_reuse) else "")
+                for r in results
+            ),
+        ],
+        ["reads of a wrong state", *(str(len(r.wrong_reuse)) for r in results)],
+        ["prefill steps, first prompt", *(str(r.prefill_steps) for r in results)],
+    ]
+    if s.requests > 1:
+        rows.append(
+            [
+                f"steps until all {s.requests} prefilled",
+                *(str(r.all_prefilled_steps) for r in results),
+            ]
+        )
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        lines.append(
+            "  ".join(
+                cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i])
+                for i, cell in enumerate(row)
+            ).rstrip()
+        )
+    poisoned = [r.mode for r in results if r.poisoned]
+    if poisoned:
+        lines += [
+            "",
+            f"{', '.join(poisoned)}: a hash naming a wrong state is a Mamba block "
+            "published for a prefix",
+            "whose state it does not hold; a request that hits it continues from "
+            "that wrong state",
+            "(silently wrong output).",
+        ]
+    return "\n".join(lines)
+
+
+def simulate(
+    s: Scenario, modes: list[str], progress_stream: TextIO = sys.stderr
+) -> list[ModeResult]:
+    """Register the plugin in this process and run each mode in turn."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    if "vllm" not in sys.modules:
+        # vLLM's log lines (one per scheduler built, CPU-platform warnings) would
+        # bury the comparison on stdout: leave them to Python's default (stderr,
+        # warnings and up). Only before vLLM configures its logging, so a process
+        # that already runs vLLM (a test session) keeps its settings.
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    from . import register
+
+    register()
+    return [run_mode(s, mode, progress_stream) for mode in modes]
