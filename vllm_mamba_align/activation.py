@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import __version__, settings
+from . import __version__, audit, settings
 from .errors import MambaAlignError
 from .fingerprint import CodeShape
 from .geometry import state_block_size
@@ -135,6 +135,14 @@ def attach(scheduler: Any, recognition: Recognition) -> None:
         raise _refuse_unknown_code(recognition)
     if mode is Mode.OFF:
         _log(scheduler, recognition, "loaded, mode=off (stock vLLM split)", state_grid)
+        return
+    if mode is Mode.AUDIT:
+        setattr(
+            scheduler,
+            SPLIT_ATTRIBUTE,
+            audit.install(scheduler, state_grid, recognition.body),
+        )
+        _log(scheduler, recognition, audit.ACTIVE_STATUS, state_grid)
         return
     setattr(scheduler, STATE_BLOCK_ATTRIBUTE, state_grid)
     setattr(
