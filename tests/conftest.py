@@ -44,18 +44,11 @@ def registered_plugin() -> None:
 def _patched_sites() -> list[tuple[Any, str]]:
     import vllm.v1.core.sched.scheduler as module
 
-    from vllm_mamba_align.plugin import (
-        CHECKPOINT_DECISION,
-        SCHEDULE_METHOD,
-        SHUTDOWN_METHOD,
-        SPLIT_METHOD,
-    )
+    from vllm_mamba_align.plugin import CHECKPOINT_DECISION, SPLIT_METHOD
 
     return [
         (module.Scheduler, "__init__"),
         (module.Scheduler, SPLIT_METHOD),
-        (module.Scheduler, SCHEDULE_METHOD),
-        (module.Scheduler, SHUTDOWN_METHOD),
         (module, CHECKPOINT_DECISION),
     ]
 
@@ -80,7 +73,7 @@ def stock_vllm() -> Iterator[None]:
 
 @contextlib.contextmanager
 def scheduler_mode(mode: str) -> Iterator[None]:
-    """Schedulers built and run inside use ``mode``: stock, off, audit, grid or full."""
+    """Schedulers built and run inside use ``mode``: stock, off, grid or full."""
     if mode == "stock":
         with stock_vllm():
             yield

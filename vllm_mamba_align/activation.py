@@ -137,11 +137,8 @@ def attach(scheduler: Any, recognition: Recognition) -> None:
         _log(scheduler, recognition, "loaded, mode=off (stock vLLM split)", state_grid)
         return
     if mode is Mode.AUDIT:
-        setattr(
-            scheduler,
-            SPLIT_ATTRIBUTE,
-            audit.install(scheduler, state_grid, recognition.body),
-        )
+        observer = audit.install(scheduler, state_grid, recognition.body)
+        setattr(scheduler, SPLIT_ATTRIBUTE, observer.split_observer)
         _log(scheduler, recognition, audit.ACTIVE_STATUS, state_grid)
         return
     setattr(scheduler, STATE_BLOCK_ATTRIBUTE, state_grid)

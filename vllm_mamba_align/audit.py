@@ -21,16 +21,20 @@ Validated against the real-scheduler oracle of the test suite
 (``tests/test_audit.py``): the would-be-poisoned count equals the number of Mamba
 hash publications over a wrong state, and it is 0 wherever stock is correct.
 
-Cost: the split wrapper does O(1) integer work per call and remembers only prefill
-chunks of the current step (a dict cleared after every ``schedule()``);
-``schedule()``'s output then confirms which of them really ran (a chunk can be
-proposed and then not scheduled, when its blocks do not fit). Nothing grows with
-traffic: per-request facts live in one integer attribute on vLLM's ``Request``.
+How it observes: the split observer is installed where ``plugin.split_wrapper``
+routes each split call of this scheduler (like the fix, but calling vLLM's
+function unchanged); it does O(1) integer work and remembers the prefill chunks of
+the current step in a dict cleared after every step. ``schedule()`` and
+``shutdown()`` are observed through attributes of the scheduler *instance* (the
+class is untouched, other schedulers are not affected): the step's output
+confirms which remembered chunks really ran (a chunk can be proposed and then not
+scheduled when its blocks do not fit), and shutdown writes the final line.
+Nothing grows with traffic: per-request facts live in one integer attribute on
+vLLM's ``Request``.
 """
 
 from __future__ import annotations
 
-import atexit
 import threading
 import time
 import weakref
@@ -38,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import MambaAlignError
 from .releases import PrefillRule, SplitBody
 
 # Where the audit lives on a scheduler instance (next to SPLIT_ATTRIBUTE's fix).
@@ -115,30 +120,8 @@ def _vllm_log(line: str) -> None:
     init_logger(LOGGER_NAME).info("%s", line)
 
 
-def _bind(
-    request: Any,
-    num_new_tokens: int,
-    num_new_local_computed_tokens: int = 0,
-    num_external_computed_tokens: int = 0,
-    *_: Any,
-    **__: Any,
-) -> tuple[Any, int]:
-    """The split's arguments by vLLM's names: (request, chunk start)."""
-    start = (
-        request.num_computed_tokens
-        + num_new_local_computed_tokens
-        + num_external_computed_tokens
-    )
-    return request, start
-
-
 class Audit:
-    """One scheduler's counters, its split observer and its summary cadence.
-
-    Installed as the scheduler's split "fix" (``activation.SPLIT_ATTRIBUTE``), so
-    ``plugin.split_wrapper`` routes each split call here; ``__call__`` returns
-    exactly what vLLM's function returned.
-    """
+    """One scheduler's counters and its summary cadence."""
 
     __slots__ = (
         "__weakref__",
@@ -159,6 +142,7 @@ class Audit:
         "requests_affected",
         "requests_poisoning",
         "skipped_boundaries",
+        "split_observer",
         "state_block",
     )
 
@@ -190,26 +174,7 @@ class Audit:
         self._last_log = self._started
         self._logged_chunks = 0
         self._closed = False
-
-    # -- hot path ---------------------------------------------------------------
-    def __call__(
-        self,
-        wrapped: Any,
-        scheduler: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> int:
-        """vLLM's split, unchanged; remember the request if this is a prefill chunk."""
-        num_tokens = int(wrapped(*args, **kwargs))
-        if num_tokens > 0:
-            request, start = _bind(*args, **kwargs)
-            if self.prefill_rule is PrefillRule.NO_OUTPUT_YET:
-                prefill = request.num_output_tokens == 0
-            else:
-                prefill = start < max(request.num_prompt_tokens, request.num_tokens - 1)
-            if prefill:
-                self._pending[request.request_id] = request
-        return num_tokens
+        self.split_observer: Callable[..., int] | None = None
 
     def after_schedule(self, output: Any) -> None:
         """Count the prefill chunks this ``schedule()`` really scheduled."""
@@ -270,7 +235,7 @@ class Audit:
         self.log(self.snapshot().summary())
 
     def close(self) -> None:
-        """Log the final summary once (scheduler shutdown, or process exit)."""
+        """Log the final summary once, when vLLM shuts the scheduler down."""
         if self._closed:
             return
         self._closed = True
@@ -280,20 +245,91 @@ class Audit:
 # -- process-wide registry (for `doctor` and tests) ------------------------------
 _audits: weakref.WeakKeyDictionary[Any, Audit] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
-_atexit_registered = False
+
+
+_LOCAL_TOKENS = "num_new_local_computed_tokens"
+_EXTERNAL_TOKENS = "num_external_computed_tokens"
+
+
+def _observe_split(audit: Audit) -> Callable[..., int]:
+    """The split observer, in the shape ``plugin.split_wrapper`` routes to."""
+    pending = audit._pending
+    before_output = audit.prefill_rule is PrefillRule.NO_OUTPUT_YET
+
+    def observed_split(
+        wrapped: Any, scheduler: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> int:
+        num_tokens = int(wrapped(*args, **kwargs))
+        if num_tokens > 0:
+            request = args[0] if args else kwargs["request"]
+            start = request.num_computed_tokens
+            if len(args) > 2:
+                start += sum(args[2:4])
+            if kwargs:
+                start += kwargs.get(_LOCAL_TOKENS, 0) + kwargs.get(_EXTERNAL_TOKENS, 0)
+            if before_output:
+                prefill = request.num_output_tokens == 0
+            else:
+                prefill = start < request.num_prompt_tokens or start < (
+                    request.num_tokens - 1
+                )
+            if prefill:
+                pending[request.request_id] = request
+        return num_tokens
+
+    return observed_split
+
+
+def _vllm_method(scheduler: Any, name: str) -> Any:
+    """vLLM's own method, bound to ``scheduler``."""
+    for klass in type(scheduler).__mro__:
+        if name in vars(klass):
+            return vars(klass)[name].__get__(scheduler, type(scheduler))
+    raise AttributeError(f"{type(scheduler).__name__} has no {name}")
 
 
 def install(scheduler: Any, state_block: int, body: SplitBody, **options: Any) -> Audit:
-    """Create the audit of one scheduler and register it (weakly)."""
-    global _atexit_registered
+    """Create the audit of one scheduler, bind its observers, register it weakly.
+
+    Every observer returns exactly what vLLM's method returns, called with the
+    same arguments: the scheduler schedules as stock. ``schedule`` and
+    ``shutdown`` are observed through attributes of this scheduler instance (the
+    class is untouched); the split observer is returned as
+    ``Audit.split_observer`` for ``activation`` to install where
+    ``plugin.split_wrapper`` routes split calls.
+    """
     audit = Audit(
         state_block, int(scheduler.cache_config.block_size), body.prefill, **options
     )
+    schedule = _vllm_method(scheduler, "schedule")
+    shutdown = _vllm_method(scheduler, "shutdown")
+    after_schedule = audit.after_schedule
+
+    def observed_schedule(*args: Any, **kwargs: Any) -> Any:
+        output = schedule(*args, **kwargs)
+        after_schedule(output)
+        return output
+
+    def observed_shutdown(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return shutdown(*args, **kwargs)
+        finally:
+            audit.close()
+
+    for name, observer in (
+        ("schedule", observed_schedule),
+        ("shutdown", observed_shutdown),
+    ):
+        scheduler.__dict__[name] = observer
+        if getattr(scheduler, name) is not observer:
+            raise MambaAlignError(
+                f"vllm-mamba-align audit: cannot observe {type(scheduler).__name__}."
+                f"{name} on this vLLM (a descriptor shadows the instance attribute);"
+                " unset VLLM_MAMBA_ALIGN_MODE=audit to run stock vLLM."
+            )
+    audit.split_observer = _observe_split(audit)
     with _lock:
         _audits[scheduler] = audit
-        if not _atexit_registered:
-            atexit.register(_close_all)
-            _atexit_registered = True
     setattr(scheduler, AUDIT_ATTRIBUTE, audit)
     return audit
 
@@ -315,11 +351,3 @@ def live_snapshots() -> list[AuditSnapshot]:
     with _lock:
         audits = list(_audits.values())
     return [audit.snapshot() for audit in audits]
-
-
-def _close_all() -> None:
-    """Fallback for schedulers never shut down: their final line at exit."""
-    with _lock:
-        audits = list(_audits.values())
-    for audit in audits:
-        audit.close()

@@ -9,9 +9,6 @@ imported, or at once if it already is. What is patched:
   user opted in to unverified code that passes the structural check).
 - The scheduler module's ``is_mamba_prefill_checkpoint_valid``: only on bodies whose
   internal-checkpoint decision is observed (0.30.0+); it records, never changes.
-- ``Scheduler.schedule`` and ``Scheduler.shutdown``: only read by audit mode
-  (audit.py), which counts the chunks a step really scheduled and logs its final
-  summary; both return vLLM's result untouched.
 
 ``AsyncScheduler`` inherits all of it.
 """
@@ -27,7 +24,7 @@ from typing import Any
 
 import wrapt
 
-from . import audit, settings
+from . import settings
 from .activation import SPLIT_ATTRIBUTE, Recognition, attach
 from .fingerprint import analyse_function
 from .releases import InternalCheckpoint, body_for, unverified_body
@@ -36,8 +33,6 @@ from .split import observe_checkpoint_decision
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 ENVS_MODULE = "vllm.envs"
 SPLIT_METHOD = "_mamba_block_aligned_split"
-SCHEDULE_METHOD = "schedule"
-SHUTDOWN_METHOD = "shutdown"
 CHECKPOINT_DECISION = "is_mamba_prefill_checkpoint_valid"
 # Set on every wrapper this plugin installs, so a second register() (or a forked
 # child, which inherits the patched class) never stacks another one.
@@ -128,9 +123,6 @@ def patch_scheduler_module(module: ModuleType) -> None:
         if body.internal_checkpoint is InternalCheckpoint.OBSERVED:
             _wrap(module, CHECKPOINT_DECISION, observe_checkpoint_decision, recognition)
         _wrap(scheduler_class, SPLIT_METHOD, split_wrapper, recognition)
-        _wrap(scheduler_class, SCHEDULE_METHOD, schedule_wrapper, recognition)
-        if callable(scheduler_class.__dict__.get(SHUTDOWN_METHOD)):
-            _wrap(scheduler_class, SHUTDOWN_METHOD, shutdown_wrapper, recognition)
     _wrap(scheduler_class, "__init__", init_wrapper, recognition)
 
 
@@ -142,26 +134,3 @@ def split_wrapper(
     if fix is None:
         return int(wrapped(*args, **kwargs))
     return int(fix(wrapped, instance, args, kwargs))
-
-
-def schedule_wrapper(
-    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """vLLM's ``schedule()``; an audited scheduler then counts what it scheduled."""
-    output = wrapped(*args, **kwargs)
-    observer = getattr(instance, audit.AUDIT_ATTRIBUTE, None)
-    if observer is not None:
-        observer.after_schedule(output)
-    return output
-
-
-def shutdown_wrapper(
-    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """vLLM's ``shutdown()``; an audited scheduler then logs its final summary."""
-    try:
-        return wrapped(*args, **kwargs)
-    finally:
-        observer = getattr(instance, audit.AUDIT_ATTRIBUTE, None)
-        if observer is not None:
-            observer.close()
