@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import __version__, settings
+from . import __version__, audit, settings
 from .errors import MambaAlignError
 from .fingerprint import CodeShape
 from .geometry import state_block_size
@@ -179,6 +179,11 @@ def attach(scheduler: Any, recognition: Recognition) -> None:
     assert body is not None  # hybrid_refusal refuses every body-less recognition
     if mode is Mode.OFF:
         _log(scheduler, recognition, "loaded, mode=off (stock vLLM split)", state_grid)
+        return
+    if mode is Mode.AUDIT:  # stock schedules, counted: no stall guard needed
+        observer = audit.install(scheduler, state_grid, body)
+        setattr(scheduler, SPLIT_ATTRIBUTE, observer.split_observer)
+        _log(scheduler, recognition, audit.ACTIVE_STATUS, state_grid)
         return
     if not body.wide_block_exemption:
         _refuse_stall(scheduler, body, state_grid)

@@ -20,6 +20,9 @@ class Mode(str, enum.Enum):
     """Chunks end on the Mamba state grid only: no poisoning, fewer extra stops."""
     OFF = "off"
     """Loaded and logging, changes nothing: for A/B runs against stock vLLM."""
+    AUDIT = "audit"
+    """Schedules exactly like stock vLLM and counts the poisoned slots and skipped
+    state boundaries it causes on live traffic, before you switch the fix on."""
 
 
 DEFAULT_MODE = Mode.FULL

@@ -1,0 +1,399 @@
+"""Audit mode on the real scheduler: stock schedules, counts that match the oracle.
+
+The oracle (``vllm_mamba_align.simulation``) models the worker's Mamba state writes
+and checks every published Mamba hash against the state its block holds. Audit
+mode counts from chunk positions alone; these tests hold the two against each
+other on stock vLLM's own schedules.
+
+``Simulation.poisoned`` keeps distinct (block, hash) pairs for the whole run. The
+audit counts publications: when a block is freed, evicted and handed to a request
+that crosses the same boundary again (a preempted request replaying its prefill,
+or a sibling with the same prefix), the same pair is published wrong a second
+time. ``PublicationOracle`` below counts each publication (a pair that vanished
+from the pool and came back is a new one) and also names the hashes of output
+tokens, which resumed requests replay as prefill. The audit must equal it
+exactly; it can only exceed the distinct-pair count, and equals it on the
+heterogeneous scenario.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import pytest
+from conftest import scheduler_mode
+from hypothesis import event, find, given, settings
+from hypothesis import strategies as st
+from test_property import Workload, fits, workloads
+
+from vllm_mamba_align import audit
+from vllm_mamba_align.simulation import (
+    Chunk,
+    Geometry,
+    Simulation,
+    cacheable_boundaries,
+    prompt,
+    state_id,
+)
+
+C, B, P, BUDGET = 816, 1648, 16764, 8192
+HETEROGENEOUS = Geometry(cache_block=C, state_block=B, budget=BUDGET)
+
+
+class PublicationOracle(Simulation):
+    """The simulation, also counting each wrong Mamba hash publication."""
+
+    def __init__(self, geometry: Geometry) -> None:
+        super().__init__(geometry)
+        self.wrong_publications = 0
+        self.all_chunks: list[tuple[str, int, int]] = []
+        self._wrong_now: set[tuple[int, bytes]] = set()
+
+    def step(self) -> dict[str, Chunk]:
+        chunks = super().step()
+        self.all_chunks += [(r, c.start, c.end) for r, c in chunks.items()]
+        for record in self.records.values():
+            request = record.request
+            tokens = request.all_token_ids
+            for index, block_hash in enumerate(request.block_hashes):
+                self.hash_names.setdefault(
+                    bytes(block_hash), state_id(tokens, (index + 1) * self.hash_block)
+                )
+        wrong = self._wrong_in_pool()
+        self.wrong_publications += len(wrong - self._wrong_now)
+        self._wrong_now = wrong
+        return chunks
+
+    def _wrong_in_pool(self) -> set[tuple[int, bytes]]:
+        from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+
+        wrong = set()
+        for block in self.block_pool.blocks:
+            key = block.block_hash
+            if key is None or get_group_id(key) != self.mamba_group:
+                continue
+            claimed = self.hash_names.get(bytes(get_block_hash(key)))
+            if claimed is not None and self.holds.get(block.block_id) != claimed:
+                wrong.add((block.block_id, bytes(key)))
+        return wrong
+
+
+def counts(sim: Simulation) -> audit.AuditSnapshot:
+    snapshot = audit.snapshot(sim.scheduler)
+    assert snapshot is not None, "the scheduler does not run in audit mode"
+    return snapshot
+
+
+# -- the heterogeneous scenario of test_split_invariants -------------------------
+def heterogeneous(mode: str) -> PublicationOracle:
+    """A prompt, an immediate re-ask and two shared-prefix siblings."""
+    first = prompt(P, seed=1)
+    with scheduler_mode(mode):
+        sim = PublicationOracle(HETEROGENEOUS)
+        for name, tokens in (
+            ("first", first),
+            ("re-ask", first),
+            ("sibling", first[:5000] + prompt(3000, seed=2)),
+            ("deep-sibling", first[:9000] + prompt(3000, seed=3)),
+        ):
+            sim.add(name, tokens)
+            sim.run()
+    return sim
+
+
+@pytest.fixture(scope="module")
+def stock_and_audit() -> tuple[PublicationOracle, PublicationOracle]:
+    return heterogeneous("stock"), heterogeneous("audit")
+
+
+def test_audit_schedules_exactly_like_stock_on_the_heterogeneous_scenario(
+    stock_and_audit: tuple[PublicationOracle, PublicationOracle],
+) -> None:
+    stock, audited = stock_and_audit
+    assert audited.all_chunks == stock.all_chunks
+    assert [r.reused_tokens for r in audited.records.values()] == [
+        r.reused_tokens for r in stock.records.values()
+    ]
+    assert audit.snapshot(stock.scheduler) is None, "stock runs are not audited"
+
+
+def test_audit_poisoned_count_equals_the_oracle_on_the_heterogeneous_scenario(
+    stock_and_audit: tuple[PublicationOracle, PublicationOracle],
+) -> None:
+    stock, audited = stock_and_audit
+    found = counts(audited)
+    assert len(stock.poisoned) == stock.wrong_publications == 5
+    assert found.poisoned_slots == len(stock.poisoned)
+    assert found.poisoned_slots == len(audited.poisoned), "same schedule, same harm"
+
+
+def test_audit_skipped_plus_poisoned_are_the_boundaries_never_materialized() -> None:
+    """A lone prompt: every cacheable boundary is materialized, skipped or poisoned."""
+    with scheduler_mode("audit"):
+        sim = Simulation(HETEROGENEOUS)
+        sim.add("first", prompt(P, seed=1))
+        sim.run()
+    found = counts(sim)
+    missing = len(cacheable_boundaries(P, B)) - len(
+        sim.materialized_boundaries("first")
+    )
+    assert (found.poisoned_slots, found.skipped_boundaries) == (2, 8)
+    assert found.poisoned_slots + found.skipped_boundaries == missing == 10
+    assert (found.prefill_chunks, found.prefill_tokens) == (4, P)
+    assert (found.requests, found.requests_affected, found.requests_poisoning) == (
+        1,
+        1,
+        1,
+    )
+
+
+def test_audit_of_the_full_scenario_counts_requests_and_tokens(
+    stock_and_audit: tuple[PublicationOracle, PublicationOracle],
+) -> None:
+    _, audited = stock_and_audit
+    found = counts(audited)
+    prefill = [
+        (s, e)
+        for r, s, e in audited.all_chunks
+        if s < audited.records[r].request.num_prompt_tokens
+    ]
+    assert found.prefill_chunks == len(prefill) == 13
+    assert found.prefill_tokens == sum(e - s for s, e in prefill)
+    # The re-ask starts at vLLM's partial-tail checkpoint and crosses nothing.
+    assert (found.requests, found.requests_affected, found.requests_poisoning) == (
+        4,
+        3,
+        3,
+    )
+
+
+def test_audit_counts_nothing_in_equal_geometry_where_stock_is_correct() -> None:
+    """C == B: stock publishes no wrong hash; only skipped boundaries remain."""
+    length = 5 * B + 100
+    with scheduler_mode("audit"):
+        sim = Simulation(Geometry(cache_block=B, state_block=B, budget=length))
+        sim.add("five", prompt(length, seed=5))
+        sim.run()
+    found = counts(sim)
+    assert sim.poisoned == {} and found.poisoned_slots == 0
+    missing = 5 - len(sim.materialized_boundaries("five"))
+    assert found.skipped_boundaries == missing > 0
+
+
+# -- random workloads --------------------------------------------------------------
+def run_workload(mode: str, workload: Workload) -> PublicationOracle:
+    with scheduler_mode(mode):
+        sim = PublicationOracle(workload.geometry)
+        pending = sorted(
+            zip(workload.arrivals, range(len(workload.prompts)), strict=True),
+            reverse=True,
+        )
+        step = 0
+        while pending or sim.scheduler.has_requests():
+            while pending and pending[-1][0] <= step:
+                _, index = pending.pop()
+                sim.add(
+                    f"r{index}", workload.prompts[index], workload.max_tokens[index]
+                )
+            if sim.scheduler.has_requests():
+                sim.step()
+            step += 1
+            assert step < 20_000, "the scheduler stalled"
+    return sim
+
+
+def preempted(sim: Simulation) -> bool:
+    return any(r.request.num_preemptions for r in sim.records.values())
+
+
+def check_audit_against_stock(workload: Workload) -> audit.AuditSnapshot:
+    stock = run_workload("stock", workload)
+    audited = run_workload("audit", workload)
+    assert audited.all_chunks == stock.all_chunks, "audit changed a schedule"
+    found = counts(audited)
+    assert found.poisoned_slots == stock.wrong_publications
+    assert found.poisoned_slots >= len(stock.poisoned)
+    if found.poisoned_slots > len(stock.poisoned):
+        event("a (block, hash) pair was published wrong twice")
+    if preempted(stock):
+        event("a request was preempted and replayed its prefill")
+    if found.poisoned_slots:
+        event("stock vLLM poisoned a slot")
+    return found
+
+
+@settings(max_examples=50)
+@given(workloads())
+def test_audit_matches_the_oracle_on_random_workloads(workload: Workload) -> None:
+    if fits(workload):
+        check_audit_against_stock(workload)
+
+
+@st.composite
+def scarce_workloads(draw: st.DrawFn) -> Workload:
+    """Long outputs in a pool one request barely fits: preemption and replays."""
+    workload = draw(workloads())
+    longest = max(len(p) for p in workload.prompts) + 160
+    geometry = workload.geometry
+    need = -(-longest // geometry.cache_block) + -(-longest // geometry.state_block)
+    count = len(workload.prompts)
+    return Workload(
+        dataclasses.replace(
+            geometry,
+            num_blocks=need + 6,
+            max_num_seqs=draw(st.integers(2, 4)),
+            reserve_full_input=False,
+        ),
+        workload.prompts,
+        [160] * count,
+        [0] * count,
+    )
+
+
+@settings(max_examples=25)
+@given(scarce_workloads())
+def test_audit_counts_each_publication_under_preemption(workload: Workload) -> None:
+    if fits(workload):
+        check_audit_against_stock(workload)
+
+
+@settings(max_examples=40)
+@given(workloads(equal_geometry=True))
+def test_audit_finds_no_poisoning_in_equal_geometry(workload: Workload) -> None:
+    if fits(workload):
+        found = check_audit_against_stock(workload)
+        assert found.poisoned_slots == 0
+
+
+def test_the_audit_property_finds_poisoning() -> None:
+    """The control: random heterogeneous workloads do make the audit count."""
+    found = find(
+        workloads(),
+        lambda w: fits(w) and counts(run_workload("audit", w)).poisoned_slots > 0,
+        settings=settings(max_examples=400, database=None),
+    )
+    assert run_workload("stock", found).wrong_publications > 0
+
+
+# -- the summary line, its cadence, shutdown -----------------------------------------
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fake_audit(lines: list[str], clock: Clock) -> audit.Audit:
+    return audit.Audit(B, C, interval=60.0, clock=clock, log=lines.append)
+
+
+def test_summary_line_format() -> None:
+    lines: list[str] = []
+    clock = Clock()
+    found = fake_audit(lines, clock)
+    request = SimpleNamespace()
+    for start, end in ((0, 8160), (8160, 16320), (16320, 16752), (16752, 16764)):
+        found.count_chunk(request, start, end)
+    clock.now += 3 * 3600 + 12 * 60 + 5
+    found.count_chunk(SimpleNamespace(), 0, 1_000_000)  # aligned start: skips only
+    found.close()
+    assert lines == [
+        "vllm-mamba-align audit (B=1648, C=816): 5 prefill chunks, "
+        "2 would-be-poisoned slots, 614 skipped state boundaries, "
+        "2 of 2 requests affected (1 poisoning), "
+        "1,016,764 prefill tokens scheduled in 3h12m"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"), [(0.4, "0s"), (59, "59s"), (725, "12m05s"), (11525, "3h12m")]
+)
+def test_durations_are_short(seconds: float, text: str) -> None:
+    assert audit.format_duration(seconds) == text
+
+
+def test_summary_cadence_is_time_based_and_only_when_counts_changed() -> None:
+    lines: list[str] = []
+    clock = Clock()
+    found = fake_audit(lines, clock)
+    quiet = SimpleNamespace(num_scheduled_tokens={})
+    found.count_chunk(SimpleNamespace(), 8160, 16320)
+    clock.now += 59
+    found.after_schedule(quiet)
+    assert lines == [], "not before the interval"
+    clock.now += 1
+    found.after_schedule(quiet)
+    assert len(lines) == 1 and "1 would-be-poisoned slots" in lines[0]
+    clock.now += 600
+    found.after_schedule(quiet)
+    assert len(lines) == 1, "nothing changed: no line"
+    found.count_chunk(SimpleNamespace(), 0, 816)
+    found.after_schedule(quiet)
+    assert len(lines) == 2, "changed and the interval has passed: a line"
+
+
+@contextmanager
+def vllm_log_lines() -> Iterator[list[str]]:
+    """Lines the plugin writes through vLLM's logger."""
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    from vllm.logger import init_logger
+
+    logger = init_logger(audit.LOGGER_NAME)
+    handler = Collect(level=logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+
+
+def summaries(lines: list[str]) -> list[str]:
+    return [line for line in lines if line.startswith("vllm-mamba-align audit")]
+
+
+def test_a_real_scheduler_logs_on_cadence_and_once_at_shutdown() -> None:
+    clock = Clock()
+    with vllm_log_lines() as lines, scheduler_mode("audit"):
+        sim = Simulation(HETEROGENEOUS)
+        observer = audit.audit_of(sim.scheduler)
+        assert observer is not None
+        assert any("mode=audit" in line for line in lines), "the activation line"
+        observer.clock = clock
+        observer._started = observer._last_log = clock.now
+        sim.add("first", prompt(P, seed=1))
+        sim.step()  # [0, 8160)
+        assert summaries(lines) == []
+        clock.now += 61
+        sim.step()  # [8160, 16320): a would-be-poisoned slot
+        assert len(summaries(lines)) == 1
+        assert "2 prefill chunks, 1 would-be-poisoned slots" in summaries(lines)[0]
+        sim.run()
+        sim.scheduler.shutdown()
+        sim.scheduler.shutdown()
+    final = summaries(lines)[1:]
+    assert len(final) == 1, "one final line at shutdown"
+    assert final[0] == counts(sim).summary()
+    assert "4 prefill chunks, 2 would-be-poisoned slots" in final[0]
+
+
+def test_live_snapshots_list_every_audited_scheduler() -> None:
+    with scheduler_mode("audit"):
+        sim = Simulation(HETEROGENEOUS)
+    with scheduler_mode("full"):
+        fixed = Simulation(HETEROGENEOUS)
+    assert audit.snapshot(fixed.scheduler) is None
+    found = audit.audit_of(sim.scheduler)
+    assert found is not None
+    # elapsed_seconds moves with the clock; compare the rest.
+    live = [dataclasses.replace(s, elapsed_seconds=0) for s in audit.live_snapshots()]
+    assert dataclasses.replace(found.snapshot(), elapsed_seconds=0) in live

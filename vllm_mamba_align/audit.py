@@ -1,0 +1,353 @@
+"""Audit mode: measure the align-mode defect on live traffic, change nothing.
+
+``VLLM_MAMBA_ALIGN_MODE=audit`` leaves vLLM's split exactly as it is (the split
+wrapper calls vLLM's own function with the same arguments and returns its answer)
+and counts, per scheduler, what stock vLLM does to the Mamba state grid B, from the
+positions of the prefill chunks it actually schedules:
+
+- **would-be-poisoned slots**: a prefill chunk that starts off the grid (``start %
+  B != 0``) and runs past the next boundary ``nb``. The request's running slot
+  holds the state after ``start`` tokens; vLLM allocates a new running slot for
+  the chunk's end and publishes the old one under the hash of ``[0, nb)``, a
+  state it does not hold. Every later request that hits that hash continues from
+  the wrong state. A chunk that ends exactly on ``nb`` is fine: the same slot
+  receives the state at ``nb``.
+- **skipped state boundaries**: the other boundaries strictly inside a chunk. The
+  allocator gives such slots the null block, so those states never exist and no
+  request can reuse them (lost prefix reuse, not wrong outputs).
+- requests affected and prefill tokens scheduled, for scale.
+
+Validated against the real-scheduler oracle of the test suite
+(``tests/test_audit.py``): the would-be-poisoned count equals the number of Mamba
+hash publications over a wrong state, and it is 0 wherever stock is correct.
+
+How it observes: the split observer is installed where ``plugin.split_wrapper``
+routes each split call of this scheduler (like the fix, but calling vLLM's
+function unchanged); it does O(1) integer work and remembers the prefill chunks of
+the current step in a dict cleared after every step. ``schedule()`` and
+``shutdown()`` are observed through attributes of the scheduler *instance* (the
+class is untouched, other schedulers are not affected): the step's output
+confirms which remembered chunks really ran (a chunk can be proposed and then not
+scheduled when its blocks do not fit), and shutdown writes the final line.
+Nothing grows with traffic: per-request facts live in one integer attribute on
+vLLM's ``Request``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import MambaAlignError
+from .releases import PrefillRule, SplitBody
+
+# Where the audit lives on a scheduler instance (next to SPLIT_ATTRIBUTE's fix).
+AUDIT_ATTRIBUTE = "_vllm_mamba_align_audit"
+# Per-request bits, on vLLM's Request object (dies with the request).
+REQUEST_FLAGS = "_vllm_mamba_align_audit_flags"
+_SEEN = 1
+_AFFECTED = 2
+_POISONING = 4
+
+DEFAULT_INTERVAL_SECONDS = 60.0
+"""A summary line at most this often, and only when the counts changed."""
+
+LOGGER_NAME = "vllm.plugins.mamba_align"
+
+ACTIVE_STATUS = (
+    "AUDIT, mode=audit: stock vLLM schedules unchanged; counting would-be-poisoned "
+    "slots and skipped state boundaries (summary every "
+    f"{DEFAULT_INTERVAL_SECONDS:.0f} s when changed, and at shutdown)"
+)
+
+
+@dataclass(frozen=True)
+class AuditSnapshot:
+    """The figures of one scheduler's audit at one moment."""
+
+    state_block: int
+    """B: the Mamba state grid (``MambaSpec.block_size``)."""
+    cache_block: int
+    """C: the grid stock vLLM ends chunks on (``cache_config.block_size``)."""
+    prefill_chunks: int
+    prefill_tokens: int
+    poisoned_slots: int
+    """Slots vLLM publishes under the hash of a boundary whose state they do not
+    hold: each one serves a wrong state to every request that hits it."""
+    skipped_boundaries: int
+    """B boundaries crossed inside a chunk whose state is never materialized."""
+    requests: int
+    """Requests with at least one prefill chunk scheduled."""
+    requests_affected: int
+    """Requests with a would-be-poisoned slot or a skipped boundary."""
+    requests_poisoning: int
+    """Requests with a would-be-poisoned slot."""
+    elapsed_seconds: float
+
+    def summary(self) -> str:
+        """The one-line summary the audit logs."""
+        return (
+            f"vllm-mamba-align audit (B={self.state_block}, C={self.cache_block}): "
+            f"{self.prefill_chunks:,} prefill chunks, "
+            f"{self.poisoned_slots:,} would-be-poisoned slots, "
+            f"{self.skipped_boundaries:,} skipped state boundaries, "
+            f"{self.requests_affected:,} of {self.requests:,} requests affected "
+            f"({self.requests_poisoning:,} poisoning), "
+            f"{self.prefill_tokens:,} prefill tokens scheduled in "
+            f"{format_duration(self.elapsed_seconds)}"
+        )
+
+
+def format_duration(seconds: float) -> str:
+    """``45s``, ``12m05s``, ``3h12m``: short and unambiguous in a log line."""
+    total = int(seconds)
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"
+
+
+def _vllm_log(line: str) -> None:
+    from vllm.logger import init_logger
+
+    init_logger(LOGGER_NAME).info("%s", line)
+
+
+class Audit:
+    """One scheduler's counters and its summary cadence."""
+
+    __slots__ = (
+        "__weakref__",
+        "_closed",
+        "_last_log",
+        "_logged_chunks",
+        "_pending",
+        "_started",
+        "cache_block",
+        "clock",
+        "interval",
+        "log",
+        "poisoned_slots",
+        "prefill_chunks",
+        "prefill_rule",
+        "prefill_tokens",
+        "requests",
+        "requests_affected",
+        "requests_poisoning",
+        "skipped_boundaries",
+        "split_observer",
+        "state_block",
+    )
+
+    def __init__(
+        self,
+        state_block: int,
+        cache_block: int,
+        prefill_rule: PrefillRule = PrefillRule.BEFORE_PREFILL_END,
+        *,
+        interval: float = DEFAULT_INTERVAL_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+        log: Callable[[str], None] = _vllm_log,
+    ) -> None:
+        self.state_block = state_block
+        self.cache_block = cache_block
+        self.prefill_rule = prefill_rule
+        self.interval = interval
+        self.clock = clock
+        self.log = log
+        self.prefill_chunks = 0
+        self.prefill_tokens = 0
+        self.poisoned_slots = 0
+        self.skipped_boundaries = 0
+        self.requests = 0
+        self.requests_affected = 0
+        self.requests_poisoning = 0
+        self._pending: dict[str, Any] = {}
+        self._started = clock()
+        self._last_log = self._started
+        self._logged_chunks = 0
+        self._closed = False
+        self.split_observer: Callable[..., int] | None = None
+
+    def after_schedule(self, output: Any) -> None:
+        """Count the prefill chunks this ``schedule()`` really scheduled."""
+        pending = self._pending
+        if pending:
+            scheduled = output.num_scheduled_tokens
+            for request_id, request in pending.items():
+                count = scheduled.get(request_id, 0)
+                if count > 0:
+                    # vLLM advanced num_computed_tokens by the scheduled count.
+                    end = request.num_computed_tokens
+                    self.count_chunk(request, end - count, end)
+            pending.clear()
+        if self.prefill_chunks != self._logged_chunks:
+            now = self.clock()
+            if now - self._last_log >= self.interval:
+                self._emit(now)
+
+    def count_chunk(self, request: Any, start: int, end: int) -> None:
+        """Classify one scheduled prefill chunk ``[start, end)``."""
+        grid = self.state_block
+        self.prefill_chunks += 1
+        self.prefill_tokens += end - start
+        flags = getattr(request, REQUEST_FLAGS, 0)
+        new_flags = flags | _SEEN
+        # Boundaries k * B with start < k * B < end.
+        crossed = (end - 1) // grid - start // grid
+        if crossed > 0:
+            poisoned = 1 if start % grid else 0
+            self.poisoned_slots += poisoned
+            self.skipped_boundaries += crossed - poisoned
+            new_flags |= _AFFECTED | (_POISONING if poisoned else 0)
+        if new_flags != flags:
+            setattr(request, REQUEST_FLAGS, new_flags)
+            gained = new_flags & ~flags
+            self.requests += gained & _SEEN
+            self.requests_affected += (gained & _AFFECTED) >> 1
+            self.requests_poisoning += (gained & _POISONING) >> 2
+
+    # -- reading and logging ----------------------------------------------------
+    def snapshot(self) -> AuditSnapshot:
+        return AuditSnapshot(
+            state_block=self.state_block,
+            cache_block=self.cache_block,
+            prefill_chunks=self.prefill_chunks,
+            prefill_tokens=self.prefill_tokens,
+            poisoned_slots=self.poisoned_slots,
+            skipped_boundaries=self.skipped_boundaries,
+            requests=self.requests,
+            requests_affected=self.requests_affected,
+            requests_poisoning=self.requests_poisoning,
+            elapsed_seconds=self.clock() - self._started,
+        )
+
+    def _emit(self, now: float) -> None:
+        self._last_log = now
+        self._logged_chunks = self.prefill_chunks
+        self.log(self.snapshot().summary())
+
+    def close(self) -> None:
+        """Log the final summary once, when vLLM shuts the scheduler down."""
+        if self._closed:
+            return
+        self._closed = True
+        self._emit(self.clock())
+
+
+# -- process-wide registry (for `doctor` and tests) ------------------------------
+_audits: weakref.WeakKeyDictionary[Any, Audit] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+_LOCAL_TOKENS = "num_new_local_computed_tokens"
+_EXTERNAL_TOKENS = "num_external_computed_tokens"
+
+
+def _observe_split(audit: Audit) -> Callable[..., int]:
+    """The split observer, in the shape ``plugin.split_wrapper`` routes to."""
+    pending = audit._pending
+    before_output = audit.prefill_rule is PrefillRule.NO_OUTPUT_YET
+
+    def observed_split(
+        wrapped: Any, scheduler: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> int:
+        num_tokens = int(wrapped(*args, **kwargs))
+        if num_tokens > 0:
+            request = args[0] if args else kwargs["request"]
+            start = request.num_computed_tokens
+            if len(args) > 2:
+                start += sum(args[2:4])
+            if kwargs:
+                start += kwargs.get(_LOCAL_TOKENS, 0) + kwargs.get(_EXTERNAL_TOKENS, 0)
+            if before_output:
+                prefill = request.num_output_tokens == 0
+            else:
+                prefill = start < request.num_prompt_tokens or start < (
+                    request.num_tokens - 1
+                )
+            if prefill:
+                pending[request.request_id] = request
+        return num_tokens
+
+    return observed_split
+
+
+def _vllm_method(scheduler: Any, name: str) -> Any:
+    """vLLM's own method, bound to ``scheduler``."""
+    for klass in type(scheduler).__mro__:
+        if name in vars(klass):
+            return vars(klass)[name].__get__(scheduler, type(scheduler))
+    raise AttributeError(f"{type(scheduler).__name__} has no {name}")
+
+
+def install(scheduler: Any, state_block: int, body: SplitBody, **options: Any) -> Audit:
+    """Create the audit of one scheduler, bind its observers, register it weakly.
+
+    Every observer returns exactly what vLLM's method returns, called with the
+    same arguments: the scheduler schedules as stock. ``schedule`` and
+    ``shutdown`` are observed through attributes of this scheduler instance (the
+    class is untouched); the split observer is returned as
+    ``Audit.split_observer`` for ``activation`` to install where
+    ``plugin.split_wrapper`` routes split calls.
+    """
+    audit = Audit(
+        state_block, int(scheduler.cache_config.block_size), body.prefill, **options
+    )
+    schedule = _vllm_method(scheduler, "schedule")
+    shutdown = _vllm_method(scheduler, "shutdown")
+    after_schedule = audit.after_schedule
+
+    def observed_schedule(*args: Any, **kwargs: Any) -> Any:
+        output = schedule(*args, **kwargs)
+        after_schedule(output)
+        return output
+
+    def observed_shutdown(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return shutdown(*args, **kwargs)
+        finally:
+            audit.close()
+
+    for name, observer in (
+        ("schedule", observed_schedule),
+        ("shutdown", observed_shutdown),
+    ):
+        scheduler.__dict__[name] = observer
+        if getattr(scheduler, name) is not observer:
+            raise MambaAlignError(
+                f"vllm-mamba-align audit: cannot observe {type(scheduler).__name__}."
+                f"{name} on this vLLM (a descriptor shadows the instance attribute);"
+                " unset VLLM_MAMBA_ALIGN_MODE=audit to run stock vLLM."
+            )
+    audit.split_observer = _observe_split(audit)
+    with _lock:
+        _audits[scheduler] = audit
+    setattr(scheduler, AUDIT_ATTRIBUTE, audit)
+    return audit
+
+
+def audit_of(scheduler: Any) -> Audit | None:
+    """The scheduler's audit, or None when it does not run in audit mode."""
+    audit = getattr(scheduler, AUDIT_ATTRIBUTE, None)
+    return audit if isinstance(audit, Audit) else None
+
+
+def snapshot(scheduler: Any) -> AuditSnapshot | None:
+    """The scheduler's audit figures now, or None when it is not audited."""
+    audit = audit_of(scheduler)
+    return None if audit is None else audit.snapshot()
+
+
+def live_snapshots() -> list[AuditSnapshot]:
+    """Figures of every audited scheduler still alive in this process."""
+    with _lock:
+        audits = list(_audits.values())
+    return [audit.snapshot() for audit in audits]
