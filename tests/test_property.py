@@ -126,6 +126,17 @@ def simulate(mode: str, workload: Workload) -> Simulation:
     return sim
 
 
+def resumed_requests_unsplit() -> bool:
+    """Whether this vLLM's split skips resumed requests (0.15.1-0.16.0)."""
+    import vllm.v1.core.sched.scheduler as module
+
+    from vllm_mamba_align.plugin import recognize
+    from vllm_mamba_align.releases import PrefillRule
+
+    body = recognize(module.Scheduler).body
+    return body is not None and body.prefill is PrefillRule.NO_OUTPUT_YET
+
+
 def fits(workload: Workload) -> bool:
     """Workloads within the model length (vLLM rejects longer prompts)."""
     return max(len(p) for p in workload.prompts) < 100_000
@@ -136,6 +147,12 @@ def test_fixed_scheduler_never_poisons_and_always_finishes(workload: Workload) -
     assume(fits(workload))
     for mode in ("full", "grid"):
         sim = simulate(mode, workload)
+        if resumed_requests_unsplit() and any(
+            r.request.num_preemptions for r in sim.records.values()
+        ):
+            # 0.15.1-0.16.0 never split a resumed request's replayed prefill (vLLM's
+            # own TODO, fixed in 0.17.1); the plugin keeps to what vLLM splits.
+            reject()
         assert not sim.poisoned, [str(p) for p in sim.poisoned.values()]
         assert not sim.wrong_reuse
         for record in sim.records.values():
