@@ -28,7 +28,7 @@ import pytest
 from conftest import geometry_rule, scheduler_mode
 from hypothesis import event, find, given, settings
 from hypothesis import strategies as st
-from test_property import Workload, fits, workloads
+from test_property import Workload, drive, fits, workloads
 
 from vllm_mamba_align import audit
 from vllm_mamba_align.simulation import (
@@ -195,21 +195,7 @@ def test_audit_counts_nothing_in_equal_geometry_where_stock_is_correct() -> None
 def run_workload(mode: str, workload: Workload) -> PublicationOracle:
     with scheduler_mode(mode):
         sim = PublicationOracle(workload.geometry)
-        pending = sorted(
-            zip(workload.arrivals, range(len(workload.prompts)), strict=True),
-            reverse=True,
-        )
-        step = 0
-        while pending or sim.scheduler.has_requests():
-            while pending and pending[-1][0] <= step:
-                _, index = pending.pop()
-                sim.add(
-                    f"r{index}", workload.prompts[index], workload.max_tokens[index]
-                )
-            if sim.scheduler.has_requests():
-                sim.step()
-            step += 1
-            assert step < 20_000, "the scheduler stalled"
+        drive(sim, workload)
     return sim
 
 

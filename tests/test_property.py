@@ -109,22 +109,25 @@ def simulate(mode: str, workload: Workload) -> Simulation:
             if vllm_refuses(error):
                 reject()  # this release cannot run this geometry at all
             raise
-        pending = sorted(
-            zip(workload.arrivals, range(len(workload.prompts)), strict=True),
-            reverse=True,
-        )
-        step = 0
-        while pending or sim.scheduler.has_requests():
-            while pending and pending[-1][0] <= step:
-                _, index = pending.pop()
-                sim.add(
-                    f"r{index}", workload.prompts[index], workload.max_tokens[index]
-                )
-            if sim.scheduler.has_requests():
-                sim.step()
-            step += 1
-            assert step < 20_000, "the scheduler stalled"
+        drive(sim, workload)
     return sim
+
+
+def drive(sim: Simulation, workload: Workload) -> None:
+    """Add each request at its arrival step and run until all have finished."""
+    pending = sorted(
+        zip(workload.arrivals, range(len(workload.prompts)), strict=True),
+        reverse=True,
+    )
+    step = 0
+    while pending or sim.scheduler.has_requests():
+        while pending and pending[-1][0] <= step:
+            _, index = pending.pop()
+            sim.add(f"r{index}", workload.prompts[index], workload.max_tokens[index])
+        if sim.scheduler.has_requests():
+            sim.step()
+        step += 1
+        assert step < 20_000, "the scheduler stalled"
 
 
 def resumed_requests_unsplit() -> bool:
