@@ -76,17 +76,11 @@ class PublicationOracle(Simulation):
         return chunks
 
     def _wrong_in_pool(self) -> set[tuple[int, bytes]]:
-        from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
-
-        wrong = set()
-        for block in self.block_pool.blocks:
-            key = block.block_hash
-            if key is None or get_group_id(key) != self.mamba_group:
-                continue
-            claimed = self.hash_names.get(bytes(get_block_hash(key)))
-            if claimed is not None and self.holds.get(block.block_id) != claimed:
-                wrong.add((block.block_id, bytes(key)))
-        return wrong
+        return {
+            (block.block_id, key)
+            for block, key, claimed in self.published_mamba_blocks()
+            if self.holds.get(block.block_id) != claimed
+        }
 
 
 def counts(sim: Simulation) -> audit.AuditSnapshot:

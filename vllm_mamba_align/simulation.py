@@ -467,7 +467,8 @@ class Simulation:
                 f"holding {got}"
             )
 
-    def _check_published_hashes(self) -> None:
+    def published_mamba_blocks(self) -> Iterator[tuple[Any, bytes, StateId]]:
+        """(block, hash key, state the hash names) for every published Mamba block."""
         from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
 
         for block in self.block_pool.blocks:
@@ -475,15 +476,16 @@ class Simulation:
             if key is None or get_group_id(key) != self.mamba_group:
                 continue
             claimed = self.hash_names.get(bytes(get_block_hash(key)))
-            if claimed is None:
-                continue
-            self.published.add((block.block_id, bytes(key)))
+            if claimed is not None:
+                yield block, bytes(key), claimed
+
+    def _check_published_hashes(self) -> None:
+        for block, key, claimed in self.published_mamba_blocks():
+            self.published.add((block.block_id, key))
             held = self.holds.get(block.block_id)
             if held != claimed:
-                self.poisoned.setdefault(
-                    (block.block_id, bytes(key)),
-                    Poisoned(block.block_id, claimed, held),
-                )
+                wrong = Poisoned(block.block_id, claimed, held)
+                self.poisoned.setdefault((block.block_id, key), wrong)
 
     # -- measurements -----------------------------------------------------------
     def chunk_ends(self, req_id: str) -> list[int]:
@@ -495,7 +497,6 @@ class Simulation:
         Reads the block pool, so it still answers after the request finished (its
         blocks stay cached until evicted).
         """
-        from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
 
         request = self.records[req_id].request
         tokens = self._tokens(req_id)
@@ -503,14 +504,11 @@ class Simulation:
             state_id(tokens, b): b
             for b in cacheable_boundaries(request.num_prompt_tokens, self.state_block)
         }
-        found = set()
-        for block in self.block_pool.blocks:
-            key = block.block_hash
-            if key is None or get_group_id(key) != self.mamba_group:
-                continue
-            claimed = self.hash_names.get(bytes(get_block_hash(key)))
-            if claimed in wanted and self.holds.get(block.block_id) == claimed:
-                found.add(wanted[claimed])
+        found = {
+            wanted[claimed]
+            for block, _, claimed in self.published_mamba_blocks()
+            if claimed in wanted and self.holds.get(block.block_id) == claimed
+        }
         return sorted(found)
 
     def reused(self, req_id: str) -> int:
