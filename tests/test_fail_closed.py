@@ -200,3 +200,40 @@ def test_a_vendor_build_with_a_known_body_is_accepted() -> None:
     assert "on vLLM 0.1.dev20073+g8e685d198 (dev/vendor build)" in line
     assert "ACTIVE, mode=full" in line
     assert "chunk ends: [1648, 3296, 4944, " in out
+
+
+@pytest.mark.parametrize("mode", ["full", "grid", "audit", "off"])
+def test_a_scheduler_class_with_its_own_split(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A subclass overriding the split runs unverified code: refused, or untouched.
+
+    The fix and the audit bind vLLM's recognized function on each scheduler; a
+    subclass's own split would be bypassed, so the plugin refuses to start it.
+    With the plugin off the subclass's split runs exactly as written.
+    """
+    import vllm.v1.core.sched.scheduler as module
+
+    calls: list[int] = []
+
+    class OwnSplitScheduler(module.Scheduler):  # type: ignore[misc,name-defined]
+        def _mamba_block_aligned_split(
+            self, request: object, num_new_tokens: int, *rest: int
+        ) -> int:
+            calls.append(num_new_tokens)
+            return num_new_tokens
+
+    monkeypatch.setattr(module, "Scheduler", OwnSplitScheduler)
+    geometry = Geometry(cache_block=1648, state_block=1648, budget=8192)
+    if mode != "off":
+        with scheduler_mode(mode), pytest.raises(MambaAlignError) as error:
+            build_scheduler(geometry)
+        message = str(error.value)
+        assert "OwnSplitScheduler overrides _mamba_block_aligned_split" in message
+        assert "VLLM_MAMBA_ALIGN_MODE=off" in message
+        return
+    with scheduler_mode(mode):
+        sim = Simulation(geometry)
+    sim.add("a", prompt(5000, seed=2))
+    sim.step()
+    assert calls == [5000], "the subclass's own split ran, unchanged"

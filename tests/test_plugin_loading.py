@@ -5,7 +5,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-from conftest import plugins, run_python
+from conftest import plugins, run_python, scheduler_mode
 
 from vllm_mamba_align import __version__, register
 from vllm_mamba_align.plugin import SCHEDULER_MODULE, is_patched, patch_scheduler_module
@@ -115,3 +115,28 @@ def test_importing_the_package_touches_nothing() -> None:
     assert result.returncode == 0, result.stderr
     assert "vllm imported: False" in result.stdout
     assert "torch imported: False" in result.stdout
+
+
+@pytest.mark.parametrize("mode", ["full", "grid", "off", "audit"])
+def test_split_calls_through_the_class_take_the_instance_route(mode: str) -> None:
+    """A scheduler's own calls skip the class wrapper; calls through it agree."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_mamba_align.simulation import Geometry, Simulation, prompt
+
+    stock = vars(Scheduler)["_mamba_block_aligned_split"].__wrapped__
+    with scheduler_mode(mode):
+        sim = Simulation(Geometry(cache_block=1648, state_block=1648, budget=8192))
+    scheduler = sim.scheduler
+    request = sim.add("a", prompt(16764, seed=3))
+    own = scheduler._mamba_block_aligned_split
+    through_class = Scheduler._mamba_block_aligned_split(scheduler, request, 8192)
+    assert own(request, 8192) == through_class
+    if mode == "off":  # nothing to fix: vLLM's own function, no plugin frame
+        assert own.__func__ is stock
+        assert through_class == stock(scheduler, request, 8192)
+    else:
+        assert own is vars(scheduler)["_vllm_mamba_align_split"]
+    internal = getattr(scheduler, "mamba_has_prefill_checkpoint_blocks", False)
+    if mode == "full" and not internal:  # the fix really ran on both routes
+        assert through_class == 1648 != stock(scheduler, request, 8192)

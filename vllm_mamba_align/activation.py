@@ -6,6 +6,7 @@ known. Logs exactly one line through vLLM's logger saying what it found and did.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,10 +16,11 @@ from .fingerprint import CodeShape
 from .geometry import state_block_size
 from .releases import SUPPORTED_RELEASES, SplitBody, describe_version, expected_body
 from .settings import Mode
-from .split import StateGridSplit
+from .split import SplitFunction, state_grid_split
 
 # The attribute upstream's fix (PR #54076) adds; if vLLM set it itself, the fix landed.
 STATE_BLOCK_ATTRIBUTE = "mamba_state_block_size"
+SPLIT_METHOD = "_mamba_block_aligned_split"
 # Where the installed fix lives on a scheduler instance.
 SPLIT_ATTRIBUTE = "_vllm_mamba_align_split"
 
@@ -33,6 +35,8 @@ class Recognition:
     body: SplitBody | None
     """The known body, or the best-effort rules of an opted-in unverified body."""
     verified: bool
+    split: Any = None
+    """vLLM's own ``_mamba_block_aligned_split`` function, as found (unwrapped)."""
 
 
 def _logger() -> Any:
@@ -152,6 +156,40 @@ def _log(
     )
 
 
+def _runs_recognized_split(scheduler: Any, recognition: Recognition) -> bool:
+    """Whether this scheduler's class calls the split the plugin recognized.
+
+    False for a scheduler class that overrides the split with its own code.
+    """
+    in_class = inspect.getattr_static(type(scheduler), SPLIT_METHOD, None)
+    wrapped = getattr(in_class, "__wrapped__", None)
+    return wrapped is not None and wrapped is recognition.split
+
+
+def _refuse_override(scheduler: Any) -> MambaAlignError:
+    return MambaAlignError(
+        f"vllm-mamba-align: {type(scheduler).__qualname__} overrides "
+        f"{SPLIT_METHOD} with code the plugin has not verified, so the plugin "
+        "cannot apply the fix (or the audit) to it. Use vLLM's own Scheduler, or "
+        f"set {settings.MODE_VARIABLE}=off (or leave the plugin out of "
+        "VLLM_PLUGINS) to run that scheduler's split unchanged."
+    )
+
+
+def _bind_split(scheduler: Any, route: SplitFunction) -> None:
+    """Bind this scheduler's split calls straight to ``route``.
+
+    vLLM calls ``self._mamba_block_aligned_split`` for every running request at
+    every step, decodes included. The class-level wrapt wrapper would add its
+    layers to each of those calls; an attribute on the scheduler instance shadows
+    it, so this scheduler's calls go straight to the fix (or straight to vLLM's
+    own function when there is nothing to fix). The class wrapper stays, and
+    routes any call made through the class to the same place.
+    """
+    scheduler.__dict__[SPLIT_ATTRIBUTE] = route
+    scheduler.__dict__[SPLIT_METHOD] = route
+
+
 def attach(scheduler: Any, recognition: Recognition) -> None:
     """Decide for one freshly built scheduler; raise to refuse it, never half-apply."""
     mode = settings.read_mode()
@@ -177,22 +215,25 @@ def attach(scheduler: Any, recognition: Recognition) -> None:
         raise refusal
     body = recognition.body
     assert body is not None  # hybrid_refusal refuses every body-less recognition
+    recognized = _runs_recognized_split(scheduler, recognition)
     if mode is Mode.OFF:
+        if recognized:  # vLLM's own function, without the wrapper's layers
+            stock = recognition.split.__get__(scheduler, type(scheduler))
+            _bind_split(scheduler, stock)
         _log(scheduler, recognition, "loaded, mode=off (stock vLLM split)", state_grid)
         return
+    if not recognized:
+        raise _refuse_override(scheduler)
     if mode is Mode.AUDIT:  # stock schedules, counted: no stall guard needed
-        observer = audit.install(scheduler, state_grid, body)
-        setattr(scheduler, SPLIT_ATTRIBUTE, observer.split_observer)
+        observer = audit.install(scheduler, state_grid, body, recognition.split)
+        _bind_split(scheduler, observer)
         _log(scheduler, recognition, audit.ACTIVE_STATUS, state_grid)
         return
     if not body.wide_block_exemption:
         _refuse_stall(scheduler, body, state_grid)
+    route = state_grid_split(scheduler, recognition.split, mode, state_grid, body)
+    _bind_split(scheduler, route)
     setattr(scheduler, STATE_BLOCK_ATTRIBUTE, state_grid)
-    setattr(
-        scheduler,
-        SPLIT_ATTRIBUTE,
-        StateGridSplit(scheduler, mode, state_grid, body),
-    )
     what = (
         "chunks end on the B grid and stop at every B boundary"
         if mode is Mode.FULL

@@ -21,10 +21,10 @@ Validated against the real-scheduler oracle of the test suite
 (``tests/test_audit.py``): the would-be-poisoned count equals the number of Mamba
 hash publications over a wrong state, and it is 0 wherever stock is correct.
 
-How it observes: the split observer is installed where ``plugin.split_wrapper``
-routes each split call of this scheduler (like the fix, but calling vLLM's
-function unchanged); it does O(1) integer work and remembers the prefill chunks of
-the current step in a dict cleared after every step. ``schedule()`` and
+How it observes: the split observer is bound as this scheduler's split (like the
+fix, but calling vLLM's function unchanged); it does O(1) integer work and
+remembers the prefill chunks of the current step in a dict cleared after every
+step. ``schedule()`` and
 ``shutdown()`` are observed through attributes of the scheduler *instance* (the
 class is untouched, other schedulers are not affected): the step's output
 confirms which remembered chunks really ran (a chunk can be proposed and then not
@@ -44,6 +44,7 @@ from typing import Any
 
 from .errors import MambaAlignError
 from .releases import PrefillRule, SplitBody
+from .split import NOT_GIVEN
 
 # Where the audit lives on a scheduler instance (next to SPLIT_ATTRIBUTE's fix).
 AUDIT_ATTRIBUTE = "_vllm_mamba_align_audit"
@@ -142,7 +143,6 @@ class Audit:
         "requests_affected",
         "requests_poisoning",
         "skipped_boundaries",
-        "split_observer",
         "state_block",
     )
 
@@ -174,7 +174,6 @@ class Audit:
         self._last_log = self._started
         self._logged_chunks = 0
         self._closed = False
-        self.split_observer: Callable[..., int] | None = None
 
     def after_schedule(self, output: Any) -> None:
         """Count the prefill chunks this ``schedule()`` really scheduled."""
@@ -247,29 +246,52 @@ _audits: weakref.WeakKeyDictionary[Any, Audit] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
-_LOCAL_TOKENS = "num_new_local_computed_tokens"
-_EXTERNAL_TOKENS = "num_external_computed_tokens"
+def _observe_split(
+    audit: Audit, scheduler: Any, stock: Callable[..., int]
+) -> Callable[..., int]:
+    """The split observer bound to one scheduler: vLLM's call, then O(1) notes.
 
-
-def _observe_split(audit: Audit) -> Callable[..., int]:
-    """The split observer, in the shape ``plugin.split_wrapper`` routes to."""
+    It has the split's own signature and passes every argument on unchanged, so
+    the answer is vLLM's; prefill chunks are remembered until the step's output
+    says whether they ran.
+    """
     pending = audit._pending
     before_output = audit.prefill_rule is PrefillRule.NO_OUTPUT_YET
 
     def observed_split(
-        wrapped: Any, scheduler: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+        request: Any,
+        num_new_tokens: int,
+        num_new_local_computed_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        fifth_argument: Any = NOT_GIVEN,
     ) -> int:
-        num_tokens = int(wrapped(*args, **kwargs))
+        num_tokens: int = (
+            stock(
+                scheduler,
+                request,
+                num_new_tokens,
+                num_new_local_computed_tokens,
+                num_external_computed_tokens,
+            )
+            if fifth_argument is NOT_GIVEN
+            else stock(
+                scheduler,
+                request,
+                num_new_tokens,
+                num_new_local_computed_tokens,
+                num_external_computed_tokens,
+                fifth_argument,
+            )
+        )
         if num_tokens > 0:
-            request = args[0] if args else kwargs["request"]
-            start = request.num_computed_tokens
-            if len(args) > 2:
-                start += sum(args[2:4])
-            if kwargs:
-                start += kwargs.get(_LOCAL_TOKENS, 0) + kwargs.get(_EXTERNAL_TOKENS, 0)
             if before_output:
-                prefill = request.num_output_tokens == 0
+                prefill = not request.num_output_tokens
             else:
+                start = (
+                    request.num_computed_tokens
+                    + num_new_local_computed_tokens
+                    + num_external_computed_tokens
+                )
                 prefill = start < request.num_prompt_tokens or start < (
                     request.num_tokens - 1
                 )
@@ -288,15 +310,20 @@ def _vllm_method(scheduler: Any, name: str) -> Any:
     raise AttributeError(f"{type(scheduler).__name__} has no {name}")
 
 
-def install(scheduler: Any, state_block: int, body: SplitBody, **options: Any) -> Audit:
+def install(
+    scheduler: Any,
+    state_block: int,
+    body: SplitBody,
+    stock_split: Callable[..., int],
+    **options: Any,
+) -> Callable[..., int]:
     """Create the audit of one scheduler, bind its observers, register it weakly.
 
     Every observer returns exactly what vLLM's method returns, called with the
     same arguments: the scheduler schedules as stock. ``schedule`` and
     ``shutdown`` are observed through attributes of this scheduler instance (the
-    class is untouched); the split observer is returned as
-    ``Audit.split_observer`` for ``activation`` to install where
-    ``plugin.split_wrapper`` routes split calls.
+    class is untouched); the split observer (around ``stock_split``, vLLM's own
+    function) is returned for ``activation`` to bind as this scheduler's split.
     """
     audit = Audit(
         state_block, int(scheduler.cache_config.block_size), body.prefill, **options
@@ -327,11 +354,10 @@ def install(scheduler: Any, state_block: int, body: SplitBody, **options: Any) -
                 f"{name} on this vLLM (a descriptor shadows the instance attribute);"
                 " unset VLLM_MAMBA_ALIGN_MODE=audit to run stock vLLM."
             )
-    audit.split_observer = _observe_split(audit)
     with _lock:
         _audits[scheduler] = audit
     setattr(scheduler, AUDIT_ATTRIBUTE, audit)
-    return audit
+    return _observe_split(audit, scheduler, stock_split)
 
 
 def audit_of(scheduler: Any) -> Audit | None:

@@ -42,10 +42,15 @@ class CodeShape:
 
     @property
     def structurally_compatible(self) -> bool:
-        """The minimum the fix relies on: one grid read, a known call signature."""
+        """The minimum the fix relies on: one grid read, a known call signature.
+
+        The signature is the released one, optionally with one more parameter
+        (as 0.24.0-0.25.1 have), which the fix passes through unchanged.
+        """
         return (
             self.grid_reads == 1
             and self.parameters[: len(SPLIT_PARAMETERS)] == SPLIT_PARAMETERS
+            and len(self.parameters) <= len(SPLIT_PARAMETERS) + 1
         )
 
 

@@ -29,6 +29,7 @@ import wrapt
 
 from . import settings
 from .activation import SPLIT_ATTRIBUTE, Recognition, attach
+from .activation import SPLIT_METHOD as SPLIT_METHOD  # re-exported
 from .fingerprint import analyse_function
 from .releases import InternalCheckpoint, body_for, unverified_body
 from .settings import Mode
@@ -44,7 +45,6 @@ from .worker_seed import (
 
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 ENVS_MODULE = "vllm.envs"
-SPLIT_METHOD = "_mamba_block_aligned_split"
 CHECKPOINT_DECISION = "is_mamba_prefill_checkpoint_valid"
 # Set on every wrapper this plugin installs, so a second register() (or a forked
 # child, which inherits the patched class) never stacks another one.
@@ -104,10 +104,11 @@ def recognize(scheduler_class: type) -> Recognition:
     shape = analyse_function(split)
     body = body_for(shape.fingerprint)
     if body is not None:
-        return Recognition(version, shape, body, verified=True)
+        return Recognition(version, shape, body, verified=True, split=split)
     if settings.allow_unverified() and shape.structurally_compatible:
-        return Recognition(version, shape, unverified_body(shape), verified=False)
-    return Recognition(version, shape, None, verified=False)
+        body = unverified_body(shape)
+        return Recognition(version, shape, body, verified=False, split=split)
+    return Recognition(version, shape, None, verified=False, split=split)
 
 
 def _wrap(owner: Any, name: str, wrapper: Any, tag: Any) -> None:
@@ -142,11 +143,16 @@ def patch_scheduler_module(module: ModuleType) -> None:
 def split_wrapper(
     wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> int:
-    """Route the split through the scheduler's installed fix, if it has one."""
-    fix = instance.__dict__.get(SPLIT_ATTRIBUTE)
-    if fix is None:
+    """Route a split call made through the class to the scheduler's bound route.
+
+    A scheduler's own calls normally skip this wrapper: ``activation`` binds the
+    route on the instance. Calls through the class (``Scheduler.<split>(s, …)``)
+    arrive here and go the same way; schedulers without a route run stock.
+    """
+    route = getattr(instance, "__dict__", {}).get(SPLIT_ATTRIBUTE)
+    if route is None:
         return wrapped(*args, **kwargs)  # type: ignore[no-any-return]
-    return fix(wrapped, instance, args, kwargs)  # type: ignore[no-any-return]
+    return route(*args, **kwargs)  # type: ignore[no-any-return]
 
 
 def patch_worker_module(module: ModuleType) -> None:

@@ -14,15 +14,30 @@ Backport of vLLM PR #54076 (never merged). Two defects of
    block per step, so the crossed interior states are never materialized.
    Fix (``full`` mode): a non-final prefill chunk stops at the next B boundary,
    unless vLLM's backend checkpoints interior states itself for that chunk.
+
+The split runs for every running request at every step (decodes included), so the
+fix is a plain closure bound to one scheduler: no wrapper layers, no argument
+packing, a few integer operations on top of vLLM's own call.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from .releases import InternalCheckpoint, PrefillRule, SplitBody
 from .settings import Mode
+
+SplitFunction = Callable[..., int]
+"""``_mamba_block_aligned_split`` as bound to one scheduler (no ``self``)."""
+
+NOT_GIVEN: Any = object()
+"""Default of the optional fifth split argument (0.24.0-0.25.1 have one).
+
+Routes take it as a plain parameter and pass it on only when given: a ``*rest``
+parameter would cost about 70 ns per call, on every request at every step.
+"""
 
 
 class _StateGridCacheConfig:
@@ -44,14 +59,13 @@ class _StateGridCacheConfig:
         raise AttributeError("the Mamba state-grid view of cache_config is read-only")
 
 
-class _CheckpointObserver(threading.local):
-    """Records vLLM's internal-checkpoint decision taken inside one split call."""
+class _CheckpointDecisions(threading.local):
+    """How many times vLLM decided for internal checkpointing, on this thread."""
 
-    watching: bool = False
-    used: bool = False
+    taken: int = 0
 
 
-checkpoint_observer = _CheckpointObserver()
+checkpoint_decisions = _CheckpointDecisions()
 
 
 def observe_checkpoint_decision(
@@ -60,102 +74,97 @@ def observe_checkpoint_decision(
     """Wrapper of the scheduler module's ``is_mamba_prefill_checkpoint_valid``.
 
     On 0.30.0+ the split uses internal checkpointing exactly when this returns
-    True (it is the last operand of a short-circuit ``and``). Watching it keeps the
-    plugin in step with vLLM's decision instead of re-deriving it.
+    True (it is the last operand of a short-circuit ``and``). Counting its True
+    answers keeps the plugin in step with vLLM's decision instead of re-deriving
+    it: a split call whose count moved took the decision.
     """
     result = wrapped(*args, **kwargs)
-    if checkpoint_observer.watching and result:
-        checkpoint_observer.used = True
+    if result:
+        checkpoint_decisions.taken += 1
     return result
 
 
-def _chunk_start(
-    request: Any,
-    num_new_tokens: int,
-    num_new_local_computed_tokens: int = 0,
-    num_external_computed_tokens: int = 0,
-    *_: Any,
-    **__: Any,
-) -> tuple[Any, int]:
-    """Binds the split's arguments by vLLM's names; returns (request, chunk start)."""
-    start = (
-        request.num_computed_tokens
-        + num_new_local_computed_tokens
-        + num_external_computed_tokens
-    )
-    return request, start
+def state_grid_split(
+    scheduler: Any,
+    stock: SplitFunction,
+    mode: Mode,
+    state_block_size: int,
+    body: SplitBody,
+) -> SplitFunction:
+    """The fix for one scheduler, as a function with the split's own signature.
 
-
-class StateGridSplit:
-    """The fix as installed on one scheduler.
-
-    For the duration of one split call the scheduler's own ``cache_config``
-    attribute points at a read-only view whose ``block_size`` is B; the shared
-    config object is never touched, and the attribute is restored before the call
+    ``stock`` is vLLM's unwrapped function (it takes the scheduler first). For the
+    duration of each call the scheduler's own ``cache_config`` attribute points at
+    a read-only view whose ``block_size`` is B, and is restored before the call
     returns. (A proxy of the whole scheduler would work too, but costs about 10 us
-    per call in attribute look-ups; this costs a few hundred nanoseconds.)
+    per call in attribute look-ups.)
     """
+    grid = state_block_size
+    stop_at_boundaries = mode is Mode.FULL
+    view = _StateGridCacheConfig(scheduler.cache_config, grid)
+    rule = body.internal_checkpoint
+    observed = rule is InternalCheckpoint.OBSERVED and stop_at_boundaries
+    no_output_rule = body.prefill is PrefillRule.NO_OUTPUT_YET
+    decisions = checkpoint_decisions
 
-    __slots__ = ("body", "grid_config", "mode", "observing", "state_block_size")
-
-    def __init__(
-        self, scheduler: Any, mode: Mode, state_block_size: int, body: SplitBody
-    ) -> None:
-        self.mode = mode
-        self.state_block_size = state_block_size
-        self.body = body
-        self.observing = body.internal_checkpoint is InternalCheckpoint.OBSERVED
-        self.grid_config = _StateGridCacheConfig(
-            scheduler.cache_config, state_block_size
-        )
-
-    def __call__(
-        self,
-        wrapped: Any,
-        scheduler: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+    def split(
+        request: Any,
+        num_new_tokens: int,
+        num_new_local_computed_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        fifth_argument: Any = NOT_GIVEN,
     ) -> int:
+        nonlocal view
         shared = scheduler.cache_config
-        if shared is not self.grid_config.shared:  # replaced since init
-            self.grid_config = _StateGridCacheConfig(shared, self.state_block_size)
-        observer = checkpoint_observer
-        if self.observing:
-            observer.watching = True
-            observer.used = False
-        scheduler.cache_config = self.grid_config
+        if view.shared is not shared:  # replaced since the scheduler started
+            view = _StateGridCacheConfig(shared, grid)
+        # Only a chunk of two or more tokens can cross a boundary (decodes can't).
+        taken_before = decisions.taken if observed and num_new_tokens > 1 else 0
+        scheduler.cache_config = view
         try:
-            num_tokens: int = wrapped(*args, **kwargs)
+            num_tokens: int = (
+                stock(
+                    scheduler,
+                    request,
+                    num_new_tokens,
+                    num_new_local_computed_tokens,
+                    num_external_computed_tokens,
+                )
+                if fifth_argument is NOT_GIVEN
+                else stock(
+                    scheduler,
+                    request,
+                    num_new_tokens,
+                    num_new_local_computed_tokens,
+                    num_external_computed_tokens,
+                    fifth_argument,
+                )
+            )
         finally:
             scheduler.cache_config = shared
-            if self.observing:
-                observer.watching = False
-        if num_tokens <= 0 or self.mode is not Mode.FULL:
+        if num_tokens <= 1 or not stop_at_boundaries:
             return num_tokens
-        request, start = _chunk_start(*args, **kwargs)
-        grid = self.state_block_size
+        start: int = (
+            request.num_computed_tokens
+            + num_new_local_computed_tokens
+            + num_external_computed_tokens
+        )
         next_boundary = (start // grid + 1) * grid
         if next_boundary >= start + num_tokens:
             return num_tokens  # the chunk crosses no boundary: nothing to stop
-        if not self._in_prefill(request, start):
-            return num_tokens
-        if self._internal_checkpoint(scheduler, start):
-            return num_tokens
+        if no_output_rule:
+            if request.num_output_tokens:
+                return num_tokens  # not a prefill chunk
+        elif start >= max(request.num_prompt_tokens, request.num_tokens - 1):
+            return num_tokens  # not a prefill chunk
+        if observed and decisions.taken != taken_before:
+            return num_tokens  # vLLM checkpoints this chunk's interior itself
+        if (
+            rule is InternalCheckpoint.ALIGNED_START
+            and scheduler.mamba_has_prefill_checkpoint_blocks
+            and start % grid == 0
+        ):
+            return num_tokens  # 0.29.0: the backend saves the interior states
         return next_boundary - start
 
-    def _in_prefill(self, request: Any, start: int) -> bool:
-        if self.body.prefill is PrefillRule.NO_OUTPUT_YET:
-            return bool(request.num_output_tokens == 0)
-        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
-        return bool(start < prefill_end)
-
-    def _internal_checkpoint(self, scheduler: Any, start: int) -> bool:
-        rule = self.body.internal_checkpoint
-        if rule is InternalCheckpoint.OBSERVED:
-            return checkpoint_observer.used
-        if rule is InternalCheckpoint.ALIGNED_START:
-            return bool(
-                scheduler.mamba_has_prefill_checkpoint_blocks
-                and start % self.state_block_size == 0
-            )
-        return False
+    return split
