@@ -200,6 +200,23 @@ def kv_cache_config(geometry: Geometry) -> Any:
     )
 
 
+def chunk_starts(output: Any) -> dict[str, int]:
+    """Where each request's chunk of this step starts, from the scheduler's output.
+
+    Read from the output rather than the requests: releases differ in when they
+    advance ``request.num_computed_tokens``.
+    """
+    starts: dict[str, int] = {
+        new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs
+    }
+    cached = output.scheduled_cached_reqs
+    for req_id, computed in zip(
+        cached.req_ids, cached.num_computed_tokens, strict=True
+    ):
+        starts[req_id] = computed
+    return starts
+
+
 def build_scheduler(geometry: Geometry) -> Any:
     """A real Scheduler, configured the way vLLM's engine core configures it."""
     from vllm.v1.core import kv_cache_utils
@@ -368,14 +385,7 @@ class Simulation:
         output = self.scheduler.schedule()
         self.steps += 1
         Simulation.schedule_calls += 1
-        starts: dict[str, int] = {
-            new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs
-        }
-        cached = output.scheduled_cached_reqs
-        for req_id, computed in zip(
-            cached.req_ids, cached.num_computed_tokens, strict=True
-        ):
-            starts[req_id] = computed
+        starts = chunk_starts(output)
         chunks: dict[str, Chunk] = {}
         for req_id, count in output.num_scheduled_tokens.items():
             start = starts[req_id]
