@@ -17,7 +17,7 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "ci"]
+nox.options.sessions = ["lint", "ci", "e2e"]
 
 REPO = Path(__file__).parent
 ENVS = REPO / "envs"

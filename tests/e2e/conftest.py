@@ -9,6 +9,7 @@ environments of the ``tests``/``ci`` sessions) this directory is not collected.
 from __future__ import annotations
 
 from importlib import metadata
+from typing import Any
 
 
 def _engine_installed() -> bool:
@@ -21,3 +22,12 @@ def _engine_installed() -> bool:
 
 
 collect_ignore_glob = [] if _engine_installed() else ["test_*.py"]
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _engine_installed():
+        return
+    from .test_engine import summary_lines
+
+    for line in summary_lines():
+        terminalreporter.write_line(line)

@@ -349,3 +349,23 @@ def test_hybrid_model_in_equal_geometry_gives_identical_outputs(engine: Any) -> 
         assert with_plugin.logprobs(step) == without.logprobs(step), step
         assert with_plugin.cached(step) >= without.cached(step), step
     assert with_plugin.cached("sibling") == SHARED_TOKENS // state_block * state_block
+
+
+def summary_lines() -> list[str]:
+    """What the engines of this run measured (printed after the tests)."""
+    lines = []
+    for (model, geometry, plugins, mode, multiprocess), run in sorted(
+        _runs.items(), key=str
+    ):
+        found = LOG_LINE.search(run.log)
+        where = "multiprocess" if multiprocess else "in-process"
+        name = f"{model} {geometry} {where} plugins={plugins} mode={mode or 'default'}"
+        geometry_found = f"C={found['c']} B={found['b']}" if found else "no plugin line"
+        lines.append(
+            f"{name}: start {run.start_seconds:.1f} s, {geometry_found}, "
+            f"cached sibling {run.cached('sibling')} re-ask {run.cached('reask')}, "
+            f"max |dlogprob| vs fresh: sibling "
+            f"{max_delta(run, 'sibling', 'sibling_fresh'):.3g}, "
+            f"re-ask {max_delta(run, 'reask', 'reask_fresh'):.3g}"
+        )
+    return lines
