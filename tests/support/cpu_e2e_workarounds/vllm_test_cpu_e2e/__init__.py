@@ -15,23 +15,25 @@ forward pass. The CPU build's SSD path cannot return those intermediate states
 puts the scheduler back in charge of splitting chunks at boundaries, which is
 the path vllm-mamba-align fixes and these tests exercise.
 
-Gap 2 (state copies with speculative decoding). In align mode the worker moves
-Mamba states between blocks before and after each step. With speculative
-decoding on a hybrid model vLLM 0.32.0 always takes its fused Triton kernels for
-that (``precopy``/``postprocess``), and the CPU build has no fallback for them;
-the plain copy helper ``batch_memcpy`` is a Triton kernel too. The stand-ins:
+Gap 2 (state copies). In align mode the worker moves Mamba states between
+blocks before and after each step. With speculative decoding on a hybrid model
+vLLM 0.32.0 always takes fused Triton kernels for that (``precopy`` and
+``postprocess``), and the CPU build has no fallback for them; its scalar path
+ends in ``batch_memcpy``, a Triton kernel too. The stand-ins:
 ``preprocess_mamba`` is called without the fused context, so vLLM's own scalar
-path (``collect_mamba_copy_meta`` + ``do_mamba_copy_block``) runs; the
-post-step copy is decided per request in Python by the same rule the fused
-kernel states (the running state moves to the last block boundary the accepted
-tokens reached) and collected through the same scalar helper; and the byte
-copies themselves are done with ``ctypes.memmove`` on host memory.
+path (``collect_mamba_copy_meta`` + ``do_mamba_copy_block``) runs; the post-step
+copy is decided per request in Python by the rule the fused kernel states (the
+running state moves to the last block boundary the accepted tokens reached) and
+collected through the same scalar helper; the byte copies are ``ctypes.memmove``
+on host memory. The tests send ``max_tokens=1`` requests, so no draft is ever
+verified and the post-step stand-in only confirms that nothing needs to move;
+the pre-step copies do run, between prefill chunks.
 
 Also (not a workaround): with ``MAMBA_ALIGN_E2E_TRACE`` set to a file path, every
 prefill chunk the scheduler hands out is appended to that file as one JSON line
 (request id, the chunk's end, the prompt length, and the cache block C the
-scheduler reads at that moment), from whichever process runs
-the scheduler, so a test can check where chunks end.
+scheduler reads at that moment), from whichever process runs the scheduler, so a
+test can check where chunks end.
 """
 
 from __future__ import annotations
