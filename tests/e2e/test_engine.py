@@ -8,8 +8,9 @@ multiprocess mode or in-process, with exactly the ``VLLM_PLUGINS`` of the test.
 
 What is compared: the first generated token's top-20 logprobs of a
 ``max_tokens=1`` request (the prefill's output), against the same prompt run
-fresh after ``reset_prefix_cache()``. Generated tokens after the first are not
-compared: speculative decoding with Mamba2 on CPU does not reproduce them.
+fresh after ``reset_prefix_cache()``. The prefill is what prefix caching
+changes; later tokens are not compared (they were seen to be unstable with
+speculative decoding and Mamba2 on CPU).
 """
 
 from __future__ import annotations
