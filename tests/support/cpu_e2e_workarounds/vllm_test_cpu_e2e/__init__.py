@@ -1,0 +1,205 @@
+"""Test-only vLLM general plugin: two gaps of the CPU backend, bridged for e2e tests.
+
+Installed only into the e2e test environment (``nox -s e2e``) and enabled by
+listing ``cpu_e2e_workarounds`` in ``VLLM_PLUGINS``. It is a plugin (not a
+monkeypatch inside the test) because vLLM's default multiprocess mode builds the
+model and the scheduler in other processes, and vLLM loads general plugins in
+every one of them. Nothing here is part of vllm-mamba-align.
+
+Gap 1 (chunk-internal checkpoints). vLLM 0.32.0 lets Mamba2 layers declare one
+"prefill checkpoint block": in align mode the scheduler then no longer splits a
+prefill at state-block boundaries itself, and the layer asks the SSD kernel for
+the intermediate states so the boundary state is exported from inside one
+forward pass. The CPU build's SSD path cannot return those intermediate states
+(the forward pass fails with an IndexError). Declaring zero checkpoint blocks
+puts the scheduler back in charge of splitting chunks at boundaries, which is
+the path vllm-mamba-align fixes and these tests exercise.
+
+Gap 2 (state copies). In align mode the worker moves Mamba states between
+blocks before and after each step. With speculative decoding on a hybrid model
+vLLM 0.32.0 always takes fused Triton kernels for that (``precopy`` and
+``postprocess``), and the CPU build has no fallback for them; its scalar path
+ends in ``batch_memcpy``, a Triton kernel too. The stand-ins:
+``preprocess_mamba`` is called without the fused context, so vLLM's own scalar
+path (``collect_mamba_copy_meta`` + ``do_mamba_copy_block``) runs; the post-step
+copy is decided per request in Python by the rule the fused kernel states (the
+running state moves to the last block boundary the accepted tokens reached) and
+collected through the same scalar helper; the byte copies are ``ctypes.memmove``
+on host memory. The tests send ``max_tokens=1`` requests, so no draft is ever
+verified and the post-step stand-in only confirms that nothing needs to move;
+the pre-step copies do run, between prefill chunks.
+
+Also (not a workaround): with ``MAMBA_ALIGN_E2E_TRACE`` set to a file path, every
+prefill chunk the scheduler hands out is appended to that file as one JSON line
+(request id, the chunk's end, the prompt length, and the cache block C the
+scheduler reads at that moment), from whichever process runs the scheduler, so a
+test can check where chunks end.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import os
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import wrapt
+
+MIXER2_MODULE = "vllm.model_executor.layers.mamba.mamba_mixer2"
+WORKER_MAMBA_MODULE = "vllm.v1.worker.mamba_utils"
+SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
+TRACE_VARIABLE = "MAMBA_ALIGN_E2E_TRACE"
+_registered = False
+
+
+def _without_checkpoint_blocks(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    spec = wrapped(*args, **kwargs)
+    if getattr(spec, "num_prefill_checkpoint_blocks", 0):
+        spec = dataclasses.replace(spec, num_prefill_checkpoint_blocks=0)
+    return spec
+
+
+def _patch_mixer2(module: ModuleType) -> None:
+    wrapt.wrap_function_wrapper(
+        module, "MambaMixer2.get_kv_cache_spec", _without_checkpoint_blocks
+    )
+
+
+def _host_batch_memcpy(src_ptrs: Any, dst_ptrs: Any, sizes: Any) -> None:
+    """``batch_memcpy`` for host tensors: one memmove per (src, dst, size) row."""
+    for src, dst, size in zip(
+        src_ptrs.tolist(), dst_ptrs.tolist(), sizes.tolist(), strict=True
+    ):
+        ctypes.memmove(int(dst), int(src), int(size))
+
+
+def _scalar_preprocess(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Run vLLM's ``preprocess_mamba`` on its scalar path (no fused context)."""
+    kwargs["align_ctx"] = None
+    return wrapped(*args, **kwargs)
+
+
+def _make_postprocess(mamba_utils: ModuleType) -> Any:
+    def postprocess_on_host(
+        *,
+        bufs: Any,
+        num_reqs: int,
+        num_accepted_tokens_gpu: Any,
+        num_accepted_tokens_cpu_tensor: Any,
+        input_batch: Any,
+        kv_cache_config: Any,
+        forward_context: dict[str, Any],
+        mamba_state_copy_funcs: Any,
+    ) -> None:
+        """After a step, move each request's running state where it belongs.
+
+        The running state was computed for ``running`` tokens (scheduled tokens
+        minus drafts). If the accepted tokens carried the request to or past a
+        block boundary ``aligned``, the state after ``aligned`` tokens must live
+        in the block that ends there, so it is copied from the running slot
+        (offset by the accepted tokens it includes), and the next step starts
+        from a single accepted token.
+        """
+        ctx = bufs.postprocess_align
+        copy_bufs = bufs.preprocess
+        block_size = copy_bufs.mamba_spec.block_size
+        group_ids = copy_bufs.mamba_group_ids
+        accepted = num_accepted_tokens_gpu[:num_reqs].tolist()
+        state_idx = ctx.mamba_state_idx_buf.np[:num_reqs].tolist()
+        scheduled = ctx.num_scheduled_tokens_buf.np[:num_reqs].tolist()
+        computed = ctx.num_computed_tokens_buf.np[:num_reqs].tolist()
+        drafts = ctx.num_draft_tokens_buf.np[:num_reqs].tolist()
+        copy_bufs.offset = 0
+        for i in range(num_reqs):
+            running = computed[i] + scheduled[i] - drafts[i]
+            aligned = (running + accepted[i] - 1) // block_size * block_size
+            if aligned < running:
+                continue  # no boundary reached: the running slot stays put
+            bias = aligned - running
+            destination = aligned // block_size - 1
+            if destination == state_idx[i]:
+                accepted[i] = 1
+            rows = SimpleNamespace(
+                block_ids={
+                    gid: input_batch.block_table[gid]
+                    .block_table.np[
+                        i, : input_batch.block_table[gid].num_blocks_per_row[i]
+                    ]
+                    .tolist()
+                    for gid in group_ids
+                }
+            )
+            mamba_utils.collect_mamba_copy_meta(
+                copy_bufs,
+                kv_cache_config,
+                mamba_state_copy_funcs,
+                group_ids,
+                state_idx[i],
+                destination,
+                bias,
+                rows,
+                forward_context,
+            )
+        mamba_utils.do_mamba_copy_block(copy_bufs)
+        for i, value in enumerate(accepted):
+            num_accepted_tokens_cpu_tensor[i] = value
+
+    return postprocess_on_host
+
+
+def _patch_worker_mamba(module: ModuleType) -> None:
+    module.batch_memcpy = _host_batch_memcpy  # type: ignore[attr-defined]
+    wrapt.wrap_function_wrapper(module, "preprocess_mamba", _scalar_preprocess)
+    module.postprocess_mamba_align_gpu = _make_postprocess(module)  # type: ignore[attr-defined]
+
+
+def _trace_prefill_chunks(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    output = wrapped(*args, **kwargs)
+    path = os.environ.get(TRACE_VARIABLE)
+    if not path:
+        return output
+    lines = []
+    for req_id, scheduled in output.num_scheduled_tokens.items():
+        request = instance.requests.get(req_id)
+        if request is None:
+            continue
+        end = request.num_computed_tokens  # vLLM advanced it inside schedule()
+        prompt = request.num_prompt_tokens
+        if end - scheduled < prompt:  # a chunk of the prefill
+            lines.append(
+                json.dumps(
+                    {
+                        "request": req_id,
+                        "end": end,
+                        "prompt": prompt,
+                        "cache_block": instance.cache_config.block_size,
+                    }
+                )
+            )
+    if lines:
+        with open(path, "a") as trace:
+            trace.write("".join(line + "\n" for line in lines))
+    return output
+
+
+def _patch_scheduler(module: ModuleType) -> None:
+    wrapt.wrap_function_wrapper(module, "Scheduler.schedule", _trace_prefill_chunks)
+
+
+def register() -> None:
+    """Entry point (group ``vllm.general_plugins``); idempotent."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    wrapt.register_post_import_hook(_patch_mixer2, MIXER2_MODULE)
+    wrapt.register_post_import_hook(_patch_worker_mamba, WORKER_MAMBA_MODULE)
+    wrapt.register_post_import_hook(_patch_scheduler, SCHEDULER_MODULE)
