@@ -242,6 +242,23 @@ def split_caller(mode: str, decoding: bool) -> Callable[[int], float]:
     return timed_calls
 
 
+def split_calls_per_step(mode: str, steps: int = 60) -> tuple[float, float]:
+    """Mean split calls per step in the mixed batch: (one-token, longer) chunks."""
+    batch = mixed_batch(mode)
+    scheduler = batch.sim.scheduler
+    split = scheduler._mamba_block_aligned_split
+    counts = [0, 0]
+
+    def counted(request: Any, num_new_tokens: int, *rest: Any) -> int:
+        counts[num_new_tokens > 1] += 1
+        return int(split(request, num_new_tokens, *rest))
+
+    scheduler.__dict__[SPLIT_METHOD] = counted
+    for _ in range(steps):
+        batch.step(timed=False)
+    return counts[0] / steps, counts[1] / steps
+
+
 def paired_calls(mode: str, calls: int, decoding: bool) -> tuple[float, float]:
     """Seconds per call, stock and ``mode``, in alternating blocks of calls."""
     stock, patched = split_caller(STOCK, decoding), split_caller(mode, decoding)
@@ -281,6 +298,17 @@ def overhead(rounds: int, steps: int, calls: int) -> list[str]:
         f"| {mode} | {statistics.mean(values):,.0f} |"
         for mode, values in tokens.items()
     ]
+    stock_step = statistics.median(s for pairs in per_step.values() for s, _ in pairs)
+    own_rows = []
+    for mode in plugin_modes:
+        one_token, longer = split_calls_per_step(mode)
+        extra_one = statistics.median(p - s for s, p in decode_call[mode])
+        extra_longer = statistics.median(p - s for s, p in prefill_call[mode])
+        own = one_token * extra_one + longer * extra_longer
+        own_rows.append(
+            f"| {mode} | {one_token:.1f} + {longer:.1f} | {own * 1e6:.1f} µs | "
+            f"{own / stock_step:.2%} |"
+        )
     return [
         "### Overhead: `schedule()` + `update_from_output()`",
         "",
@@ -305,6 +333,16 @@ def overhead(rounds: int, steps: int, calls: int) -> list[str]:
         "| mode | per scheduled token | ratio to stock | ratio range |",
         "|---|---|---|---|",
         *ratio_line(per_token, "ns", 1e9),
+        "",
+        "The plugin's own time per step: split calls per step in this batch "
+        "(one-token chunks, that is decodes, + longer ones) times the extra cost "
+        "per call measured below (decoding request; request mid-prefill), next to "
+        "stock's median step (audit's look at each step's output, a few "
+        "integer operations per prefill chunk, is not included).",
+        "",
+        "| mode | split calls per step | own time per step | share of a stock step |",
+        "|---|---|---|---|",
+        *own_rows,
         "",
         "### Overhead per `_mamba_block_aligned_split` call",
         "",
