@@ -58,11 +58,23 @@ class PublicationOracle(Simulation):
         super().__init__(geometry)
         self.wrong_publications = 0
         self.all_chunks: list[tuple[str, int, int]] = []
+        self.prefill_chunks: list[tuple[str, int, int]] = []
         self._wrong_now: set[tuple[int, bytes]] = set()
 
     def step(self) -> dict[str, Chunk]:
+        # A chunk is prefill when it starts before the prompt ends, or before the
+        # last known token of a request replaying its outputs after preemption
+        # (vLLM's own rule on 0.28.0+): judged on the request as it was before
+        # this step.
+        prefill_end = {
+            r: max(record.request.num_prompt_tokens, record.request.num_tokens - 1)
+            for r, record in self.records.items()
+        }
         chunks = super().step()
         self.all_chunks += [(r, c.start, c.end) for r, c in chunks.items()]
+        self.prefill_chunks += [
+            (r, c.start, c.end) for r, c in chunks.items() if c.start < prefill_end[r]
+        ]
         for record in self.records.values():
             request = record.request
             tokens = request.all_token_ids
@@ -202,6 +214,12 @@ def check_audit_against_stock(workload: Workload) -> audit.AuditSnapshot:
     audited = run_workload("audit", workload)
     assert audited.all_chunks == stock.all_chunks, "audit changed a schedule"
     found = counts(audited)
+    prefill = audited.prefill_chunks
+    assert found.prefill_chunks == len(prefill)
+    assert found.prefill_tokens == sum(e - s for _, s, e in prefill)
+    assert found.requests == len({r for r, _, _ in prefill})
+    if any(e - s == 1 for _, s, e in prefill):
+        event("a one-token prefill chunk")
     assert found.poisoned_slots == stock.wrong_publications
     assert found.poisoned_slots >= len(stock.poisoned)
     if found.poisoned_slots > len(stock.poisoned):
@@ -308,7 +326,7 @@ def test_summary_cadence_is_time_based_and_only_when_counts_changed() -> None:
     lines: list[str] = []
     clock = Clock()
     found = fake_audit(lines, clock)
-    quiet = SimpleNamespace(num_scheduled_tokens={})
+    quiet = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[])
     found.count_chunk(SimpleNamespace(), 8160, 16320)
     clock.now += 59
     found.after_schedule(quiet)

@@ -130,10 +130,12 @@ class Audit:
         "_last_log",
         "_logged_chunks",
         "_pending",
+        "_prefilling",
         "_started",
         "cache_block",
         "clock",
         "interval",
+        "live_requests",
         "log",
         "poisoned_slots",
         "prefill_chunks",
@@ -170,27 +172,59 @@ class Audit:
         self.requests_affected = 0
         self.requests_poisoning = 0
         self._pending: dict[str, Any] = {}
+        self._prefilling: dict[str, Any] = {}
+        self.live_requests: dict[str, Any] = {}
+        """The scheduler's own ``requests`` table (set by :func:`install`)."""
         self._started = clock()
         self._last_log = self._started
         self._logged_chunks = 0
         self._closed = False
 
     def after_schedule(self, output: Any) -> None:
-        """Count the prefill chunks this ``schedule()`` really scheduled."""
+        """Count the prefill chunks this ``schedule()`` really scheduled.
+
+        Chunks the split observer noted are confirmed by the output (a chunk can
+        be proposed and then not scheduled when its blocks do not fit). The
+        observer skips one-token calls, which are mostly decodes; a one-token
+        chunk crosses no boundary, but it is a prefill chunk when its request is
+        new or known to be mid-prefill, and those are few: they are looked up
+        here.
+        """
+        scheduled = output.num_scheduled_tokens
         pending = self._pending
-        if pending:
-            scheduled = output.num_scheduled_tokens
-            for request_id, request in pending.items():
+        prefilling = self._prefilling
+        for new in output.scheduled_new_reqs:
+            request_id = new.req_id
+            if request_id not in pending and scheduled.get(request_id) == 1:
+                prefilling[request_id] = self.live_requests[request_id]
+        for request_id, request in pending.items():
+            count = scheduled.get(request_id, 0)
+            if count > 0:
+                self._count_scheduled(request, count)
+        if prefilling:
+            for request_id in [r for r in prefilling if r not in pending]:
                 count = scheduled.get(request_id, 0)
-                if count > 0:
-                    # vLLM advanced num_computed_tokens by the scheduled count.
-                    end = request.num_computed_tokens
-                    self.count_chunk(request, end - count, end)
-            pending.clear()
+                if count == 1:
+                    self._count_scheduled(prefilling[request_id], 1)
+                elif count == 0 and request_id not in self.live_requests:
+                    del prefilling[request_id]  # finished or aborted
+        pending.clear()
         if self.prefill_chunks != self._logged_chunks:
             now = self.clock()
             if now - self._last_log >= self.interval:
                 self._emit(now)
+
+    def _count_scheduled(self, request: Any, count: int) -> None:
+        """Count a scheduled chunk of ``count`` tokens; note if prefill goes on."""
+        end = request.num_computed_tokens  # vLLM advanced it by the scheduled count
+        self.count_chunk(request, end - count, end)
+        prefill_end = request.num_prompt_tokens
+        if self.prefill_rule is PrefillRule.BEFORE_PREFILL_END:
+            prefill_end = max(prefill_end, request.num_tokens - 1)
+        if end < prefill_end:
+            self._prefilling[request.request_id] = request
+        else:
+            self._prefilling.pop(request.request_id, None)
 
     def count_chunk(self, request: Any, start: int, end: int) -> None:
         """Classify one scheduled prefill chunk ``[start, end)``."""
@@ -283,7 +317,8 @@ def _observe_split(
                 fifth_argument,
             )
         )
-        if num_tokens > 0:
+        # One-token calls (decodes, most calls) are left to after_schedule.
+        if num_new_tokens > 1 and num_tokens > 0:
             if before_output:
                 prefill = not request.num_output_tokens
             else:
@@ -354,6 +389,7 @@ def install(
                 f"{name} on this vLLM (a descriptor shadows the instance attribute);"
                 " unset VLLM_MAMBA_ALIGN_MODE=audit to run stock vLLM."
             )
+    audit.live_requests = scheduler.requests
     with _lock:
         _audits[scheduler] = audit
     setattr(scheduler, AUDIT_ATTRIBUTE, audit)
