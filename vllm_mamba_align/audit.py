@@ -22,13 +22,15 @@ Validated against the real-scheduler oracle of the test suite
 hash publications over a wrong state, and it is 0 wherever stock is correct.
 
 How it observes: the split observer is bound as this scheduler's split (like the
-fix, but calling vLLM's function unchanged); it does O(1) integer work and
-remembers the prefill chunks of the current step in a dict cleared after every
-step. ``schedule()`` and
-``shutdown()`` are observed through attributes of the scheduler *instance* (the
-class is untouched, other schedulers are not affected): the step's output
-confirms which remembered chunks really ran (a chunk can be proposed and then not
-scheduled when its blocks do not fit), and shutdown writes the final line.
+fix, but calling vLLM's function unchanged). For calls of two or more tokens it
+does O(1) integer work and remembers the prefill chunks of the current step in a
+dict cleared after every step; one-token calls (decodes, nearly all calls) pass
+straight through. ``schedule()`` and ``shutdown()`` are observed through
+attributes of the scheduler *instance* (the class is untouched, other schedulers
+are not affected): the step's output confirms which remembered chunks really ran
+(a chunk can be proposed and then not scheduled when its blocks do not fit),
+one-token prefill chunks are picked up there for the few requests that are new
+or known to be mid-prefill, and shutdown writes the final line.
 Nothing grows with traffic: per-request facts live in one integer attribute on
 vLLM's ``Request``.
 """
