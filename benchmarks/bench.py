@@ -42,6 +42,7 @@ os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 import vllm_mamba_align
 from vllm_mamba_align.plugin import SPLIT_METHOD
 from vllm_mamba_align.settings import Mode
+from vllm_mamba_align.simulate import simulated_modes
 from vllm_mamba_align.simulation import (
     STOCK,
     Geometry,
@@ -54,7 +55,7 @@ from vllm_mamba_align.simulation import (
 C, B, H = 816, 1648, 16
 MODES = [STOCK, *(m.value for m in Mode)]
 """Stock vLLM, then every plugin mode (``off`` measures the wrappers alone)."""
-SCHEDULING_MODES = [STOCK, *(m.value for m in Mode if m is not Mode.OFF)]
+SCHEDULING_MODES = simulated_modes()
 
 
 def log(message: str) -> None:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import MambaAlignError
-from .releases import PrefillRule, SplitBody
+from .releases import PrefillRule, SplitBody, in_prefill
 from .split import NOT_GIVEN
 
 # Where the audit lives on a scheduler instance (next to SPLIT_ATTRIBUTE's fix).
@@ -292,7 +292,7 @@ def _observe_split(
     says whether they ran.
     """
     pending = audit._pending
-    before_output = audit.prefill_rule is PrefillRule.NO_OUTPUT_YET
+    prefill_rule = audit.prefill_rule
 
     def observed_split(
         request: Any,
@@ -321,18 +321,12 @@ def _observe_split(
         )
         # One-token calls (decodes, most calls) are left to after_schedule.
         if num_new_tokens > 1 and num_tokens > 0:
-            if before_output:
-                prefill = not request.num_output_tokens
-            else:
-                start = (
-                    request.num_computed_tokens
-                    + num_new_local_computed_tokens
-                    + num_external_computed_tokens
-                )
-                prefill = start < request.num_prompt_tokens or start < (
-                    request.num_tokens - 1
-                )
-            if prefill:
+            start = (
+                request.num_computed_tokens
+                + num_new_local_computed_tokens
+                + num_external_computed_tokens
+            )
+            if in_prefill(prefill_rule, request, start):
                 pending[request.request_id] = request
         return num_tokens
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
@@ -23,6 +24,17 @@ class PrefillRule(enum.Enum):
     """0.15.1, 0.16.0."""
     BEFORE_PREFILL_END = "start < max(num_prompt_tokens, num_tokens - 1)"
     """0.17.1 onwards: also resumed requests replaying their output tokens."""
+
+
+def in_prefill(rule: PrefillRule, request: Any, start: int) -> bool:
+    """Whether a chunk of ``request`` starting at ``start`` is prefill, by ``rule``.
+
+    The fix (which stops only prefill chunks) and the audit (which counts only
+    prefill chunks) must judge exactly as the installed body does.
+    """
+    if rule is PrefillRule.NO_OUTPUT_YET:
+        return not request.num_output_tokens
+    return bool(start < max(request.num_prompt_tokens, request.num_tokens - 1))
 
 
 class InternalCheckpoint(enum.Enum):

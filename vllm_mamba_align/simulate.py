@@ -20,7 +20,7 @@ from .simulation import STOCK
 
 
 def simulated_modes() -> list[str]:
-    """``stock`` then every plugin mode that changes scheduling (``off`` is stock)."""
+    """``stock`` then every plugin mode with something to show (``off`` is stock)."""
     return [STOCK, *(m.value for m in Mode if m is not Mode.OFF)]
 
 

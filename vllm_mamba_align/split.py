@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .releases import InternalCheckpoint, PrefillRule, SplitBody
+from .releases import InternalCheckpoint, SplitBody, in_prefill
 from .settings import Mode
 
 SplitFunction = Callable[..., int]
@@ -104,7 +104,7 @@ def state_grid_split(
     view = _StateGridCacheConfig(scheduler.cache_config, grid)
     rule = body.internal_checkpoint
     observed = rule is InternalCheckpoint.OBSERVED and stop_at_boundaries
-    no_output_rule = body.prefill is PrefillRule.NO_OUTPUT_YET
+    prefill_rule = body.prefill
     decisions = checkpoint_decisions
 
     def split(
@@ -152,10 +152,7 @@ def state_grid_split(
         next_boundary = (start // grid + 1) * grid
         if next_boundary >= start + num_tokens:
             return num_tokens  # the chunk crosses no boundary: nothing to stop
-        if no_output_rule:
-            if request.num_output_tokens:
-                return num_tokens  # not a prefill chunk
-        elif start >= max(request.num_prompt_tokens, request.num_tokens - 1):
+        if not in_prefill(prefill_rule, request, start):
             return num_tokens  # not a prefill chunk
         if observed and decisions.taken != taken_before:
             return num_tokens  # vLLM checkpoints this chunk's interior itself
