@@ -8,7 +8,10 @@ The spec names the model directory, the ``LLM`` keyword arguments and the steps:
 each step sends one prompt (token ids) with ``max_tokens=1`` and records how
 many prompt tokens vLLM served from its prefix cache and the logprobs of the
 first generated token (the prefill's output). A step may first reset the
-prefix cache, which makes it a fresh run of its prompt.
+prefix cache, which makes it a fresh run of its prompt. A step may also name
+``companions``: prompts sent in the same ``generate`` call ahead of its own, so
+they share the scheduler's steps (and token budget) with it; only the step's
+own prompt is reported.
 """
 
 from __future__ import annotations
@@ -35,8 +38,11 @@ def main(spec_path: str, result_path: str) -> None:
     for step in spec["steps"]:
         if step.get("reset_cache") and not llm.reset_prefix_cache():
             raise RuntimeError("vLLM did not reset its prefix cache")
-        (output,) = llm.generate(
-            [TokensPrompt(prompt_token_ids=step["prompt"])],
+        companions = [
+            TokensPrompt(prompt_token_ids=p) for p in step.get("companions", [])
+        ]
+        *_, output = llm.generate(
+            [*companions, TokensPrompt(prompt_token_ids=step["prompt"])],
             sampling,
             use_tqdm=False,
         )
