@@ -9,7 +9,12 @@ environments of the ``tests``/``ci`` sessions) this directory is not collected.
 from __future__ import annotations
 
 from importlib import metadata
+from pathlib import Path
 from typing import Any
+
+import pytest
+
+from .models import write_model
 
 
 def _engine_installed() -> bool:
@@ -24,10 +29,20 @@ def _engine_installed() -> bool:
 collect_ignore_glob = [] if _engine_installed() else ["test_*.py"]
 
 
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny models of the e2e tests, written once per test session."""
+    root = tmp_path_factory.mktemp("models")
+    return {
+        kind: write_model(kind, root / kind, seed=0) for kind in ("nemotron_h", "llama")
+    }
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if not _engine_installed():
         return
+    from .test_default_retention import retention_summary_lines
     from .test_engine import summary_lines
 
-    for line in summary_lines():
+    for line in [*summary_lines(), *retention_summary_lines()]:
         terminalreporter.write_line(line)

@@ -55,8 +55,17 @@ def main(spec_path: str, result_path: str) -> None:
             # float -> repr keeps every bit through JSON
             "logprobs": {str(t): repr(lp.logprob) for t, lp in first.items()},
         }
+    # The front end's copy of the settings the engine resolved (vLLM's defaults
+    # included); in-process it is the engine core's own.
+    cache_config = llm.llm_engine.vllm_config.cache_config
+    resolved = {
+        name: getattr(cache_config, name, None)
+        for name in ("prefix_cache_retention_interval", "mamba_cache_mode")
+    }
     with open(result_path, "w") as f:
-        json.dump({"start_seconds": start_seconds, "steps": steps}, f)
+        json.dump(
+            {"start_seconds": start_seconds, "steps": steps, "resolved": resolved}, f
+        )
 
 
 if __name__ == "__main__":  # vLLM's engine processes are spawned: guard the entry

@@ -21,13 +21,13 @@ import random
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .models import VOCAB, write_model
+from .models import VOCAB
 
 HERE = Path(__file__).parent
 WORKAROUNDS = "cpu_e2e_workarounds"  # tests/support/cpu_e2e_workarounds
@@ -102,6 +102,7 @@ class EngineRun:
     start_seconds: float
     steps: dict[str, dict[str, Any]]
     chunks: list[dict[str, int]]  # one per prefill chunk, in schedule order
+    resolved: dict[str, Any] = field(default_factory=dict)  # the engine's settings
 
     def geometry(self) -> dict[str, str]:
         lines = [m for m in LOG_LINE.finditer(self.log)]
@@ -181,15 +182,13 @@ def run_engine(
         if trace.exists()
         else []
     )
-    return EngineRun(done.stdout, report["start_seconds"], report["steps"], chunks)
-
-
-@pytest.fixture(scope="session")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("models")
-    return {
-        kind: write_model(kind, root / kind, seed=0) for kind in ("nemotron_h", "llama")
-    }
+    return EngineRun(
+        done.stdout,
+        report["start_seconds"],
+        report["steps"],
+        chunks,
+        report.get("resolved", {}),
+    )
 
 
 _runs: dict[tuple[Any, ...], EngineRun] = {}

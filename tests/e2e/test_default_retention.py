@@ -1,0 +1,255 @@
+"""The real engine at vLLM's default Mamba state retention (interval 0).
+
+``test_engine.py`` runs with dense retention (every Mamba state kept). vLLM
+0.32.0's default keeps a Mamba state only at a prompt's replay boundary (P - 1
+floored to the hit alignment, then to B) and at a detected shared-prefix
+junction. Same geometry as there (C = 8, B = 32, hash block 8, budget 1,000),
+in-process engines, one engine per mode with all steps in it.
+
+Construction (``steps``): a *writer* of ``WRITER_TOKENS`` = 2,030 tokens. Its
+replay boundary is R = floor(2,029 / 32) * 32 = 2,016, the state vLLM keeps for
+it. Stock vLLM ends its chunks on the C grid: 1,000, 2,000, then its own
+partial-tail stop at 2,024 and the prompt's end. The chunk ending at 2,000 leaves
+the state after 2,000 tokens in the block that ends at 2,016; the next chunk
+moves on to the next block, and the block is kept, published as the state after
+2,016 tokens. A *follower* sharing the writer's first 2,020 tokens (so it cannot
+use the writer's partial-tail checkpoint at 2,024) resumes at 2,016 and reads
+that state. (A junction does not discriminate here: the attention groups report
+hits on the scheduler block, 32 = B, so stock stops exactly on the B grid there.)
+
+Writer dependence, in the spirit of the upstream thread: the same follower after
+the same 2,020-token prefix was written by the writer alone, by a shorter writer
+(2,020 tokens, whose partial-tail stop falls on 2,016), and by the writer sharing
+its steps with an 8-token or a 500-token request (other chunk ends).
+
+What is compared, as in ``test_engine.py``: the first generated token's top-20
+logprobs against the same prompt run fresh after ``reset_prefix_cache()``.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .models import VOCAB
+from .test_engine import (
+    HETEROGENEOUS,
+    PLUGIN,
+    WORKAROUNDS,
+    EngineRun,
+    max_delta,
+    prompts,
+    run_engine,
+)
+
+WRITER_TOKENS = 2030
+SHARED_TOKENS = 2020  # the follower shares this prefix with the writer
+FOLLOWER_TOKENS = 2100
+SHORT_WRITER_TOKENS = 2020  # another writer of the same prefix
+COMPANION_TOKENS = (8, 500)  # requests sharing the writer's steps
+
+FOLLOWERS = {  # follower step -> the writer step before it
+    "follower": "writer",
+    "follower_after_short": "short_writer",
+    **{f"follower_with_{n}": f"writer_with_{n}" for n in COMPANION_TOKENS},
+}
+
+RETENTIONS: dict[str, dict[str, Any]] = {
+    # Nothing said: vLLM's default, 0 on 0.32.0 (checked below).
+    "default": {"mamba_cache_mode": "align"},
+    "dense": {"mamba_cache_mode": "align", "prefix_cache_retention_interval": None},
+}
+
+
+def _kept_mode_available() -> bool:
+    from vllm_mamba_align.settings import Mode
+
+    return "kept" in {m.value for m in Mode}
+
+
+KEPT = pytest.param(
+    "kept",
+    marks=pytest.mark.skipif(
+        not _kept_mode_available(), reason="this plugin build has no mode 'kept'"
+    ),
+)
+FIXED_MODES = ["grid", KEPT]  # the B grid without every-boundary stops
+
+
+def steps() -> list[dict[str, Any]]:
+    first, _ = prompts()  # the 3,000 random tokens of test_engine.py
+    rng = random.Random(7)
+    tail = [rng.randrange(3, VOCAB) for _ in range(FOLLOWER_TOKENS - SHARED_TOKENS)]
+    companions = {n: [rng.randrange(3, VOCAB) for _ in range(n)] for n in (8, 500)}
+    writer, follower = first[:WRITER_TOKENS], first[:SHARED_TOKENS] + tail
+    run = [
+        {"name": "writer", "prompt": writer},
+        {"name": "follower", "prompt": follower},
+        {"name": "follower_fresh", "prompt": follower, "reset_cache": True},
+        {
+            "name": "short_writer",
+            "prompt": first[:SHORT_WRITER_TOKENS],
+            "reset_cache": True,
+        },
+        {"name": "follower_after_short", "prompt": follower},
+    ]
+    for n in COMPANION_TOKENS:
+        run += [
+            {
+                "name": f"writer_with_{n}",
+                "prompt": writer,
+                "reset_cache": True,
+                "companions": [companions[n]],
+            },
+            {"name": f"follower_with_{n}", "prompt": follower},
+        ]
+    return run
+
+
+_runs: dict[tuple[str, str], EngineRun] = {}
+
+
+@pytest.fixture(scope="session")
+def retention_engine(
+    models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Any:
+    """``retention_engine(retention, mode)``: one in-process engine, run once."""
+
+    def get(retention: str, mode: str) -> EngineRun:
+        key = (retention, mode)
+        if key not in _runs:
+            _runs[key] = run_engine(
+                tmp_path_factory.mktemp(f"retention-{retention}-{mode}"),
+                models["nemotron_h"],
+                {**RETENTIONS[retention], **HETEROGENEOUS},
+                plugins=f"{WORKAROUNDS},{PLUGIN}",
+                mode=mode,
+                multiprocess=False,
+                run_steps=steps(),
+            )
+            found = _runs[key].geometry()
+            assert (found["c"], found["b"], found["h"]) == ("8", "32", "8"), found
+        return _runs[key]
+
+    return get
+
+
+def _replay_boundary(run: EngineRun) -> int:
+    state_block = int(run.geometry()["b"])
+    return (WRITER_TOKENS - 1) // state_block * state_block
+
+
+def _writer_dependence(run: EngineRun) -> float:
+    """Largest |Δ logprob| between the followers of the different writers."""
+    return max(max_delta(run, step, "follower") for step in FOLLOWERS)
+
+
+def test_engines_run_at_the_retention_of_their_case(retention_engine: Any) -> None:
+    """The 'default' engines say nothing and get vLLM 0.32.0's default, 0."""
+    for retention, expected in (("default", 0), ("dense", None)):
+        resolved = retention_engine(retention, "full").resolved
+        assert resolved["prefix_cache_retention_interval"] == expected, resolved
+        assert resolved["mamba_cache_mode"] == "align", resolved
+
+
+def test_stock_resumes_from_a_wrong_state_at_the_kept_replay_boundary(
+    retention_engine: Any,
+) -> None:
+    run = retention_engine("default", "off")
+    assert run.geometry()["status"].startswith("loaded, mode=off")
+    boundary, state_block = _replay_boundary(run), int(run.geometry()["b"])
+    ends = run.chunk_ends("writer")
+    # A chunk ends inside the kept block, short of its boundary, and the next one
+    # runs past it: the kept block holds the state of that earlier end.
+    inside = [e for e in ends if boundary - state_block < e < boundary]
+    assert inside and min(e for e in ends if e > inside[-1]) > boundary, ends
+    assert run.cached("writer") == 0 and run.cached("follower_fresh") == 0
+    assert run.cached("follower") == boundary  # stock reuses the kept state ...
+    delta = max_delta(run, "follower", "follower_fresh")
+    assert delta > 1e-3, delta  # ... a wrong one
+
+
+def test_full_resumes_at_the_kept_replay_boundary_bit_for_bit(
+    retention_engine: Any,
+) -> None:
+    run = retention_engine("default", "full")
+    assert run.geometry()["status"].startswith("ACTIVE, mode=full")
+    boundary = _replay_boundary(run)
+    assert boundary in run.chunk_ends("writer")
+    assert run.cached("follower") == boundary
+    assert run.logprobs("follower") == run.logprobs("follower_fresh")
+    assert max_delta(run, "follower", "follower_fresh") == 0
+
+
+@pytest.mark.parametrize("mode", FIXED_MODES)
+def test_grid_modes_resume_from_the_right_state(
+    retention_engine: Any, mode: str
+) -> None:
+    """Chunk ends move logprobs by ~1e-6 on CPU: no bit-exactness asked here."""
+    run = retention_engine("default", mode)
+    assert run.geometry()["status"].startswith(f"ACTIVE, mode={mode}")
+    boundary = _replay_boundary(run)
+    assert boundary in run.chunk_ends("writer")
+    assert run.cached("follower") == boundary
+    delta = max_delta(run, "follower", "follower_fresh")
+    stock = max_delta(retention_engine("default", "off"), "follower", "follower_fresh")
+    assert delta < 1e-3 and delta < stock / 100, (delta, stock)
+
+
+@pytest.mark.parametrize("retention", RETENTIONS)
+def test_full_follower_is_the_same_whoever_wrote_the_prefix(
+    retention_engine: Any, retention: str
+) -> None:
+    run = retention_engine(retention, "full")
+    boundary = _replay_boundary(run)
+    for follower in FOLLOWERS:
+        assert run.cached(follower) == boundary, follower
+        assert run.logprobs(follower) == run.logprobs("follower_fresh"), follower
+    assert _writer_dependence(run) == 0
+
+
+@pytest.mark.parametrize("retention", RETENTIONS)
+def test_stock_follower_depends_on_who_wrote_the_prefix(
+    retention_engine: Any, retention: str
+) -> None:
+    """The control of the test above: the same check fails on stock vLLM."""
+    run = retention_engine(retention, "off")
+    assert _writer_dependence(run) > 1e-3
+
+
+@pytest.mark.parametrize("mode", FIXED_MODES)
+def test_grid_modes_writer_dependence_is_small(
+    retention_engine: Any, mode: str
+) -> None:
+    """Measured and bounded only: grid and kept may end chunks elsewhere."""
+    run = retention_engine("default", mode)
+    assert _writer_dependence(run) < 1e-3
+
+
+def retention_summary_lines() -> list[str]:
+    """What the engines of this module measured (printed after the tests)."""
+    lines = []
+    for (retention, mode), run in sorted(_runs.items()):
+        lines.append(
+            f"retention={retention} mode={mode} (in-process, start "
+            f"{run.start_seconds:.1f} s): writer dependence (max |dlogprob| "
+            f"between the followers) {_writer_dependence(run):.3g}"
+        )
+        for follower, writer in FOLLOWERS.items():
+            lines.append(
+                f"  {writer} chunk ends {_abridged(run.chunk_ends(writer))}; "
+                f"{follower}: cached {run.cached(follower)}, chunk ends "
+                f"{_abridged(run.chunk_ends(follower))}, max |dlogprob| vs fresh "
+                f"{max_delta(run, follower, 'follower_fresh'):.3g}"
+            )
+    return lines
+
+
+def _abridged(ends: list[int]) -> str:
+    if len(ends) <= 8:
+        return f"{ends}"
+    shown = ", ".join(str(e) for e in [*ends[:2], "...", *ends[-4:]])
+    return f"[{shown}] ({len(ends)} chunks)"
