@@ -72,7 +72,7 @@ HYBRID: dict[str, Any] = {
 }
 
 LOG_LINE = re.compile(
-    r"vllm-mamba-align \S+ on vLLM (?P<vllm>\S+).*?: (?P<status>[^;]*); "
+    r"vllm-mamba-align \S+ on vLLM (?P<vllm>\S+).*?: (?P<status>.*?); "
     r"cache block C=(?P<c>\d+), Mamba state block B=(?P<b>\w+), "
     r"hash block (?P<h>\d+)"
 )
