@@ -243,7 +243,8 @@ def retention_summary_lines() -> list[str]:
                 f"  {writer} chunk ends {_abridged(run.chunk_ends(writer))}; "
                 f"{follower}: cached {run.cached(follower)}, chunk ends "
                 f"{_abridged(run.chunk_ends(follower))}, max |dlogprob| vs fresh "
-                f"{max_delta(run, follower, 'follower_fresh'):.3g}"
+                f"{max_delta(run, follower, 'follower_fresh'):.3g}, vs follower "
+                f"{max_delta(run, follower, 'follower'):.3g}"
             )
     return lines
 
