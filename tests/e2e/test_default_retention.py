@@ -64,19 +64,7 @@ RETENTIONS: dict[str, dict[str, Any]] = {
 }
 
 
-def _kept_mode_available() -> bool:
-    from vllm_mamba_align.settings import Mode
-
-    return "kept" in {m.value for m in Mode}
-
-
-KEPT = pytest.param(
-    "kept",
-    marks=pytest.mark.skipif(
-        not _kept_mode_available(), reason="this plugin build has no mode 'kept'"
-    ),
-)
-FIXED_MODES = ["grid", KEPT]  # the B grid without every-boundary stops
+FIXED_MODES = ["grid", "kept"]  # the B grid without every-boundary stops
 
 
 def steps() -> list[dict[str, Any]]:
