@@ -18,9 +18,15 @@ that state. (A junction does not discriminate here: the attention groups report
 hits on the scheduler block, 32 = B, so stock stops exactly on the B grid there.)
 
 Writer dependence, in the spirit of the upstream thread: the same follower after
-the same 2,020-token prefix was written by the writer alone, by a shorter writer
-(2,020 tokens, whose partial-tail stop falls on 2,016), and by the writer sharing
-its steps with an 8-token or a 500-token request (other chunk ends).
+the same prefix was written by requests of other lengths, each alone in its
+steps: the writer; a 2,020-token writer (its partial-tail stop falls on 2,016);
+a 1,800-token request and then the writer, which resumes at the 1,800-token
+request's partial-tail checkpoint 1,792 and so computes 1,792 to 2,016 in other
+chunks than a fresh run. Then under load: the writer sharing its steps with an
+8-token or a 100-token request. vLLM's CPU kernels are not batch-invariant: a
+step's batch can move the last bits of what the writer computes (measured:
+1.4e-6 with the 100-token request, also in mode ``full``), so bit-exactness is
+asserted only for the writers that ran alone.
 
 What is compared, as in ``test_engine.py``: the first generated token's top-20
 logprobs against the same prompt run fresh after ``reset_prefix_cache()``.
@@ -49,13 +55,16 @@ WRITER_TOKENS = 2030
 SHARED_TOKENS = 2020  # the follower shares this prefix with the writer
 FOLLOWER_TOKENS = 2100
 SHORT_WRITER_TOKENS = 2020  # another writer of the same prefix
-COMPANION_TOKENS = (8, 500)  # requests sharing the writer's steps
+PRE_WRITER_TOKENS = 1800  # written before the writer, which then resumes
+COMPANION_TOKENS = (8, 100)  # requests sharing the writer's steps
 
-FOLLOWERS = {  # follower step -> the writer step before it
-    "follower": "writer",
-    "follower_after_short": "short_writer",
-    **{f"follower_with_{n}": f"writer_with_{n}" for n in COMPANION_TOKENS},
+ALONE = {  # follower step -> the writer steps before it (after a cache reset)
+    "follower": ("writer",),
+    "follower_after_short": ("short_writer",),
+    "follower_after_chain": ("pre_writer", "chained_writer"),
 }
+UNDER_LOAD = {f"follower_with_{n}": (f"writer_with_{n}",) for n in COMPANION_TOKENS}
+FOLLOWERS = {**ALONE, **UNDER_LOAD}
 
 RETENTIONS: dict[str, dict[str, Any]] = {
     # Nothing said: vLLM's default, 0 on 0.32.0 (checked below).
@@ -71,26 +80,28 @@ def steps() -> list[dict[str, Any]]:
     first, _ = prompts()  # the 3,000 random tokens of test_engine.py
     rng = random.Random(7)
     tail = [rng.randrange(3, VOCAB) for _ in range(FOLLOWER_TOKENS - SHARED_TOKENS)]
-    companions = {n: [rng.randrange(3, VOCAB) for _ in range(n)] for n in (8, 500)}
+    companions = {
+        n: [rng.randrange(3, VOCAB) for _ in range(n)] for n in COMPANION_TOKENS
+    }
     writer, follower = first[:WRITER_TOKENS], first[:SHARED_TOKENS] + tail
+    fresh = {"reset_cache": True}  # every writer starts from an empty cache
     run = [
         {"name": "writer", "prompt": writer},
         {"name": "follower", "prompt": follower},
-        {"name": "follower_fresh", "prompt": follower, "reset_cache": True},
-        {
-            "name": "short_writer",
-            "prompt": first[:SHORT_WRITER_TOKENS],
-            "reset_cache": True,
-        },
+        {"name": "follower_fresh", "prompt": follower, **fresh},
+        {"name": "short_writer", "prompt": first[:SHORT_WRITER_TOKENS], **fresh},
         {"name": "follower_after_short", "prompt": follower},
+        {"name": "pre_writer", "prompt": first[:PRE_WRITER_TOKENS], **fresh},
+        {"name": "chained_writer", "prompt": writer},
+        {"name": "follower_after_chain", "prompt": follower},
     ]
     for n in COMPANION_TOKENS:
         run += [
             {
                 "name": f"writer_with_{n}",
                 "prompt": writer,
-                "reset_cache": True,
                 "companions": [companions[n]],
+                **fresh,
             },
             {"name": f"follower_with_{n}", "prompt": follower},
         ]
@@ -130,9 +141,9 @@ def _replay_boundary(run: EngineRun) -> int:
     return (WRITER_TOKENS - 1) // state_block * state_block
 
 
-def _writer_dependence(run: EngineRun) -> float:
-    """Largest |Δ logprob| between the followers of the different writers."""
-    return max(max_delta(run, step, "follower") for step in FOLLOWERS)
+def _writer_dependence(run: EngineRun, followers: dict[str, Any]) -> float:
+    """Largest |Δ logprob| between these followers and the first writer's."""
+    return max(max_delta(run, step, "follower") for step in followers)
 
 
 def test_engines_run_at_the_retention_of_their_case(retention_engine: Any) -> None:
@@ -188,24 +199,25 @@ def test_grid_modes_resume_from_the_right_state(
 
 
 @pytest.mark.parametrize("retention", RETENTIONS)
-def test_full_follower_is_the_same_whoever_wrote_the_prefix(
+def test_full_follower_is_the_same_whichever_request_wrote_the_prefix(
     retention_engine: Any, retention: str
 ) -> None:
     run = retention_engine(retention, "full")
     boundary = _replay_boundary(run)
-    for follower in FOLLOWERS:
+    assert run.cached("chained_writer") > 0  # the chained writer did resume
+    for follower in ALONE:
         assert run.cached(follower) == boundary, follower
         assert run.logprobs(follower) == run.logprobs("follower_fresh"), follower
-    assert _writer_dependence(run) == 0
+    assert _writer_dependence(run, ALONE) == 0
 
 
 @pytest.mark.parametrize("retention", RETENTIONS)
-def test_stock_follower_depends_on_who_wrote_the_prefix(
+def test_stock_follower_depends_on_which_request_wrote_the_prefix(
     retention_engine: Any, retention: str
 ) -> None:
     """The control of the test above: the same check fails on stock vLLM."""
     run = retention_engine(retention, "off")
-    assert _writer_dependence(run) > 1e-3
+    assert _writer_dependence(run, ALONE) > 1e-3
 
 
 @pytest.mark.parametrize("mode", FIXED_MODES)
@@ -214,7 +226,18 @@ def test_grid_modes_writer_dependence_is_small(
 ) -> None:
     """Measured and bounded only: grid and kept may end chunks elsewhere."""
     run = retention_engine("default", mode)
-    assert _writer_dependence(run) < 1e-3
+    assert _writer_dependence(run, FOLLOWERS) < 1e-3
+
+
+@pytest.mark.parametrize("mode", ["full", *FIXED_MODES])
+def test_under_load_followers_resume_from_the_right_state(
+    retention_engine: Any, mode: str
+) -> None:
+    """Another request in the writer's steps: right state, last bits may move."""
+    run = retention_engine("default", mode)
+    for follower in UNDER_LOAD:
+        assert run.cached(follower) == _replay_boundary(run), follower
+        assert max_delta(run, follower, "follower_fresh") < 1e-4, follower
 
 
 def retention_summary_lines() -> list[str]:
@@ -223,13 +246,18 @@ def retention_summary_lines() -> list[str]:
     for (retention, mode), run in sorted(_runs.items()):
         lines.append(
             f"retention={retention} mode={mode} (in-process, start "
-            f"{run.start_seconds:.1f} s): writer dependence (max |dlogprob| "
-            f"between the followers) {_writer_dependence(run):.3g}"
+            f"{run.start_seconds:.1f} s): writer dependence (max |dlogprob| vs "
+            f"the writer's follower): writers alone "
+            f"{_writer_dependence(run, ALONE):.3g}, under load "
+            f"{_writer_dependence(run, UNDER_LOAD):.3g}"
         )
-        for follower, writer in FOLLOWERS.items():
+        for follower, writers in FOLLOWERS.items():
+            written = "; ".join(
+                f"{w} cached {run.cached(w)} chunk ends {_abridged(run.chunk_ends(w))}"
+                for w in writers
+            )
             lines.append(
-                f"  {writer} chunk ends {_abridged(run.chunk_ends(writer))}; "
-                f"{follower}: cached {run.cached(follower)}, chunk ends "
+                f"  {written}; {follower}: cached {run.cached(follower)}, chunk ends "
                 f"{_abridged(run.chunk_ends(follower))}, max |dlogprob| vs fresh "
                 f"{max_delta(run, follower, 'follower_fresh'):.3g}, vs follower "
                 f"{max_delta(run, follower, 'follower'):.3g}"
