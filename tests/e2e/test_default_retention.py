@@ -20,13 +20,13 @@ hits on the scheduler block, 32 = B, so stock stops exactly on the B grid there.
 Writer dependence, in the spirit of the upstream thread: the same follower after
 the same prefix was written by requests of other lengths, each alone in its
 steps: the writer; a 2,020-token writer (its partial-tail stop falls on 2,016);
-a 1,800-token request and then the writer, which resumes at the 1,800-token
-request's partial-tail checkpoint 1,792 and so computes 1,792 to 2,016 in other
-chunks than a fresh run. Then under load: the writer sharing its steps with an
-8-token or a 100-token request. vLLM's CPU kernels are not batch-invariant: a
-step's batch can move the last bits of what the writer computes (measured:
-1.4e-6 with the 100-token request, also in mode ``full``), so bit-exactness is
-asserted only for the writers that ran alone.
+a 1,800-token request and then the writer, which resumes at the state the
+1,800-token request kept (1,792), so that ``grid`` and ``kept`` compute 1,792 to
+2,016 in one chunk where a fresh run cuts at 1,984. Then under load: the writer
+sharing its steps with an 8-token or a 100-token request. vLLM's CPU kernels are
+not batch-invariant: a step's batch can move the last bits of what the writer
+computes (measured: 1.4e-6 with the 100-token request, also in mode ``full``),
+so bit-exactness is asserted only for the writers that ran alone.
 
 What is compared, as in ``test_engine.py``: the first generated token's top-20
 logprobs against the same prompt run fresh after ``reset_prefix_cache()``.
