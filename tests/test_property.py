@@ -5,8 +5,10 @@ interval R), with the plugin in ``full``, ``kept`` and ``grid`` mode: no Mamba
 hash is published over a state its slot does not hold, no request resumes from a
 wrong state, nothing stalls, every request finishes its prefill; ``full`` and
 ``kept`` materialize every boundary state vLLM keeps, ``full``'s kept states are
-canonical (one B block per chunk from token 0); at retention 0 ``kept``
-schedules exactly like ``grid``, under dense retention like ``full``. In equal
+canonical (one B block per chunk from token 0; states continued from vLLM's
+partial-tail checkpoint, which lies off the grid, are counted apart); at
+retention 0 ``kept`` schedules exactly like ``grid`` wherever ``grid`` already
+materializes every kept state, under dense retention exactly like ``full``. In equal
 geometry ``grid`` mode schedules exactly like stock vLLM.
 
 Profiles: ``ci`` (default, quick) and ``long`` (HYPOTHESIS_PROFILE=long, about
@@ -195,11 +197,18 @@ def test_fixed_scheduler_never_poisons_and_always_finishes(workload: Workload) -
             event("a request reused cached tokens")
     if one_block_per_step(workload.geometry):
         assert runs["full"].noncanonical_kept == [], "full kept a non-canonical state"
+    if runs["full"].tail_resumed_kept:
+        event("full: a request resumed from vLLM's partial-tail checkpoint")
     retention = runs["kept"].retention
     event(f"retention {'dense' if retention.dense else retention.interval}")
-    if retention.interval == 0:
+    if retention.interval == 0 and not runs["grid"].missing_kept:
+        # vLLM's own stops already land on every kept boundary: kept adds none.
+        # (Where they do not, e.g. 0.29.0's replay stop for P % B == 0, kept
+        # stops there and grid loses the state.)
         for req_id, record in runs["grid"].records.items():
             assert runs["kept"].chunk_ends(req_id) == [c.end for c in record.chunks]
+    elif retention.interval == 0:
+        event("retention 0: grid lost a kept state that kept saved")
     if retention.dense:
         for req_id, record in runs["full"].records.items():
             assert runs["kept"].chunk_ends(req_id) == [c.end for c in record.chunks]

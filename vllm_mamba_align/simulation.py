@@ -327,6 +327,10 @@ def build_scheduler(geometry: Geometry) -> Any:
         )
 
 
+CANONICAL = "canonical"
+FROM_TAIL = "continued from a partial-tail checkpoint"
+NON_CANONICAL = "non-canonical"
+
 StateId = tuple[int, bytes]
 """(number of tokens, digest of those tokens): which state a slot holds."""
 
@@ -408,12 +412,14 @@ class Simulation:
 
         self.retention = read_retention(self.scheduler, self.state_block)
         """What vLLM's KV-cache manager keeps here (read from the scheduler)."""
-        self.canonical: dict[int, bool] = {}
-        """Block id -> its state was computed one B block per chunk from token 0
-        (through every writer, cache hits included)."""
-        self._chains: dict[str, tuple[int, bool, bool]] = {}
+        self.canonical: dict[int, str] = {}
+        """Block id -> how its state was computed, through every writer, cache
+        hits included: CANONICAL (one B block per chunk from token 0),
+        FROM_TAIL (canonically, but continued from vLLM's partial-tail
+        checkpoint off the grid) or NON_CANONICAL."""
+        self._chains: dict[str, tuple[int, bool, str]] = {}
         """Request -> (end of its last prefill chunk, own chunks canonical so far,
-        state canonical from token 0)."""
+        provenance of its state)."""
         self.kept_writes = 0
         """Prefill chunks that ended on a kept boundary and wrote its state."""
         self.noncanonical_kept_writes = 0
@@ -421,6 +427,10 @@ class Simulation:
         count)."""
         self.noncanonical_kept: list[str] = []
         """Kept states whose state was not computed canonically from token 0."""
+        self.tail_resumed_kept: list[str] = []
+        """Kept states computed canonically after a resumption from vLLM's
+        partial-tail checkpoint (off the grid): not canonical, not the split's
+        doing."""
         self.missing_kept: list[str] = []
         """Prompt boundaries vLLM keeps whose state was never materialized."""
 
@@ -491,7 +501,7 @@ class Simulation:
             else:
                 self.holds[copy_op.dst_block_id] = held
             self.canonical[copy_op.dst_block_id] = self.canonical.get(
-                copy_op.src_block_id, False
+                copy_op.src_block_id, NON_CANONICAL
             )
         written = {self._running_block(r, c.end).block_id for r, c in chunks.items()}
         for new in output.scheduled_new_reqs:
@@ -548,14 +558,16 @@ class Simulation:
         block = blocks[column]
         assert not block.is_null, f"{req_id}: running slot {column} is the null block"
         self.holds[block.block_id] = state_id(self._tokens(req_id), end)
-        self.canonical[block.block_id] = False  # until a prefill chunk says so
+        self.canonical[block.block_id] = NON_CANONICAL  # until a prefill chunk says so
 
     def _track_kept_states(self, req_id: str, chunk: Chunk) -> None:
         """Check the kept boundaries of one prefill chunk, and how it computed them.
 
         A state is canonical when it was computed one B block per chunk from
         token 0: then it is bit for bit what any other request computes for
-        the same prefix. ``full`` promises that for every state it keeps.
+        the same prefix. ``full`` promises that for every state it keeps, except
+        after a resumption from vLLM's partial-tail checkpoint (a cache hit that
+        ends off the B grid, 0.26.0+): those are tracked apart ("tail").
         """
         grid = self.state_block
         start, end = chunk.start, chunk.end
@@ -563,21 +575,28 @@ class Simulation:
         tokens = self._tokens(req_id)
         chain = self._chains.get(req_id)
         if chain is not None and chain[0] == start:
-            own, true = chain[1], chain[2]
+            own, provenance = chain[1], chain[2]
         else:  # a new start: the first chunk, a cache hit, a resumption
             own = start % grid == 0
-            true = start == 0
+            provenance = CANONICAL if start == 0 else FROM_TAIL
             if start and own:
                 hit = self._mamba_blocks(req_id)[start // grid - 1]
-                true = (
-                    not hit.is_null
-                    and self.holds.get(hit.block_id) == state_id(tokens, start)
-                    and self.canonical.get(hit.block_id, False)
+                right = not hit.is_null and self.holds.get(hit.block_id) == state_id(
+                    tokens, start
                 )
-        one_block = start % grid == 0 and end - start == grid
-        own, true = own and one_block, true and one_block
-        self._chains[req_id] = (end, own, true)
-        self.canonical[self._running_block(req_id, end).block_id] = true
+                provenance = (
+                    self.canonical.get(hit.block_id, NON_CANONICAL)
+                    if right
+                    else NON_CANONICAL
+                )
+        if not (start % grid == 0 and end - start == grid):
+            own = False
+            # Off the grid only after a partial-tail hit, up to the next boundary.
+            to_boundary = start % grid and end <= (start // grid + 1) * grid
+            if not (provenance == FROM_TAIL and to_boundary):
+                provenance = NON_CANONICAL
+        self._chains[req_id] = (end, own, provenance)
+        self.canonical[self._running_block(req_id, end).block_id] = provenance
         for boundary in self.retention.kept_in(request, start, end):
             if boundary < end:
                 self.missing_kept.append(f"{req_id}: {boundary} inside a chunk")
@@ -593,8 +612,10 @@ class Simulation:
                 continue
             self.kept_writes += 1
             self.noncanonical_kept_writes += not own
-            if not true:
+            if provenance == NON_CANONICAL:
                 self.noncanonical_kept.append(f"{req_id}: state@{boundary}")
+            elif provenance == FROM_TAIL:
+                self.tail_resumed_kept.append(f"{req_id}: state@{boundary}")
 
     def _running_block(self, req_id: str, end: int) -> Any:
         return self._mamba_blocks(req_id)[-(-end // self.state_block) - 1]
