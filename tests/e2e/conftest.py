@@ -27,7 +27,7 @@ collect_ignore_glob = [] if _engine_installed() else ["test_*.py"]
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if not _engine_installed():
         return
-    from .test_engine import summary_lines
+    from . import test_engine, test_serve
 
-    for line in summary_lines():
+    for line in test_engine.summary_lines() + test_serve.summary_lines():
         terminalreporter.write_line(line)
