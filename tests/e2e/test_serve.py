@@ -28,12 +28,18 @@ from typing import Any
 import pytest
 
 from .models import write_model
-from .server import Completion, Server, max_delta, write_tokenizer
+from .server import (
+    SERVED_NAME,
+    Completion,
+    Server,
+    max_delta,
+    samples,
+    write_tokenizer,
+)
 from .test_engine import (
     BUDGET,
     HETEROGENEOUS,
     HYBRID,
-    LOG_LINE,
     PLUGIN,
     PROMPT_TOKENS,
     SHARED_TOKENS,
@@ -57,7 +63,13 @@ SERVE_OPTIONS: dict[str, Any] = {
     # vLLM's default (0) kills the engine core before Scheduler.shutdown() runs.
     "shutdown_timeout": 10,
 }
-AUDIT_INTERVAL = "1"  # seconds between audit summary lines (when changed)
+AUDIT_INTERVAL = "1"
+# The plugin's line at scheduler start (the audit's status has semicolons).
+PLUGIN_LINE = re.compile(
+    r"vllm-mamba-align \S+ on vLLM (?P<vllm>\S+) \([^)]*\): (?P<status>[^\n]*); "
+    r"cache block C=(?P<c>\d+), Mamba state block B=(?P<b>\w+), "
+    r"hash block (?P<h>\d+)"
+)  # seconds between audit summary lines (when changed)
 
 
 @dataclass
@@ -73,7 +85,7 @@ class ServeRun:
     metrics: str = ""
 
     def plugin_lines(self) -> list[dict[str, str]]:
-        return [m.groupdict() for m in LOG_LINE.finditer(self.log)]
+        return [m.groupdict() for m in PLUGIN_LINE.finditer(self.log)]
 
 
 def _environment(mode: str | None) -> dict[str, str]:
@@ -200,6 +212,113 @@ def test_server_starts_and_stops_within_bounds_leaving_no_process(
     assert re.search(r"Starting vLLM server on http://127\.0\.0\.1:\d+", run.log)
 
 
+AUDIT_SUMMARY = re.compile(
+    r"vllm-mamba-align audit \(B=(?P<state_block>\d+), C=(?P<cache_block>\d+)\): "
+    r"(?P<prefill_chunks>[\d,]+) prefill chunks, "
+    r"(?P<poisoned_slots>[\d,]+) would-be-poisoned slots, "
+    r"(?P<skipped_boundaries>[\d,]+) skipped state boundaries, "
+    r"(?P<requests_affected>[\d,]+) of (?P<requests>[\d,]+) requests affected "
+    r"\((?P<requests_poisoning>[\d,]+) poisoning\), "
+    r"(?P<prefill_tokens>[\d,]+) prefill tokens scheduled"
+)
+# Audit figure -> counter on /metrics (vllm_mamba_align.metrics.COUNTERS).
+COUNTER_NAMES = {
+    "poisoned_slots": "vllm_mamba_align_audit_would_be_poisoned_slots_total",
+    "skipped_boundaries": "vllm_mamba_align_audit_skipped_state_boundaries_total",
+    "requests": "vllm_mamba_align_audit_requests_total",
+    "requests_affected": "vllm_mamba_align_audit_requests_affected_total",
+    "requests_poisoning": "vllm_mamba_align_audit_requests_poisoning_total",
+    "prefill_chunks": "vllm_mamba_align_audit_prefill_chunks_total",
+    "prefill_tokens": "vllm_mamba_align_audit_prefill_tokens_total",
+}
+
+
+def last_summary(log: str) -> dict[str, int] | None:
+    found = list(AUDIT_SUMMARY.finditer(log))
+    if not found:
+        return None
+    return {k: int(v.replace(",", "")) for k, v in found[-1].groupdict().items()}
+
+
+def counters(metrics: str, engine: str = "0") -> dict[str, float]:
+    values: dict[str, float] = {}
+    for figure, name in COUNTER_NAMES.items():
+        for labels, value in samples(metrics, name):
+            if labels.get("engine") == engine:
+                assert labels.get("model_name") == SERVED_NAME, labels
+                values[figure] = value
+    return values
+
+
+def expected_prefill_tokens(run: ServeRun) -> int:
+    """What the scenario prefills: each prompt less the tokens served cached."""
+    first, sibling = prompts()
+    lengths = {"first": len(first), "sibling": len(sibling), "reask": len(first)}
+    lengths["sibling_fresh"] = len(sibling)
+    return sum(lengths[name] - c.cached_tokens for name, c in run.done.items())
+
+
+def _audited_scenario(server: Server, run: ServeRun) -> None:
+    """The scenario, then /metrics until it shows the summary line's figures.
+
+    The engine core exports and logs on the audit's reporter thread (every
+    second here); both settle within a few seconds of the last request.
+    """
+    _scenario(server, run)
+    deadline = time.monotonic() + 60
+    while True:
+        run.metrics = server.metrics()
+        summary = last_summary(server.log())
+        shown = counters(run.metrics)
+        if (
+            summary is not None
+            and summary["prefill_tokens"] == expected_prefill_tokens(run)
+            and all(shown.get(figure) == summary[figure] for figure in COUNTER_NAMES)
+        ):
+            return
+        if time.monotonic() > deadline:
+            return  # the test reports the difference
+        time.sleep(0.5)
+
+
+def test_audit_counters_on_metrics_equal_the_audit_summary_line(
+    served_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    run = serve(
+        served_model,
+        tmp_path_factory.mktemp("serve-audit"),
+        "audit",
+        "audit",
+        body=_audited_scenario,
+    )
+    (found,) = run.plugin_lines()
+    assert found["status"].startswith("AUDIT, mode=audit"), found
+    # Stock scheduling, so the sibling reads a wrong state ...
+    done = run.done
+    assert done["sibling"].logprobs != done["sibling_fresh"].logprobs
+    # ... which the audit names at once, at WARNING ...
+    assert re.search(r"WARNING .*the audit found the first would-be-poisoned", run.log)
+    # ... and counts, on the API server's /metrics as in its log line.
+    summary = last_summary(run.log)
+    assert summary is not None, "no audit summary line in the server log"
+    shown = counters(run.metrics)
+    assert shown == {figure: summary[figure] for figure in COUNTER_NAMES}
+    assert summary["prefill_tokens"] == expected_prefill_tokens(run)
+    assert shown["poisoned_slots"] > 0 and shown["skipped_boundaries"] > 0
+    assert shown["requests"] == 4 and shown["prefill_chunks"] > 0
+    (info,) = [
+        labels
+        for labels, value in samples(run.metrics, "vllm_mamba_align_info")
+        if value == 1
+    ]
+    assert info["mode"] == "audit" and info["engine"] == "0"
+    assert info["state_block"] == found["b"] and info["cache_block"] == found["c"]
+    assert info["vllm_version"] == "0.32.0" and info["model_name"] == SERVED_NAME
+    assert "audit metrics: on: multiprocess Prometheus" in run.log
+    # Clean shutdown ran Scheduler.shutdown(): the final line is the same figures.
+    assert run.stopped_cleanly and not run.group_left
+
+
 def summary_lines() -> list[str]:
     lines = []
     for key, run in _runs.items():
@@ -212,6 +331,9 @@ def summary_lines() -> list[str]:
             if (fresh := name.replace("sibling", "sibling_fresh", 1)) != name
             and fresh in run.done
         ]
+        if run.metrics:
+            figures += f"; /metrics {counters(run.metrics)}"
+            figures += f"; last audit line {last_summary(run.log)}"
         lines.append(
             f"serve {key}: start {run.start_seconds:.1f} s, requests "
             f"{run.request_seconds:.1f} s, stop {run.stop_seconds:.1f} s; {figures}; "
