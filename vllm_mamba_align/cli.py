@@ -1,7 +1,9 @@
 """The ``vllm-mamba-align`` command: ``doctor`` and ``simulate``.
 
 Exit status: 0 fine; 1 ``doctor`` found that the plugin would refuse to start a
-hybrid align-mode scheduler; 2 bad usage, or vLLM is not installed. vLLM (and its
+hybrid align-mode scheduler; 2 bad usage, or vLLM is not installed; 3 ``doctor``
+found that the plugin itself cannot be imported (a missing dependency: vLLM would
+only log that and run without the fix). vLLM (and its
 torch) are imported only inside the commands, so ``--help`` works anywhere.
 """
 
@@ -17,6 +19,7 @@ from .errors import MambaAlignError
 EXIT_OK = 0
 EXIT_REFUSE = 1
 EXIT_USAGE = 2
+EXIT_BROKEN = 3
 
 NO_VLLM = (
     "vllm-mamba-align: vLLM is not installed in this Python environment "
@@ -115,7 +118,30 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _plugin_import_error() -> str | None:
+    """Why the plugin's code (what vLLM's entry point runs) cannot be imported."""
+    import importlib
+
+    try:
+        importlib.import_module(f"{__package__}.plugin")
+    except ImportError as error:
+        return str(error)
+    return None
+
+
 def _doctor(as_json: bool) -> int:
+    from . import MISSING_DEPENDENCY
+
+    broken = _plugin_import_error()
+    if broken is not None:
+        message = MISSING_DEPENDENCY.format(error=broken)
+        print(f"vllm-mamba-align doctor: [!!] {message}", file=sys.stderr)
+        if as_json:
+            import json
+
+            print(json.dumps({"plugin_importable": False, "import_error": broken}))
+        return EXIT_BROKEN
+
     from .doctor import VllmMissing, collect, render_text
 
     try:

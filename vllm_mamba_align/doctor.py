@@ -25,6 +25,7 @@ from typing import Any
 
 from . import __version__, settings
 from .errors import MambaAlignError
+from .metrics import export_status as metrics_export_status
 from .releases import SUPPORTED_RELEASES, describe_version, expected_body
 
 PLUGIN_NAME = "mamba_align"
@@ -68,6 +69,10 @@ class Report:
     would_refuse: bool
     refusal: str | None
     """The exact error the plugin would raise for a hybrid align-mode model."""
+    metrics_exported: bool = False
+    """prometheus_client importable and PROMETHEUS_MULTIPROC_DIR set: the audit's
+    counters written in the engine core reach the API server's /metrics."""
+    metrics_detail: str = ""
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
@@ -248,6 +253,7 @@ def collect() -> Report:
             "settings (see plugin loading)"
         )
     seed, seed_detail = worker_seed_status(root)
+    export = metrics_export_status()
     return Report(
         plugin_version=__version__,
         vllm_version=version,
@@ -271,6 +277,8 @@ def collect() -> Report:
         upstream_fix_present=upstream,
         would_refuse=refusal is not None,
         refusal=refusal,
+        metrics_exported=export.exported,
+        metrics_detail=export.describe(),
         notes=notes,
     )
 
@@ -314,6 +322,7 @@ def render_text(report: Report) -> str:
             if report.mode
             else f"[{bad}] {report.mode_error}"
         ),
+        f"  metrics         {report.metrics_detail}",
         f"  worker seed     {report.worker_seed_detail}",
         "  upstream fix    "
         + (
