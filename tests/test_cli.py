@@ -181,24 +181,26 @@ def test_doctor_exits_3_naming_the_cause_when_the_plugin_cannot_be_imported(
 
 
 def test_without_wrapt_vllm_plugin_loading_fails_closed_with_the_cause() -> None:
-    """vLLM swallows import errors of a plugin module, not errors raised by its
-    registered function: the package imports without wrapt, register() refuses."""
+    """vLLM only logs a plugin module that fails to import, but lets an error
+    raised by the registered function stop it: the package imports without
+    wrapt, and register() refuses, naming the cause, through vLLM's own loader."""
     result = run_python(
         textwrap.dedent(
             """
             import sys
             sys.modules["wrapt"] = None
-            import vllm_mamba_align
+            from vllm.plugins import load_general_plugins
             try:
-                vllm_mamba_align.register()
-            except vllm_mamba_align.MambaAlignError as error:
-                print(error)
+                load_general_plugins()
+            except Exception as error:
+                print(type(error).__name__, error)
                 sys.exit(7)
             """
-        )
+        ),
+        VLLM_PLUGINS="mamba_align",
     )
     assert result.returncode == 7, (result.stdout, result.stderr)
-    assert "cannot load in this Python" in result.stdout
+    assert "MambaAlignError vllm-mamba-align cannot load" in result.stdout
     assert "wrapt" in result.stdout
 
 
