@@ -3,7 +3,8 @@
 Exit status: 0 fine; 1 ``doctor`` found that the plugin would refuse to start a
 hybrid align-mode scheduler; 2 bad usage, or vLLM is not installed; 3 ``doctor``
 found that the plugin itself cannot be imported (a missing dependency: vLLM would
-only log that and run without the fix). vLLM (and its
+only log that and run without the fix); 4 ``doctor --strict`` found that vLLM
+would not load the plugin (``VLLM_PLUGINS`` or no entry point). vLLM (and its
 torch) are imported only inside the commands, so ``--help`` works anywhere.
 """
 
@@ -20,6 +21,7 @@ EXIT_OK = 0
 EXIT_REFUSE = 1
 EXIT_USAGE = 2
 EXIT_BROKEN = 3
+EXIT_NOT_LOADED = 4
 
 NO_VLLM = (
     "vllm-mamba-align: vLLM is not installed in this Python environment "
@@ -48,6 +50,11 @@ def _parser() -> argparse.ArgumentParser:
         "when the plugin would refuse to start a hybrid model in align mode.",
     )
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.add_argument(
+        "--strict",
+        action="store_true",
+        help="also exit 4 when vLLM would not load the plugin (for image builds)",
+    )
 
     d = Scenario()
     simulate = commands.add_parser(
@@ -129,7 +136,7 @@ def _plugin_import_error() -> str | None:
     return None
 
 
-def _doctor(as_json: bool) -> int:
+def _doctor(as_json: bool, strict: bool = False) -> int:
     from . import MISSING_DEPENDENCY
 
     broken = _plugin_import_error()
@@ -152,7 +159,11 @@ def _doctor(as_json: bool) -> int:
             print('{"vllm_installed": false}')
         return EXIT_USAGE
     print(report.to_json() if as_json else render_text(report))
-    return EXIT_REFUSE if report.would_refuse else EXIT_OK
+    if report.would_refuse:
+        return EXIT_REFUSE
+    if strict and not report.would_load:
+        return EXIT_NOT_LOADED
+    return EXIT_OK
 
 
 def _default_share(share: int, prompt: int) -> int:
@@ -209,5 +220,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "doctor":
-        return _doctor(args.json)
+        return _doctor(args.json, args.strict)
     return _simulate(args)
