@@ -24,7 +24,6 @@ that no process of the group is left.
 from __future__ import annotations
 
 import re
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -117,14 +116,14 @@ SETUPS = {
 }
 
 
-def _environment(mode: str | None) -> dict[str, str]:
+def _environment(mode: str | None, prometheus: Path) -> dict[str, str]:
     env = {
         "VLLM_PLUGINS": f"{WORKAROUNDS},{PLUGIN}",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "HF_HUB_OFFLINE": "1",
         # Multiprocess Prometheus: what the engine cores count is served by
         # the API server's /metrics. An empty directory per server.
-        "PROMETHEUS_MULTIPROC_DIR": tempfile.mkdtemp(prefix="prometheus-"),
+        "PROMETHEUS_MULTIPROC_DIR": str(prometheus),
         "VLLM_MAMBA_ALIGN_AUDIT_INTERVAL": AUDIT_INTERVAL,
     }
     if mode is not None:
@@ -253,9 +252,10 @@ def served(
         server = Server(
             served_model,
             {**SERVE_OPTIONS, **setup.options},
-            _environment(setup.mode),
+            _environment(setup.mode, workdir / f"{key}-prometheus"),
             workdir / f"{key}.log",
         )
+        (workdir / f"{key}-prometheus").mkdir()
         started = time.monotonic()
         try:
             with server:
