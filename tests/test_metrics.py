@@ -76,16 +76,14 @@ def test_a_real_audited_scheduler_exports_its_summary_figures() -> None:
     for field in metrics.COUNTERS:
         gained = (exported(registry, field, labels) or 0.0) - before[field]
         assert gained == getattr(figures, field), field
-    info = [
-        sample
+    info = {
+        (sample.labels["state_block"], sample.labels["cache_block"])
         for family in registry.collect()
         if family.name == metrics.INFO
         for sample in family.samples
-        if sample.labels.get("mode") == "audit"
-    ]
-    assert info, "the info metric names the mode"
-    assert info[-1].labels["state_block"] == str(observer.state_block)
-    assert info[-1].labels["cache_block"] == str(observer.cache_block)
+        if sample.labels["mode"] == "audit" and sample.labels["status"] == "AUDIT"
+    }
+    assert (str(observer.state_block), str(observer.cache_block)) in info
 
 
 def test_export_status_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
