@@ -42,7 +42,9 @@ from vllm_mamba_align.simulation import (
 )
 
 C, B, P, BUDGET = 816, 1648, 16764, 8192
-HETEROGENEOUS = Geometry(cache_block=C, state_block=B, budget=BUDGET)
+# Dense retention: every boundary kept, so every defect is published (the fixed
+# figures below). vLLM's default retention is held against the oracle further down.
+HETEROGENEOUS = Geometry(cache_block=C, state_block=B, budget=BUDGET, retention=None)
 
 # The validation against the oracle uses the upstream geometry (C = 816, B = 1648),
 # which vLLM starts with from 0.28.0 on; older releases refuse it or need C | B.
@@ -103,11 +105,11 @@ def counts(sim: Simulation) -> audit.AuditSnapshot:
 
 
 # -- the heterogeneous scenario of test_split_invariants -------------------------
-def heterogeneous(mode: str) -> PublicationOracle:
+def heterogeneous(mode: str, geometry: Geometry = HETEROGENEOUS) -> PublicationOracle:
     """A prompt, an immediate re-ask and two shared-prefix siblings."""
     first = prompt(P, seed=1)
     with scheduler_mode(mode):
-        sim = PublicationOracle(HETEROGENEOUS)
+        sim = PublicationOracle(geometry)
         for name, tokens in (
             ("first", first),
             ("re-ask", first),
@@ -143,6 +145,40 @@ def test_audit_poisoned_count_equals_the_oracle_on_the_heterogeneous_scenario(
     assert len(stock.poisoned) == stock.wrong_publications == 5
     assert found.poisoned_slots == len(stock.poisoned)
     assert found.poisoned_slots == len(audited.poisoned), "same schedule, same harm"
+
+
+def oracle_checks(stock: PublicationOracle, audited: PublicationOracle) -> None:
+    """The audit's counts against what the real scheduler did with stock's schedule."""
+    found = counts(audited)
+    assert audited.all_chunks == stock.all_chunks, "audit changed a schedule"
+    assert found.poisoned_slots == stock.wrong_publications
+    lost = [m for m in stock.missing_kept if "inside a chunk" in m]
+    assert found.poisoned_slots + found.skipped_boundaries == len(lost)
+    assert found.noncanonical_states == stock.noncanonical_kept_writes
+
+
+@pytest.mark.parametrize(
+    ("state_block", "retention"),
+    [(B, "default"), (B, None), (1632, "default"), (1632, 6528)],
+    ids=["default", "dense", "default-B1632", "R6528-B1632"],
+)
+def test_audit_counts_what_vllm_publishes_under_each_retention(
+    state_block: int, retention: int | str | None
+) -> None:
+    """Only states vLLM's retention keeps can be published wrong or lost."""
+    from vllm_mamba_align.simulation import supports_retention_setting
+
+    if retention not in ("default", None) and not supports_retention_setting():
+        pytest.skip("this vLLM has no retention setting")
+    geometry = Geometry(C, state_block, BUDGET, retention=retention)
+    stock, audited = heterogeneous("stock", geometry), heterogeneous("audit", geometry)
+    oracle_checks(stock, audited)
+    found = counts(audited)
+    print(f"{retention}, B={state_block}: {found.summary()}")
+    dense = heterogeneous("audit", dataclasses.replace(geometry, retention=None))
+    assert found.poisoned_slots <= counts(dense).poisoned_slots
+    if state_block == B:  # (with B = 1632 stock's 8,160-token chunks land on it)
+        assert found.poisoned_slots > 0, "stock publishes wrong states here too"
 
 
 def test_audit_skipped_plus_poisoned_are_the_boundaries_never_materialized() -> None:
@@ -189,7 +225,9 @@ def test_audit_counts_nothing_in_equal_geometry_where_stock_is_correct() -> None
     """C == B: stock publishes no wrong hash; only skipped boundaries remain."""
     length = 5 * B + 100
     with scheduler_mode("audit"):
-        sim = Simulation(Geometry(cache_block=B, state_block=B, budget=length))
+        sim = Simulation(
+            Geometry(cache_block=B, state_block=B, budget=length, retention=None)
+        )
         sim.add("five", prompt(length, seed=5))
         sim.run()
     found = counts(sim)
@@ -222,6 +260,9 @@ def check_audit_against_stock(workload: Workload) -> audit.AuditSnapshot:
     if any(e - s == 1 for _, s, e in prefill):
         event("a one-token prefill chunk")
     assert found.poisoned_slots == stock.wrong_publications
+    lost = [m for m in stock.missing_kept if "inside a chunk" in m]
+    assert found.poisoned_slots + found.skipped_boundaries == len(lost)
+    assert found.noncanonical_states == stock.noncanonical_kept_writes
     assert found.poisoned_slots >= len(stock.poisoned)
     if found.poisoned_slots > len(stock.poisoned):
         event("a (block, hash) pair was published wrong twice")
@@ -311,7 +352,7 @@ def test_summary_line_format() -> None:
     assert lines == [
         "vllm-mamba-align audit (B=1648, C=816): 5 prefill chunks, "
         "2 would-be-poisoned slots, 614 skipped state boundaries, "
-        "2 of 2 requests affected (1 poisoning), "
+        "0 non-canonical kept states, 2 of 2 requests affected (1 poisoning), "
         "1,016,764 prefill tokens scheduled in 3h12m"
     ]
 

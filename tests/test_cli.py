@@ -232,38 +232,110 @@ def test_python_dash_m_runs_the_command() -> None:
 # -- simulate ----------------------------------------------------------------------
 
 
+def table_row(lines: list[str], label: str) -> list[str]:
+    """The cells after ``label`` in simulate's table."""
+    line = next(line for line in lines if line.startswith(label))
+    return line[len(label) :].split()
+
+
+def chunk_ends_by_mode(lines: list[str]) -> dict[str, str]:
+    at = lines.index("chunk ends of the first prompt:")
+    ends = {}
+    for line in lines[at + 1 :]:
+        if not line.strip():
+            break
+        ends[line.split()[0]] = line
+    return ends
+
+
 @upstream_geometry
-def test_simulate_defaults_show_the_defect_and_the_fix(
+def test_simulate_dense_retention_shows_the_defect_and_the_fix(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["simulate"]) == EXIT_OK
+    assert main(["simulate", "--retention", "dense"]) == EXIT_OK
     out = capsys.readouterr().out
     lines = out.splitlines()
-    at = lines.index("chunk ends of the first prompt:")
-    ends = {line.split()[0]: line for line in lines[at + 1 : at + 4]}
+    assert "state retention dense" in out
+    ends = chunk_ends_by_mode(lines)
+    assert list(ends) == ["stock", "full", "kept", "grid", "audit"]
     assert ends["stock"].endswith("8160, 16320, 16752, 16764")
     assert ends["grid"].endswith("6592, 13184, 16480, 16752, 16764")
     assert "1648, 3296, 4944" in ends["full"]
-    row = {line[:34].strip(): line[34:].split() for line in lines}
-    # Columns: stock, full, grid, then any further mode (audit schedules as stock).
-    assert row["B boundaries materialized (of 10)"][:3] == ["0", "10", "3"]
-    assert row["... naming a wrong state"][1:3] == ["0", "0"]
-    assert int(row["... naming a wrong state"][0]) > 0
-    assert row["sibling (shares 9000) reuses"][:5] == [
-        "8240",
-        "WRONG",
-        "STATE",
-        "8240",
-        "6592",
-    ]
-    assert row["prefill steps, first prompt"][:3] == ["4", "12", "5"]
+    assert ends["kept"].split()[1:] == ends["full"].split()[1:], "dense: kept = full"
+    # Columns: stock, full, kept, grid, audit (audit schedules as stock).
+    assert table_row(lines, "B boundaries materialized (of 10)") == [
+        "0", "10", "10", "3", "0",
+    ]  # fmt: skip
+    wrong = table_row(lines, "  ... naming a wrong state")
+    assert wrong[1:4] == ["0", "0", "0"] and int(wrong[0]) > 0
+    assert table_row(lines, "sibling (shares 9000) reuses")[:6] == [
+        "8240", "WRONG", "STATE", "8240", "8240", "6592",
+    ]  # fmt: skip
+    assert table_row(lines, "prefill steps, first prompt") == [
+        "4", "12", "12", "5", "4",
+    ]  # fmt: skip
     # The picture: one row per mode, stock never ends a chunk on the B grid.
     top = next(i for i, line in enumerate(lines) if line.startswith("B grid"))
-    picture = {line[:8].strip(): line[8:] for line in lines[top : top + 4]}
+    picture = {line[:8].strip(): line[8:] for line in lines[top : top + 6]}
     assert "*" not in picture["stock"] and "^" in picture["stock"]
     assert picture["full"].count("*") == 10
     ours = [line for line in lines if not line.startswith("(MainProcess")]
     assert max(len(line) for line in ours) <= 100  # vLLM's own log lines aside
+
+
+@upstream_geometry
+def test_simulate_defaults_run_vllms_default_retention(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from vllm_mamba_align.simulation import Geometry, retention_interval
+
+    assert main(["simulate"]) == EXIT_OK
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    interval = retention_interval(Geometry(816, 1648))
+    if interval is None:  # 0.28.0: vLLM's default is dense
+        assert "state retention dense" in out
+        return
+    assert f"state retention {interval} (prefix_cache_retention_interval=" in out
+    ends = chunk_ends_by_mode(lines)
+    assert ends["kept"].split()[1:] == ends["grid"].split()[1:], "0: kept = grid"
+    wrong = table_row(lines, "  ... naming a wrong state")
+    assert wrong[1:4] == ["0", "0", "0"] and int(wrong[0]) > 0
+    # vLLM keeps the replay boundary 16,480 only: full writes 10, keeps 1.
+    assert table_row(lines, "B boundaries materialized (of 10)") == [
+        "0", "1", "1", "1", "0",
+    ]  # fmt: skip
+    assert table_row(lines, "prefill steps, first prompt") == [
+        "4", "12", "5", "5", "4",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("sparse", "--retention 'sparse' is not valid: use default"),
+        ("-3", "--retention '-3' is not valid"),
+    ],
+)
+def test_simulate_rejects_a_bad_retention(
+    value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", "--retention", value]) == EXIT_USAGE
+    assert message in capsys.readouterr().err
+
+
+@upstream_geometry
+def test_simulate_reports_vllms_reason_for_an_interval_it_rejects(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from vllm_mamba_align.simulation import supports_retention_setting
+
+    if not supports_retention_setting():
+        pytest.skip("this vLLM has no retention setting")
+    assert main(["simulate", "--retention", "1000", "--mode", "stock"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "rejected or could not run this geometry" in err
+    assert "multiple of scheduler_block_size (84048)" in err
 
 
 @upstream_geometry
@@ -283,6 +355,8 @@ def test_simulate_concurrent_prefills_and_chosen_modes(
             "stock",
             "--mode",
             "full",
+            "--retention",
+            "dense",
         ]
     )
     assert code == EXIT_OK

@@ -1,8 +1,14 @@
 """Property-based: random geometries and workloads on the real scheduler.
 
-For every drawn case, with the plugin in ``full`` and in ``grid`` mode: no Mamba
+For every drawn case (vLLM's default state retention, dense, or a segment
+interval R), with the plugin in ``full``, ``kept`` and ``grid`` mode: no Mamba
 hash is published over a state its slot does not hold, no request resumes from a
-wrong state, nothing stalls, every request finishes its prefill. In equal
+wrong state, nothing stalls, every request finishes its prefill; ``full`` and
+``kept`` materialize every boundary state vLLM keeps, ``full``'s kept states are
+canonical (one B block per chunk from token 0; states continued from vLLM's
+partial-tail checkpoint, which lies off the grid, are counted apart); at
+retention 0 ``kept`` schedules exactly like ``grid`` wherever ``grid`` already
+materializes every kept state, under dense retention exactly like ``full``. In equal
 geometry ``grid`` mode schedules exactly like stock vLLM.
 
 Profiles: ``ci`` (default, quick) and ``long`` (HYPOTHESIS_PROFILE=long, about
@@ -11,6 +17,7 @@ Profiles: ``ci`` (default, quick) and ``long`` (HYPOTHESIS_PROFILE=long, about
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -24,6 +31,7 @@ from vllm_mamba_align.simulation import (
     Simulation,
     prompt,
     supports_hash_block,
+    supports_retention_setting,
 )
 
 
@@ -72,6 +80,13 @@ def workloads(draw: st.DrawFn, equal_geometry: bool = False) -> Workload:
             max_size=count,
         )
     )
+    # vLLM's state retention: its default first, dense, and a legal interval R
+    # (a multiple of the scheduler block, the LCM of the groups' blocks).
+    retention: int | str | None = "default"
+    if supports_retention_setting():
+        retention = draw(st.sampled_from(["default", "default", None, "segments"]))
+        if retention == "segments":
+            retention = math.lcm(cache_block, state_block) * draw(st.integers(1, 3))
     longest = max(len(p) + n for p, n in zip(prompts, max_tokens, strict=True))
     # Blocks one request needs in both groups, so each request fits on its own
     # (vLLM cannot serve one that does not); scarce pools force preemption.
@@ -86,6 +101,7 @@ def workloads(draw: st.DrawFn, equal_geometry: bool = False) -> Workload:
         # Scarce blocks force preemption: resumed requests replay their prefill.
         num_blocks=draw(st.sampled_from([need + 2, 2 * need, 4000])),
         reserve_full_input=draw(st.booleans()),
+        retention=retention,
     )
     return Workload(
         geometry=geometry,
@@ -146,11 +162,21 @@ def fits(workload: Workload) -> bool:
     return max(len(p) for p in workload.prompts) < 100_000
 
 
+def one_block_per_step(geometry: Geometry) -> bool:
+    """Whether one step may prefill a whole state block (else no mode can compute
+    a state in one chunk, and canonical chunking is not possible)."""
+    budget = geometry.budget
+    if geometry.long_prefill_threshold:
+        budget = min(budget, geometry.long_prefill_threshold)
+    return geometry.state_block <= budget
+
+
 @given(workloads())
 def test_fixed_scheduler_never_poisons_and_always_finishes(workload: Workload) -> None:
     assume(fits(workload))
-    for mode in ("full", "grid"):
-        sim = simulate(mode, workload)
+    runs = {}
+    for mode in ("full", "kept", "grid"):
+        sim = runs[mode] = simulate(mode, workload)
         if resumed_requests_unsplit() and any(
             r.request.num_preemptions for r in sim.records.values()
         ):
@@ -163,10 +189,29 @@ def test_fixed_scheduler_never_poisons_and_always_finishes(workload: Workload) -
             assert record.prefilled_at_step is not None
             if record.request.num_preemptions:
                 event("a request was preempted and resumed")
+        if mode in ("full", "kept"):
+            assert sim.missing_kept == [], f"{mode} lost states vLLM keeps"
         if sim.same_step_reuse:
             event("vLLM served a same-step hit (its own defect, before 0.17)")
         if any(r.reused_tokens for r in sim.records.values()):
             event("a request reused cached tokens")
+    if one_block_per_step(workload.geometry):
+        assert runs["full"].noncanonical_kept == [], "full kept a non-canonical state"
+    if runs["full"].tail_resumed_kept:
+        event("full: a request resumed from vLLM's partial-tail checkpoint")
+    retention = runs["kept"].retention
+    event(f"retention {'dense' if retention.dense else retention.interval}")
+    if retention.interval == 0 and not runs["grid"].missing_kept:
+        # vLLM's own stops already land on every kept boundary: kept adds none.
+        # (Where they do not, e.g. 0.29.0's replay stop for P % B == 0, kept
+        # stops there and grid loses the state.)
+        for req_id, record in runs["grid"].records.items():
+            assert runs["kept"].chunk_ends(req_id) == [c.end for c in record.chunks]
+    elif retention.interval == 0:
+        event("retention 0: grid lost a kept state that kept saved")
+    if retention.dense:
+        for req_id, record in runs["full"].records.items():
+            assert runs["kept"].chunk_ends(req_id) == [c.end for c in record.chunks]
 
 
 @given(workloads(equal_geometry=True))
@@ -179,12 +224,27 @@ def test_grid_mode_is_stock_in_equal_geometry(workload: Workload) -> None:
 
 
 def test_the_property_catches_stock_vllm() -> None:
-    """The control: the same oracle finds poisoning on stock vLLM quickly."""
+    """The control: the same oracle finds poisoning on stock vLLM quickly, at
+    vLLM's default retention (what users run)."""
     if geometry_rule() == "equal":
         pytest.skip("this vLLM refuses C < B at startup: stock cannot poison")
     found = find(
         workloads(),
-        lambda w: fits(w) and bool(simulate("stock", w).poisoned),
+        lambda w: (
+            fits(w)
+            and w.geometry.retention == "default"
+            and bool(simulate("stock", w).poisoned)
+        ),
         settings=settings(max_examples=400, database=None),
     )
     assert simulate("stock", found).poisoned
+
+
+def test_the_property_catches_lost_kept_states() -> None:
+    """The control of the materialization check: grid loses states vLLM keeps."""
+    found = find(
+        workloads(),
+        lambda w: fits(w) and bool(simulate("grid", w).missing_kept),
+        settings=settings(max_examples=400, database=None),
+    )
+    assert simulate("grid", found).missing_kept

@@ -15,6 +15,7 @@ from .errors import MambaAlignError
 from .fingerprint import CodeShape
 from .geometry import state_block_size
 from .releases import SUPPORTED_RELEASES, SplitBody, describe_version, expected_body
+from .retention import Retention, read_retention
 from .settings import Mode
 from .split import SplitFunction, state_grid_split
 
@@ -231,24 +232,56 @@ def attach(scheduler: Any, recognition: Recognition) -> None:
         return
     if not recognized:
         raise _refuse_override(scheduler)
+    retention = read_retention(scheduler, state_grid)
     if mode is Mode.AUDIT:  # stock schedules, counted: no stall guard needed
-        observer = audit.install(scheduler, state_grid, body, recognition.split)
+        observer = audit.install(
+            scheduler, state_grid, body, recognition.split, retention
+        )
         _bind_split(scheduler, observer)
-        _log(scheduler, recognition, audit.ACTIVE_STATUS, state_grid)
+        _log(
+            scheduler,
+            recognition,
+            f"{audit.ACTIVE_STATUS}; {retention.describe()}",
+            state_grid,
+        )
         return
     if not body.wide_block_exemption:
         _refuse_stall(scheduler, body, state_grid)
-    route = state_grid_split(scheduler, recognition.split, mode, state_grid, body)
+    route = state_grid_split(
+        scheduler, recognition.split, mode, state_grid, body, retention
+    )
     _bind_split(scheduler, route)
     setattr(scheduler, STATE_BLOCK_ATTRIBUTE, state_grid)
-    what = (
-        "chunks end on the B grid and stop at every B boundary"
-        if mode is Mode.FULL
-        else "chunks end on the B grid"
-    )
     _log(
         scheduler,
         recognition,
-        f"ACTIVE, mode={mode.value}: {what} (backport of vLLM PR #54076)",
+        f"ACTIVE, mode={mode.value}: {mode_summary(mode, retention)} "
+        "(backport of vLLM PR #54076)",
         state_grid,
+    )
+
+
+def mode_summary(mode: Mode, retention: Retention) -> str:
+    """What a fixing mode does under this retention, for the start line."""
+    kept = retention.describe()
+    if mode is Mode.FULL:
+        cost = (
+            ""
+            if retention.dense
+            else "; stops also where vLLM drops the state (one prefill step each): "
+            "use mode=kept to stop only at kept boundaries"
+        )
+        return (
+            "chunks end on the B grid and stop at every B boundary, so every state "
+            "is computed by the same chunks whoever writes it (a cached "
+            f"continuation equals a fresh one bit for bit); {kept}{cost}"
+        )
+    if mode is Mode.KEPT:
+        return (
+            "chunks end on the B grid and stop at every B boundary vLLM keeps "
+            f"(every kept state materialized); {kept}"
+        )
+    return (
+        "chunks end on the B grid (no wrong state published; boundaries inside a "
+        f"chunk are not materialized); {kept}"
     )

@@ -9,12 +9,17 @@ positions of the prefill chunks it actually schedules:
   B != 0``) and runs past the next boundary ``nb``. The request's running slot
   holds the state after ``start`` tokens; vLLM allocates a new running slot for
   the chunk's end and publishes the old one under the hash of ``[0, nb)``, a
-  state it does not hold. Every later request that hits that hash continues from
-  the wrong state. A chunk that ends exactly on ``nb`` is fine: the same slot
-  receives the state at ``nb``.
-- **skipped state boundaries**: the other boundaries strictly inside a chunk. The
-  allocator gives such slots the null block, so those states never exist and no
-  request can reuse them (lost prefix reuse, not wrong outputs).
+  state it does not hold, when its state retention keeps ``nb``. Every later
+  request that hits that hash continues from the wrong state. A chunk that ends
+  exactly on ``nb`` is fine: the same slot receives the state at ``nb``.
+- **skipped state boundaries**: the other boundaries strictly inside a chunk that
+  vLLM's retention would keep. The allocator gives such slots the null block, so
+  those states never exist and no request can reuse them (lost prefix reuse, not
+  wrong outputs). Boundaries vLLM would drop anyway are not counted.
+- **non-canonical kept states**: states vLLM keeps (a chunk ends on a kept
+  boundary) that were computed by another chunk sequence than one B block per
+  chunk from the request's start. Correct, but a request that computed the same
+  prefix in other chunks gets slightly different numbers: what ``full`` changes.
 - requests affected and prefill tokens scheduled, for scale.
 
 Validated against the real-scheduler oracle of the test suite
@@ -30,7 +35,10 @@ attributes of the scheduler *instance* (the class is untouched, other schedulers
 are not affected): the step's output confirms which remembered chunks really ran
 (a chunk can be proposed and then not scheduled when its blocks do not fit),
 one-token prefill chunks are picked up there for the few requests that are new
-or known to be mid-prefill, and shutdown writes the final line.
+or known to be mid-prefill, and shutdown writes the final line. A daemon
+thread per audited scheduler writes the summary when due (an idle server still
+reports), hands the figures to the Prometheus export (``metrics``) and stops at
+shutdown; the first would-be-poisoned slot is logged at once, at WARNING.
 Nothing grows with traffic: per-request facts live in one integer attribute on
 vLLM's ``Request``.
 """
@@ -47,12 +55,15 @@ from typing import Any
 from . import settings
 from .errors import MambaAlignError
 from .releases import PrefillRule, SplitBody, in_prefill
+from .retention import Retention
 from .split import NOT_GIVEN
 
 # Where the audit lives on a scheduler instance (next to SPLIT_ATTRIBUTE's fix).
 AUDIT_ATTRIBUTE = "_vllm_mamba_align_audit"
 # Per-request bits, on vLLM's Request object (dies with the request).
 REQUEST_FLAGS = "_vllm_mamba_align_audit_flags"
+# (end of the request's last prefill chunk, whether its chunks were canonical).
+REQUEST_CHAIN = "_vllm_mamba_align_audit_chain"
 _SEEN = 1
 _AFFECTED = 2
 _POISONING = 4
@@ -86,7 +97,9 @@ class AuditSnapshot:
     """Slots vLLM publishes under the hash of a boundary whose state they do not
     hold: each one serves a wrong state to every request that hits it."""
     skipped_boundaries: int
-    """B boundaries crossed inside a chunk whose state is never materialized."""
+    """Kept B boundaries crossed inside a chunk: their state is never materialized."""
+    noncanonical_states: int
+    """Kept states computed by other chunks than one B block per chunk."""
     requests: int
     """Requests with at least one prefill chunk scheduled."""
     requests_affected: int
@@ -102,6 +115,7 @@ class AuditSnapshot:
             f"{self.prefill_chunks:,} prefill chunks, "
             f"{self.poisoned_slots:,} would-be-poisoned slots, "
             f"{self.skipped_boundaries:,} skipped state boundaries, "
+            f"{self.noncanonical_states:,} non-canonical kept states, "
             f"{self.requests_affected:,} of {self.requests:,} requests affected "
             f"({self.requests_poisoning:,} poisoning), "
             f"{self.prefill_tokens:,} prefill tokens scheduled in "
@@ -154,6 +168,7 @@ class Audit:
         "interval",
         "live_requests",
         "log",
+        "noncanonical_states",
         "poisoned_slots",
         "prefill_chunks",
         "prefill_rule",
@@ -161,6 +176,7 @@ class Audit:
         "requests",
         "requests_affected",
         "requests_poisoning",
+        "retention",
         "skipped_boundaries",
         "state_block",
         "warn",
@@ -171,6 +187,7 @@ class Audit:
         state_block: int,
         cache_block: int,
         prefill_rule: PrefillRule = PrefillRule.BEFORE_PREFILL_END,
+        retention: Retention | None = None,
         *,
         interval: float = DEFAULT_INTERVAL_SECONDS,
         clock: Callable[[], float] = time.monotonic,
@@ -181,6 +198,7 @@ class Audit:
         self.state_block = state_block
         self.cache_block = cache_block
         self.prefill_rule = prefill_rule
+        self.retention = retention or Retention(None, state_block, state_block, "dense")
         self.interval = interval
         self.clock = clock
         self.log = log
@@ -191,6 +209,7 @@ class Audit:
         self.prefill_tokens = 0
         self.poisoned_slots = 0
         self.skipped_boundaries = 0
+        self.noncanonical_states = 0
         self.requests = 0
         self.requests_affected = 0
         self.requests_poisoning = 0
@@ -254,17 +273,30 @@ class Audit:
     def count_chunk(self, request: Any, start: int, end: int) -> None:
         """Classify one scheduled prefill chunk ``[start, end)``."""
         grid = self.state_block
+        retention = self.retention
         self.prefill_chunks += 1
         self.prefill_tokens += end - start
         flags = getattr(request, REQUEST_FLAGS, 0)
         new_flags = flags | _SEEN
-        # Boundaries k * B with start < k * B < end.
+        # Boundaries k * B with start < k * B < end, and which of them vLLM keeps.
         crossed = (end - 1) // grid - start // grid
         if crossed > 0:
-            poisoned = 1 if start % grid else 0
+            kept = retention.count_kept_between(request, start, end)
+            first = (start // grid + 1) * grid
+            poisoned = 1 if start % grid and retention.keeps(request, first) else 0
             self.poisoned_slots += poisoned
-            self.skipped_boundaries += crossed - poisoned
-            new_flags |= _AFFECTED | (_POISONING if poisoned else 0)
+            self.skipped_boundaries += kept - poisoned
+            if kept:
+                new_flags |= _AFFECTED | (_POISONING if poisoned else 0)
+        # Canonical: one B block per chunk, from a start on the grid.
+        chain: tuple[int, bool] | None = getattr(request, REQUEST_CHAIN, None)
+        continues = chain is not None and chain[0] == start
+        canonical = (chain[1] if chain and continues else start % grid == 0) and (
+            start % grid == 0 and end - start == grid
+        )
+        setattr(request, REQUEST_CHAIN, (end, canonical))
+        if not canonical and end % grid == 0 and retention.keeps(request, end):
+            self.noncanonical_states += 1
         if new_flags != flags:
             setattr(request, REQUEST_FLAGS, new_flags)
             gained = new_flags & ~flags
@@ -281,6 +313,7 @@ class Audit:
             prefill_tokens=self.prefill_tokens,
             poisoned_slots=self.poisoned_slots,
             skipped_boundaries=self.skipped_boundaries,
+            noncanonical_states=self.noncanonical_states,
             requests=self.requests,
             requests_affected=self.requests_affected,
             requests_poisoning=self.requests_poisoning,
@@ -442,6 +475,7 @@ def install(
     state_block: int,
     body: SplitBody,
     stock_split: Callable[..., int],
+    retention: Retention | None = None,
     **options: Any,
 ) -> Callable[..., int]:
     """Create the audit of one scheduler, bind its observers, register it weakly.
@@ -457,7 +491,11 @@ def install(
     options.setdefault("interval", settings.audit_interval())
     options.setdefault("export", metrics.audit_exporter(scheduler))
     audit = Audit(
-        state_block, int(scheduler.cache_config.block_size), body.prefill, **options
+        state_block,
+        int(scheduler.cache_config.block_size),
+        body.prefill,
+        retention,
+        **options,
     )
     schedule = _vllm_method(scheduler, "schedule")
     shutdown = _vllm_method(scheduler, "shutdown")

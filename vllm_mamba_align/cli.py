@@ -114,6 +114,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="distinct prompts prefilled concurrently (default 1)",
     )
+    simulate.add_argument(
+        "--retention",
+        default="default",
+        metavar="R",
+        help="vLLM's prefix-cache state retention: default (what the installed "
+        "vLLM uses when nothing is set: 0 on 0.29.0+), dense (every state kept) "
+        "or an interval N (a multiple of the scheduler block)",
+    )
     choices = [STOCK, *(m.value for m in Mode)]
     simulate.add_argument(
         "--mode",
@@ -172,9 +180,21 @@ def _default_share(share: int, prompt: int) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from .simulate import Scenario, render, simulate, simulated_modes, validate
+    from .simulate import (
+        Scenario,
+        parse_retention,
+        render,
+        simulate,
+        simulated_modes,
+        validate,
+    )
 
     d = Scenario()
+    try:
+        retention = parse_retention(args.retention)
+    except ValueError as error:
+        print(f"vllm-mamba-align simulate: {error}", file=sys.stderr)
+        return EXIT_USAGE
     scenario = Scenario(
         cache_block=args.cache_block,
         state_block=args.mamba_block,
@@ -185,6 +205,7 @@ def _simulate(args: argparse.Namespace) -> int:
         if args.share is None
         else args.share,
         requests=args.requests,
+        retention=retention,
     )
     problems = validate(scenario)
     if problems:

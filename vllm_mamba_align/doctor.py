@@ -66,6 +66,10 @@ class Report:
     """``not needed`` / ``affected`` / ``absent`` / ``unknown``."""
     worker_seed_detail: str
     upstream_fix_present: bool
+    retention: str
+    """The state retention a new engine runs with when the user sets nothing."""
+    retention_by_mode: dict[str, str]
+    """What each plugin mode does under that retention."""
     would_refuse: bool
     refusal: str | None
     """The exact error the plugin would raise for a hybrid align-mode model."""
@@ -185,6 +189,26 @@ def _upstream_fix_present(scheduler_module: Any) -> bool:
     )
 
 
+def _retention() -> tuple[str, dict[str, str]]:
+    """vLLM's default state retention, and what each mode does under it."""
+    from .retention import installed_setting, mode_meaning
+
+    has_setting, interval, where = installed_setting()
+    if not has_setting:
+        text = "dense: this vLLM keeps every boundary state (no retention setting)"
+    elif interval is None:
+        text = f"dense ({where} not set): every boundary state kept"
+    elif interval == 0:
+        text = (
+            f"0 ({where}, vLLM's default): only replay boundaries and shared-prefix "
+            "junctions kept"
+        )
+    else:
+        text = f"{interval} ({where}): multiples of it, replay boundaries, junctions"
+    modes = ("full", "kept", "grid", "audit")
+    return text, {mode: mode_meaning(mode, interval) for mode in modes}
+
+
 def collect() -> Report:
     """Inspect the installed vLLM. Raises :class:`VllmMissing` without it."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -254,6 +278,7 @@ def collect() -> Report:
         )
     seed, seed_detail = worker_seed_status(root)
     export = metrics_export_status()
+    retention, by_mode = _retention()
     return Report(
         plugin_version=__version__,
         vllm_version=version,
@@ -275,6 +300,8 @@ def collect() -> Report:
         worker_seed=seed,
         worker_seed_detail=seed_detail,
         upstream_fix_present=upstream,
+        retention=retention,
+        retention_by_mode=by_mode,
         would_refuse=refusal is not None,
         refusal=refusal,
         metrics_exported=export.exported,
@@ -331,6 +358,11 @@ def render_text(report: Report) -> str:
             else "not present (vLLM PR #54076 is in no release)"
         ),
     ]
+    lines.append(f"  retention       {report.retention}")
+    lines.extend(
+        f"    {mode:<13} {meaning}"
+        for mode, meaning in report.retention_by_mode.items()
+    )
     lines.extend(f"  note            {note}" for note in report.notes)
     if report.would_refuse:
         lines.append(

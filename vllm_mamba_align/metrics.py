@@ -58,6 +58,12 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "Mamba state boundaries crossed inside a prefill chunk whose state is "
         "never saved (audit mode): lost prefix reuse.",
     ),
+    "noncanonical_states": (
+        "audit_noncanonical_kept_states",
+        "Kept Mamba states computed by another chunk sequence than one state "
+        "block per chunk (audit mode): correct, but not bit-identical to what "
+        "the fix computes.",
+    ),
     "requests": (
         "audit_requests",
         "Requests with at least one prefill chunk scheduled (audit mode).",

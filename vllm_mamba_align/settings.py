@@ -16,6 +16,10 @@ class Mode(str, enum.Enum):
 
     FULL = "full"
     """Chunks end on the Mamba state grid and stop at every boundary (PR #54076)."""
+    KEPT = "kept"
+    """Chunks end on the Mamba state grid and stop at a boundary only where vLLM's
+    state retention keeps that boundary's state: no poisoning, every kept state
+    materialized, no step spent on a state vLLM throws away."""
     GRID = "grid"
     """Chunks end on the Mamba state grid only: no poisoning, fewer extra stops."""
     OFF = "off"

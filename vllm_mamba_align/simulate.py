@@ -35,6 +35,9 @@ class Scenario:
     budget: int = 8192
     share: int = 9000
     requests: int = 1
+    retention: int | str | None = "default"
+    """vLLM's state retention: "default" (what the installed vLLM uses when
+    nothing is set), None (dense) or an interval (0 or R > 0)."""
 
 
 @dataclass
@@ -44,6 +47,13 @@ class ModeResult:
     materialized: list[int]
     published: int
     poisoned: int
+    kept_states: int
+    """Boundary states vLLM keeps that the prefill chunks materialized."""
+    lost_kept: int
+    """Boundary states vLLM would keep that no chunk materialized."""
+    noncanonical: int
+    """Kept states not computed one B block per chunk from token 0."""
+    retention: str
     wrong_reuse: list[str]
     reask_reuse: int
     sibling_reuse: int
@@ -52,6 +62,25 @@ class ModeResult:
     all_prefilled_steps: int
     """Steps until every one of the concurrent prompts had finished its prefill."""
     seconds: float
+
+
+RETENTION_FORMS = "default (vLLM's own default), dense (keep every state) or N >= 0"
+
+
+def parse_retention(raw: str) -> int | str | None:
+    """``--retention``: ``default``, ``dense`` or a non-negative interval."""
+    value = raw.strip().lower()
+    if value == "default":
+        return "default"
+    if value in ("dense", "none"):
+        return None
+    try:
+        interval = int(value)
+    except ValueError:
+        interval = -1
+    if interval < 0:
+        raise ValueError(f"--retention {raw!r} is not valid: use {RETENTION_FORMS}")
+    return interval
 
 
 def validate(s: Scenario) -> list[str]:
@@ -103,6 +132,7 @@ def _geometry(s: Scenario) -> Any:
         budget=s.budget,
         hash_block=s.hash_block,
         num_blocks=max(4000, 2 * per_request * (s.requests + 3)),
+        retention=s.retention,
     )
 
 
@@ -168,6 +198,10 @@ def run_mode(s: Scenario, mode: str, progress_stream: TextIO) -> ModeResult:
         materialized=materialized,
         published=len(sim.published),
         poisoned=len(sim.poisoned),
+        kept_states=sim.kept_writes,
+        lost_kept=len(sim.missing_kept),
+        noncanonical=len(sim.noncanonical_kept),
+        retention=sim.retention.describe(),
         wrong_reuse=list(sim.wrong_reuse),
         reask_reuse=sim.reused("re-ask"),
         sibling_reuse=sim.reused("sibling"),
@@ -231,6 +265,7 @@ def render(s: Scenario, results: list[ModeResult]) -> str:
         f"{s.hash_block}, budget {s.budget}:",
         f"{s.requests} prompt(s) of {s.prompt} tokens, then a re-ask of the first "
         f"and a sibling sharing its first {s.share} tokens.",
+        f"vLLM's {results[0].retention}." if results else "",
         "",
         *picture(s, results),
         "",
@@ -243,6 +278,12 @@ def render(s: Scenario, results: list[ModeResult]) -> str:
         [
             f"B boundaries materialized (of {boundaries})",
             *(str(len(r.materialized)) for r in results),
+        ],
+        ["states vLLM keeps, materialized", *(str(r.kept_states) for r in results)],
+        ["  ... lost (inside a chunk)", *(str(r.lost_kept) for r in results)],
+        [
+            "  ... non-canonical (not 1 block/chunk)",
+            *(str(r.noncanonical) for r in results),
         ],
         ["Mamba hashes published", *(str(r.published) for r in results)],
         ["  ... naming a wrong state", *(str(r.poisoned) for r in results)],

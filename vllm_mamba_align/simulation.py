@@ -123,6 +123,27 @@ def _init_hashing() -> Any:
     return sha256
 
 
+def retention_in_kv_config() -> bool:
+    """Whether this vLLM's KV-cache config carries the retention (0.29.0+)."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    return "prefix_cache_retention_interval" in getattr(
+        KVCacheConfig, "__dataclass_fields__", {}
+    )
+
+
+def supports_retention_setting() -> bool:
+    """Whether this vLLM has a state retention setting (0.27.1+: an environment
+    variable until 0.28.0, the cache config from 0.29.0)."""
+    import vllm.envs
+
+    from .retention import RETENTION_VARIABLE
+
+    return retention_in_kv_config() or RETENTION_VARIABLE in getattr(
+        vllm.envs, "environment_variables", {}
+    )
+
+
 def supports_hash_block() -> bool:
     """Whether this vLLM lets the hash block be chosen (prefix_match_unit, 0.26.0+)."""
     from vllm.config import CacheConfig
@@ -152,6 +173,9 @@ class Geometry:
     """A second Mamba group's block size (to test disagreeing groups)."""
     hybrid: bool = True
     """False: attention only (a model the plugin must leave alone)."""
+    retention: int | str | None = "default"
+    """Prefix-cache state retention: ``"default"`` (what vLLM's engine uses when
+    the user sets nothing), None (dense: every state kept), 0 or R > 0."""
 
 
 def kv_cache_config(geometry: Geometry) -> Any:
@@ -195,9 +219,53 @@ def kv_cache_config(geometry: Geometry) -> Any:
                 ["mtp.layers.0.linear_attn"], mamba(geometry.extra_mamba_block)
             )
         )
-    return KVCacheConfig(
+    config = KVCacheConfig(
         num_blocks=geometry.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
     )
+    if retention_in_kv_config():  # 0.29.0+
+        # The engine copies the cache config's setting in; a KVCacheConfig built
+        # directly would keep every state, which is not what users get.
+        config.prefix_cache_retention_interval = retention_interval(geometry)
+    return config
+
+
+DEFAULT_RETENTION = "default"
+
+
+def retention_interval(geometry: Geometry) -> int | None:
+    """The retention a scheduler of this geometry runs with, as vLLM resolves it."""
+    if geometry.retention != DEFAULT_RETENTION:
+        return geometry.retention  # type: ignore[return-value]
+    if retention_in_kv_config():
+        cache = base_vllm_config().cache_config
+        return cache.prefix_cache_retention_interval  # type: ignore[no-any-return]
+    from .retention import RETENTION_VARIABLE
+
+    raw = os.environ.get(RETENTION_VARIABLE, "")
+    return int(raw) if raw.strip() else None
+
+
+@contextlib.contextmanager
+def retention_environment(geometry: Geometry) -> Iterator[None]:
+    """0.27.1-0.28.0 read the retention from the environment when the KV-cache
+    coordinator is built: set it for the build when the geometry picks one."""
+    from .retention import RETENTION_VARIABLE
+
+    if retention_in_kv_config() or geometry.retention == DEFAULT_RETENTION:
+        yield
+        return
+    previous = os.environ.get(RETENTION_VARIABLE)
+    if geometry.retention is None:
+        os.environ.pop(RETENTION_VARIABLE, None)
+    else:
+        os.environ[RETENTION_VARIABLE] = str(geometry.retention)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(RETENTION_VARIABLE, None)
+        else:
+            os.environ[RETENTION_VARIABLE] = previous
 
 
 def chunk_starts(output: Any) -> dict[str, int]:
@@ -249,14 +317,19 @@ def build_scheduler(geometry: Geometry) -> Any:
         block_sizes = {"block_size": scheduler_block, "hash_block_size": hash_block}
     else:  # older engines pass cache_config.block_size (also the hash block)
         block_sizes = {"block_size": config.cache_config.block_size}
-    return Scheduler(
-        vllm_config=config,
-        kv_cache_config=kv_config,
-        structured_output_manager=StructuredOutputManager(config),
-        **block_sizes,
-        log_stats=True,
-    )
+    with retention_environment(geometry):
+        return Scheduler(
+            vllm_config=config,
+            kv_cache_config=kv_config,
+            structured_output_manager=StructuredOutputManager(config),
+            **block_sizes,
+            log_stats=True,
+        )
 
+
+CANONICAL = "canonical"
+FROM_TAIL = "continued from a partial-tail checkpoint"
+NON_CANONICAL = "non-canonical"
 
 StateId = tuple[int, bytes]
 """(number of tokens, digest of those tokens): which state a slot holds."""
@@ -335,6 +408,31 @@ class Simulation:
         self.same_step_reuse: list[str] = []
         """Hits on a state written in the same step: vLLM's own, not the grid's."""
         self.steps = 0
+        from .retention import read_retention
+
+        self.retention = read_retention(self.scheduler, self.state_block)
+        """What vLLM's KV-cache manager keeps here (read from the scheduler)."""
+        self.canonical: dict[int, str] = {}
+        """Block id -> how its state was computed, through every writer, cache
+        hits included: CANONICAL (one B block per chunk from token 0),
+        FROM_TAIL (canonically, but continued from vLLM's partial-tail
+        checkpoint off the grid) or NON_CANONICAL."""
+        self._chains: dict[str, tuple[int, bool, str]] = {}
+        """Request -> (end of its last prefill chunk, own chunks canonical so far,
+        provenance of its state)."""
+        self.kept_writes = 0
+        """Prefill chunks that ended on a kept boundary and wrote its state."""
+        self.noncanonical_kept_writes = 0
+        """... whose writer's own chunks were not one B block each (the audit's
+        count)."""
+        self.noncanonical_kept: list[str] = []
+        """Kept states whose state was not computed canonically from token 0."""
+        self.tail_resumed_kept: list[str] = []
+        """Kept states computed canonically after a resumption from vLLM's
+        partial-tail checkpoint (off the grid): not canonical, not the split's
+        doing."""
+        self.missing_kept: list[str] = []
+        """Prompt boundaries vLLM keeps whose state was never materialized."""
 
     # -- requests ---------------------------------------------------------------
     def add(self, request_id: str, tokens: Sequence[int], max_tokens: int = 1) -> Any:
@@ -382,6 +480,10 @@ class Simulation:
         """One schedule(), the modeled forward pass, and update_from_output()."""
         from vllm.v1.outputs import ModelRunnerOutput
 
+        prefill_ends = {
+            req_id: max(r.request.num_prompt_tokens, r.request.num_tokens - 1)
+            for req_id, r in self.records.items()
+        }
         output = self.scheduler.schedule()
         self.steps += 1
         Simulation.schedule_calls += 1
@@ -398,11 +500,17 @@ class Simulation:
                 self.holds.pop(copy_op.dst_block_id, None)
             else:
                 self.holds[copy_op.dst_block_id] = held
+            self.canonical[copy_op.dst_block_id] = self.canonical.get(
+                copy_op.src_block_id, NON_CANONICAL
+            )
         written = {self._running_block(r, c.end).block_id for r, c in chunks.items()}
         for new in output.scheduled_new_reqs:
             self._check_reused_state(new.req_id, new.num_computed_tokens, written)
         for req_id, chunk in chunks.items():
             self._write_running_state(req_id, chunk.end)
+        for req_id, chunk in chunks.items():
+            if chunk.start < prefill_ends.get(req_id, 0):
+                self._track_kept_states(req_id, chunk)
         self._check_published_hashes()
 
         sampled: list[list[int]] = []
@@ -450,6 +558,64 @@ class Simulation:
         block = blocks[column]
         assert not block.is_null, f"{req_id}: running slot {column} is the null block"
         self.holds[block.block_id] = state_id(self._tokens(req_id), end)
+        self.canonical[block.block_id] = NON_CANONICAL  # until a prefill chunk says so
+
+    def _track_kept_states(self, req_id: str, chunk: Chunk) -> None:
+        """Check the kept boundaries of one prefill chunk, and how it computed them.
+
+        A state is canonical when it was computed one B block per chunk from
+        token 0: then it is bit for bit what any other request computes for
+        the same prefix. ``full`` promises that for every state it keeps, except
+        after a resumption from vLLM's partial-tail checkpoint (a cache hit that
+        ends off the B grid, 0.26.0+): those are tracked apart ("tail").
+        """
+        grid = self.state_block
+        start, end = chunk.start, chunk.end
+        request = self.records[req_id].request
+        tokens = self._tokens(req_id)
+        chain = self._chains.get(req_id)
+        if chain is not None and chain[0] == start:
+            own, provenance = chain[1], chain[2]
+        else:  # a new start: the first chunk, a cache hit, a resumption
+            own = start % grid == 0
+            provenance = CANONICAL if start == 0 else FROM_TAIL
+            if start and own:
+                hit = self._mamba_blocks(req_id)[start // grid - 1]
+                right = not hit.is_null and self.holds.get(hit.block_id) == state_id(
+                    tokens, start
+                )
+                provenance = (
+                    self.canonical.get(hit.block_id, NON_CANONICAL)
+                    if right
+                    else NON_CANONICAL
+                )
+        if not (start % grid == 0 and end - start == grid):
+            own = False
+            # Off the grid only after a partial-tail hit, up to the next boundary.
+            to_boundary = start % grid and end <= (start // grid + 1) * grid
+            if not (provenance == FROM_TAIL and to_boundary):
+                provenance = NON_CANONICAL
+        self._chains[req_id] = (end, own, provenance)
+        self.canonical[self._running_block(req_id, end).block_id] = provenance
+        for boundary in self.retention.kept_in(request, start, end):
+            if boundary < end:
+                self.missing_kept.append(f"{req_id}: {boundary} inside a chunk")
+                continue
+            # Materialized in the slot vLLM publishes for it. (When partial hash
+            # hits are off, vLLM hashes it once the request passes a multiple
+            # of the scheduler block; poisoning is checked on every publication.)
+            block = self._mamba_blocks(req_id)[boundary // grid - 1]
+            if block.is_null or self.holds.get(block.block_id) != state_id(
+                tokens, boundary
+            ):
+                self.missing_kept.append(f"{req_id}: {boundary} not written")
+                continue
+            self.kept_writes += 1
+            self.noncanonical_kept_writes += not own
+            if provenance == NON_CANONICAL:
+                self.noncanonical_kept.append(f"{req_id}: state@{boundary}")
+            elif provenance == FROM_TAIL:
+                self.tail_resumed_kept.append(f"{req_id}: state@{boundary}")
 
     def _running_block(self, req_id: str, end: int) -> Any:
         return self._mamba_blocks(req_id)[-(-end // self.state_block) - 1]

@@ -14,6 +14,8 @@ Backport of vLLM PR #54076 (never merged). Two defects of
    block per step, so the crossed interior states are never materialized.
    Fix (``full`` mode): a non-final prefill chunk stops at the next B boundary,
    unless vLLM's backend checkpoints interior states itself for that chunk.
+   ``kept`` mode stops only where vLLM's state retention keeps the boundary's
+   state (retention.py); ``grid`` mode never adds a stop.
 
 The split runs for every running request at every step (decodes included), so the
 fix is a plain closure bound to one scheduler: no wrapper layers, no argument
@@ -27,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .releases import InternalCheckpoint, SplitBody, in_prefill
+from .retention import Retention
 from .settings import Mode
 
 SplitFunction = Callable[..., int]
@@ -90,6 +93,7 @@ def state_grid_split(
     mode: Mode,
     state_block_size: int,
     body: SplitBody,
+    retention: Retention,
 ) -> SplitFunction:
     """The fix for one scheduler, as a function with the split's own signature.
 
@@ -100,7 +104,10 @@ def state_grid_split(
     per call in attribute look-ups.)
     """
     grid = state_block_size
-    stop_at_boundaries = mode is Mode.FULL
+    stop_at_boundaries = mode in (Mode.FULL, Mode.KEPT)
+    # Every boundary is worth a stop (full), or only those vLLM keeps (kept).
+    stop_anywhere = mode is Mode.FULL or retention.dense
+    first_kept_after = retention.first_kept_after
     view = _StateGridCacheConfig(scheduler.cache_config, grid)
     rule = body.internal_checkpoint
     observed = rule is InternalCheckpoint.OBSERVED and stop_at_boundaries
@@ -162,6 +169,13 @@ def state_grid_split(
             and start % grid == 0
         ):
             return num_tokens  # 0.29.0: the backend saves the interior states
-        return next_boundary - start
+        if stop_anywhere:
+            return next_boundary - start
+        # kept: stop only at a boundary whose state vLLM keeps; a step spent on
+        # a boundary it drops would buy nothing.
+        kept = first_kept_after(request, start)
+        if kept is None or kept >= start + num_tokens:
+            return num_tokens
+        return kept - start
 
     return split

@@ -153,6 +153,7 @@ AUDIT_SUMMARY = re.compile(
     r"(?P<prefill_chunks>[\d,]+) prefill chunks, "
     r"(?P<poisoned_slots>[\d,]+) would-be-poisoned slots, "
     r"(?P<skipped_boundaries>[\d,]+) skipped state boundaries, "
+    r"(?P<noncanonical_states>[\d,]+) non-canonical kept states, "
     r"(?P<requests_affected>[\d,]+) of (?P<requests>[\d,]+) requests affected "
     r"\((?P<requests_poisoning>[\d,]+) poisoning\), "
     r"(?P<prefill_tokens>[\d,]+) prefill tokens scheduled"
@@ -161,6 +162,7 @@ AUDIT_SUMMARY = re.compile(
 COUNTER_NAMES = {
     "poisoned_slots": "vllm_mamba_align_audit_would_be_poisoned_slots_total",
     "skipped_boundaries": "vllm_mamba_align_audit_skipped_state_boundaries_total",
+    "noncanonical_states": "vllm_mamba_align_audit_noncanonical_kept_states_total",
     "requests": "vllm_mamba_align_audit_requests_total",
     "requests_affected": "vllm_mamba_align_audit_requests_affected_total",
     "requests_poisoning": "vllm_mamba_align_audit_requests_poisoning_total",

@@ -1,0 +1,283 @@
+"""Which Mamba boundary states vLLM keeps: its prefix-cache state retention.
+
+A chunk that ends on a B boundary writes that boundary's state, but vLLM publishes
+(keeps) it only where its retention setting says so; an unkept state is dropped
+when the request moves on. So a stop at a boundary pays a prefill step, and buys
+a reusable state only when the boundary is kept. vLLM's rule, per release:
+
+- before 0.27.1: no setting, every boundary is kept (dense);
+- 0.27.1-0.28.0: ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` (default dense);
+- 0.29.0+: ``--prefix-cache-retention-interval``
+  (``CacheConfig.prefix_cache_retention_interval``), **default 0**.
+
+``None`` keeps every boundary; ``0`` keeps only the *reachable* boundaries: the
+prompt's replay boundary (where a re-ask or a longer sibling resumes) and a
+detected shared-prefix junction (``request.shared_prefix_boundary``); ``R > 0``
+also keeps every multiple of R (R is a multiple of the scheduler block, the LCM
+of the groups' blocks, so of B). Reachable positions are floored to vLLM's hit
+alignment (the hash block when partial hash hits are on, else the scheduler
+block) and then to the state grid B.
+
+The values are read from the scheduler's own KV-cache coordinator, where vLLM's
+``MambaManager`` reads them when it publishes: nothing is re-derived from the
+command line. ``tests/test_retention.py`` holds :meth:`Retention.keeps` against
+vLLM's own ``MambaManager.reachable_block_mask`` on the installed release.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+RETENTION_VARIABLE = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
+"""Where 0.27.1-0.28.0 read the setting (later releases: the cache config)."""
+
+
+@dataclass(frozen=True)
+class Retention:
+    """One scheduler's retention setting and the facts needed to apply it."""
+
+    interval: int | None
+    """None: dense; 0: reachable boundaries only; R > 0: also multiples of R."""
+    state_block: int
+    """B."""
+    alignment: int
+    """Token granularity reachable positions are floored to before flooring to B:
+    the hash block when partial hash hits are on (0.29.0+), else the scheduler
+    block."""
+    source: str
+    """Where the value came from, for the start line and ``doctor``."""
+    replay: Callable[[Any], Sequence[int]] = lambda request: (
+        request.num_prompt_tokens - 1,
+    )
+    """vLLM's replay positions of a request (where a re-ask or a longer sibling
+    resumes): ``P - 1``, or vLLM's own EAGLE pair on releases that have one."""
+    eagle_junction: bool = False
+    """0.33.0 with EAGLE: the block below a junction is kept too."""
+
+    @property
+    def dense(self) -> bool:
+        """Whether every boundary is kept (also R at or below one state block)."""
+        interval = self.interval
+        return interval is None or (interval > 0 and interval // self.state_block <= 1)
+
+    def keeps_segment(self, boundary: int) -> bool:
+        """Whether ``boundary`` (a multiple of B) is kept for any request."""
+        if self.dense:
+            return True
+        interval = self.interval
+        return bool(interval) and boundary % interval == 0  # type: ignore[operator]
+
+    def reachable(self, request: Any) -> tuple[int, ...]:
+        """The B boundaries vLLM keeps for ``request`` whatever the segments say."""
+        grid = self.state_block
+        positions = list(self.replay(request))
+        junction = int(getattr(request, "shared_prefix_boundary", 0) or 0)
+        if junction:
+            positions.append(junction)
+            if self.eagle_junction:
+                positions.append(junction - grid)
+        kept = set()
+        for position in positions:
+            aligned = position // self.alignment * self.alignment
+            boundary = aligned // grid * grid
+            if boundary >= grid:
+                kept.add(boundary)
+        return tuple(sorted(kept))
+
+    def keeps(self, request: Any, boundary: int) -> bool:
+        """Whether vLLM publishes ``request``'s state at ``boundary`` (a multiple
+        of B) when a chunk ends there."""
+        return self.keeps_segment(boundary) or boundary in self.reachable(request)
+
+    def first_kept_after(self, request: Any, start: int) -> int | None:
+        """The first boundary above ``start`` vLLM keeps for ``request``, if any."""
+        grid = self.state_block
+        if self.dense:
+            return (start // grid + 1) * grid
+        candidates = [b for b in self.reachable(request) if b > start]
+        interval = self.interval
+        if interval:
+            candidates.append((start // interval + 1) * interval)
+        return min(candidates, default=None)
+
+    def kept_in(self, request: Any, low: int, high: int) -> list[int]:
+        """The boundaries ``low < b <= high`` vLLM keeps for ``request``, sorted."""
+        grid = self.state_block
+        first = (low // grid + 1) * grid
+        if self.dense:
+            return list(range(first, high + 1, grid))
+        kept = {b for b in self.reachable(request) if low < b <= high}
+        interval = self.interval
+        if interval:
+            kept.update(range((low // interval + 1) * interval, high + 1, interval))
+        return sorted(kept)
+
+    def count_kept_between(self, request: Any, low: int, high: int) -> int:
+        """How many boundaries ``low < b < high`` vLLM keeps for ``request``."""
+        grid = self.state_block
+        if self.dense:
+            return max(0, (high - 1) // grid - low // grid)
+        kept = {b for b in self.reachable(request) if low < b < high}
+        interval = self.interval
+        if interval:
+            kept.update(range((low // interval + 1) * interval, high, interval))
+        return len(kept)
+
+    def describe(self) -> str:
+        """The setting and what it keeps, for log lines."""
+        if self.interval is None:
+            return f"state retention dense ({self.source}): every B boundary kept"
+        if self.dense:
+            return (
+                f"state retention {self.interval} ({self.source}): at most one "
+                "state block per segment, so every B boundary kept"
+            )
+        if self.interval == 0:
+            return (
+                f"state retention 0 ({self.source}): only replay boundaries and "
+                "shared-prefix junctions kept"
+            )
+        return (
+            f"state retention {self.interval} ({self.source}): every multiple of "
+            f"{self.interval}, replay boundaries and junctions kept"
+        )
+
+
+def _mamba_manager(coordinator: Any) -> Any:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    for manager in getattr(coordinator, "single_type_managers", ()):
+        if isinstance(getattr(manager, "kv_cache_spec", None), MambaSpec):
+            return manager
+    return None
+
+
+def read_retention(scheduler: Any, state_block: int) -> Retention:
+    """The retention this scheduler's KV-cache manager applies, read where it
+    reads it: the coordinator's ``retention_interval`` (0.27.1+), the Mamba
+    manager's hit alignment (0.29.0+; the scheduler block before), vLLM's own
+    replay-boundary function (0.30.0+)."""
+    coordinator = scheduler.kv_cache_manager.coordinator
+    manager = _mamba_manager(coordinator)
+    scheduler_block = int(
+        getattr(coordinator, "scheduler_block_size", 0)
+        or getattr(scheduler, "block_size", 0)
+        or state_block
+    )
+    alignment = int(
+        getattr(manager, "cache_hit_alignment_tokens", 0) or scheduler_block
+    )
+    if not hasattr(coordinator, "retention_interval"):  # before 0.27.1
+        return Retention(None, state_block, alignment, "no retention setting")
+    interval = coordinator.retention_interval
+    eagle = bool(
+        getattr(coordinator, "drop_eagle_group_ids", None)
+        if hasattr(coordinator, "drop_eagle_group_ids")  # 0.33.0
+        else getattr(coordinator, "eagle_group_ids", None)  # 0.30.0-0.32.0
+    )
+    return Retention(
+        interval,
+        state_block,
+        alignment,
+        _source(interval),
+        _replay_rule(coordinator, scheduler_block, eagle),
+        # 0.33.0 (the release with drop_eagle_group_ids) also keeps the block
+        # below a junction when its Mamba manager drops EAGLE's last block.
+        eagle_junction=hasattr(coordinator, "drop_eagle_group_ids")
+        and bool(getattr(manager, "use_eagle", False)),
+    )
+
+
+def _replay_rule(
+    coordinator: Any, scheduler_block: int, eagle: bool
+) -> Callable[[Any], Sequence[int]]:
+    """vLLM's own replay positions for this coordinator (``P - 1`` before 0.30.0)."""
+    method = getattr(coordinator, "get_replay_boundaries", None)
+    if callable(method):  # 0.30.0-0.31.0
+        return method  # type: ignore[no-any-return]
+    module = __import__(type(coordinator).__module__, fromlist=["replay_boundaries"])
+    function = getattr(module, "replay_boundaries", None)
+    if callable(function) and eagle:  # 0.32.0+
+        return lambda request: function(  # type: ignore[no-any-return]
+            request.num_prompt_tokens, scheduler_block, use_eagle=True
+        )
+    return lambda request: (request.num_prompt_tokens - 1,)
+
+
+def _source(interval: int | None) -> str:
+    """Where a scheduler's retention value comes from, for messages."""
+    default = _default_interval()
+    if default is _NO_FIELD:  # 0.27.1-0.28.0
+        raw = os.environ.get(RETENTION_VARIABLE)
+        return (
+            f"{RETENTION_VARIABLE}={raw}"
+            if raw not in (None, "")
+            else f"{RETENTION_VARIABLE} unset, vLLM's default"
+        )
+    name = "prefix_cache_retention_interval"
+    return f"{name}={interval}" + (", vLLM's default" if interval == default else "")
+
+
+_NO_FIELD: Any = object()
+
+
+def _default_interval() -> Any:
+    """vLLM's default ``prefix_cache_retention_interval`` (0.29.0+): an int or
+    None; ``_NO_FIELD`` where the cache config has no such field."""
+    try:
+        from vllm.config import CacheConfig
+    except ImportError:
+        return _NO_FIELD
+    field = getattr(CacheConfig, "__dataclass_fields__", {}).get(
+        "prefix_cache_retention_interval"
+    )
+    if field is None:
+        return _NO_FIELD
+    try:
+        return CacheConfig().prefix_cache_retention_interval
+    except Exception:  # a release whose CacheConfig() needs arguments
+        return _NO_FIELD
+
+
+def installed_setting() -> tuple[bool, int | None, str]:
+    """The retention a new engine of the installed vLLM runs with when the user
+    sets nothing: (whether vLLM has the setting, the value, where it is set).
+
+    Needs vLLM importable; reads no engine state.
+    """
+    default = _default_interval()
+    if default is not _NO_FIELD:  # 0.29.0+
+        return True, default, "--prefix-cache-retention-interval"
+    import vllm.envs
+
+    if RETENTION_VARIABLE in getattr(vllm.envs, "environment_variables", {}):
+        raw = os.environ.get(RETENTION_VARIABLE, "").strip()
+        return True, int(raw) if raw else None, RETENTION_VARIABLE
+    return False, None, "no retention setting in this vLLM"
+
+
+def mode_meaning(mode: str, interval: int | None) -> str:
+    """What one plugin mode does under a retention value, for ``doctor``."""
+    dense = interval is None
+    sparse = (
+        "only replay boundaries and shared-prefix junctions are kept"
+        if interval == 0
+        else f"multiples of {interval}, replay boundaries and junctions are kept"
+    )
+    meanings = {
+        "full": "stops at every B boundary: every state vLLM keeps is materialized "
+        "and canonical (cached = fresh bit for bit)"
+        + ("" if dense else f"; {sparse}, so most stops write a state vLLM drops"),
+        "kept": "stops at every B boundary vLLM keeps"
+        + (" (dense: the same as full)" if dense else f" ({sparse})")
+        + "; no wrong state published",
+        "grid": "ends chunks on the B grid only: no wrong state published; kept "
+        "states inside a chunk are not materialized",
+        "audit": "stock scheduling, counting the wrong publications and lost states "
+        "this retention would keep",
+        "off": "stock vLLM",
+    }
+    return meanings[mode]
