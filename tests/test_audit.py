@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -369,18 +370,75 @@ def test_summary_cadence_is_time_based_and_only_when_counts_changed() -> None:
     found = fake_audit(lines, clock)
     quiet = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[])
     found.count_chunk(SimpleNamespace(), 8160, 16320)
-    clock.now += 59
     found.after_schedule(quiet)
+    clock.now += 59
+    found.report()  # the reporter thread's tick
     assert lines == [], "not before the interval"
     clock.now += 1
-    found.after_schedule(quiet)
+    found.report()
     assert len(lines) == 1 and "1 would-be-poisoned slots" in lines[0]
     clock.now += 600
-    found.after_schedule(quiet)
+    found.report()
     assert len(lines) == 1, "nothing changed: no line"
     found.count_chunk(SimpleNamespace(), 0, 816)
-    found.after_schedule(quiet)
+    found.report()
     assert len(lines) == 2, "changed and the interval has passed: a line"
+
+
+def test_first_would_be_poisoned_slot_is_warned_at_once_and_only_once() -> None:
+    warnings: list[str] = []
+    found = audit.Audit(B, C, clock=Clock(), log=[].append, warn=warnings.append)
+    quiet = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[])
+    found.count_chunk(SimpleNamespace(), 0, 8160)  # skips boundaries, no poison
+    found.after_schedule(quiet)
+    assert warnings == []
+    found.count_chunk(SimpleNamespace(), 8160, 16320)
+    found.after_schedule(quiet)
+    assert len(warnings) == 1
+    assert "first would-be-poisoned slot" in warnings[0]
+    assert "VLLM_MAMBA_ALIGN_MODE" in warnings[0]
+    found.count_chunk(SimpleNamespace(), 8160, 16320)
+    found.after_schedule(quiet)
+    assert len(warnings) == 1
+
+
+def test_the_reporter_thread_logs_while_the_scheduler_is_idle() -> None:
+    lines: list[str] = []
+    exported: list[audit.AuditSnapshot] = []
+    found = audit.Audit(B, C, interval=0.05, log=lines.append, export=exported.append)
+
+    class Scheduler:  # weakly referenced, like vLLM's
+        pass
+
+    owner = Scheduler()
+    found.start_reporter(owner)
+    found.count_chunk(SimpleNamespace(), 8160, 16320)  # then nothing is scheduled
+    deadline = time.monotonic() + 10
+    while not lines and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert lines and "1 would-be-poisoned slots" in lines[0]
+    assert exported and exported[-1].poisoned_slots == 1
+    found.close()
+    assert found._reporter is not None and not found._reporter.is_alive()
+    assert len(lines) == 2, "the final line at close"
+    found.close()
+    assert len(lines) == 2
+
+
+def test_the_audit_interval_setting_is_checked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm_mamba_align import settings as plugin_settings
+    from vllm_mamba_align.errors import MambaAlignError
+
+    monkeypatch.delenv(plugin_settings.AUDIT_INTERVAL_VARIABLE, raising=False)
+    assert plugin_settings.audit_interval() == 60.0
+    monkeypatch.setenv(plugin_settings.AUDIT_INTERVAL_VARIABLE, "2.5")
+    assert plugin_settings.audit_interval() == 2.5
+    for bad in ("0", "-1", "soon", "inf"):
+        monkeypatch.setenv(plugin_settings.AUDIT_INTERVAL_VARIABLE, bad)
+        with pytest.raises(MambaAlignError, match="VLLM_MAMBA_ALIGN_AUDIT_INTERVAL"):
+            plugin_settings.audit_interval()
 
 
 @contextmanager
@@ -414,6 +472,7 @@ def test_a_real_scheduler_logs_on_cadence_and_once_at_shutdown() -> None:
         observer = audit.audit_of(sim.scheduler)
         assert observer is not None
         assert any("mode=audit" in line for line in lines), "the activation line"
+        observer.stop_reporter()  # its ticks are driven by hand below
         observer.clock = clock
         observer._started = observer._last_log = clock.now
         sim.add("first", prompt(P, seed=1))
@@ -421,6 +480,9 @@ def test_a_real_scheduler_logs_on_cadence_and_once_at_shutdown() -> None:
         assert summaries(lines) == []
         clock.now += 61
         sim.step()  # [8160, 16320): a would-be-poisoned slot
+        assert summaries(lines) == [], "the reporter logs, not the step"
+        assert any("first would-be-poisoned slot" in line for line in lines)
+        observer.report()
         assert len(summaries(lines)) == 1
         assert "2 prefill chunks, 1 would-be-poisoned slots" in summaries(lines)[0]
         sim.run()

@@ -152,6 +152,73 @@ def test_without_vllm_a_clear_message_and_exit_2(args: list[str]) -> None:
     assert "Traceback" not in result.stderr
 
 
+BLOCKED = textwrap.dedent(
+    """
+    import sys
+    sys.modules[{module!r}] = None  # import {module} now fails
+    from vllm_mamba_align.cli import main
+    sys.exit(main({args!r}))
+    """
+)
+
+
+@pytest.mark.parametrize("module", ["wrapt", "packaging"])
+@pytest.mark.parametrize("args", [["doctor"], ["doctor", "--json"]])
+def test_doctor_exits_3_naming_the_cause_when_the_plugin_cannot_be_imported(
+    args: list[str], module: str
+) -> None:
+    """vLLM only logs a plugin that fails to import; the doctor fails the build."""
+    result = run_python(BLOCKED.format(module=module, args=args))
+    assert result.returncode == 3, (result.stdout, result.stderr)
+    assert "vllm-mamba-align cannot load in this Python" in result.stderr
+    assert module in result.stderr
+    assert "pip install vllm-mamba-align" in result.stderr
+    assert "Traceback" not in result.stderr
+    if "--json" in args:
+        report = json.loads(result.stdout)
+        assert report["plugin_importable"] is False
+        assert module in report["import_error"]
+
+
+def test_without_wrapt_vllm_plugin_loading_fails_closed_with_the_cause() -> None:
+    """vLLM only logs a plugin module that fails to import, but lets an error
+    raised by the registered function stop it: the package imports without
+    wrapt, and register() refuses, naming the cause, through vLLM's own loader."""
+    result = run_python(
+        textwrap.dedent(
+            """
+            import sys
+            sys.modules["wrapt"] = None
+            from vllm.plugins import load_general_plugins
+            try:
+                load_general_plugins()
+            except Exception as error:
+                print(type(error).__name__, error)
+                sys.exit(7)
+            """
+        ),
+        VLLM_PLUGINS="mamba_align",
+    )
+    assert result.returncode == 7, (result.stdout, result.stderr)
+    assert "MambaAlignError vllm-mamba-align cannot load" in result.stdout
+    assert "wrapt" in result.stdout
+
+
+def test_doctor_says_whether_metrics_reach_the_api_server(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.delenv("prometheus_multiproc_dir", raising=False)
+    _, out = doctor(capsys)
+    assert "  metrics         " in out
+    assert "PROMETHEUS_MULTIPROC_DIR is not set" in out
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/tmp/prometheus")
+    _, out = doctor(capsys, "--json")
+    report = json.loads(out)
+    assert report["metrics_exported"] is True
+    assert "PROMETHEUS_MULTIPROC_DIR=/tmp/prometheus" in report["metrics_detail"]
+
+
 def test_python_dash_m_runs_the_command() -> None:
     result = run_python(
         "import runpy; runpy.run_module('vllm_mamba_align', run_name='__main__')",

@@ -10,7 +10,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from . import __version__, audit, settings
+from . import __version__, audit, metrics, settings
 from .errors import MambaAlignError
 from .fingerprint import CodeShape
 from .geometry import state_block_size
@@ -154,6 +154,13 @@ def _log(
         code,
         status,
         _geometry(scheduler, state_grid),
+    )
+    metrics.publish_info(
+        scheduler,
+        mode=settings.read_mode().value,
+        status=status.split(",")[0].split(" ")[0],
+        state_block=state_grid,
+        vllm_version=recognition.vllm_version,
     )
 
 

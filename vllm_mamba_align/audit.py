@@ -35,7 +35,10 @@ attributes of the scheduler *instance* (the class is untouched, other schedulers
 are not affected): the step's output confirms which remembered chunks really ran
 (a chunk can be proposed and then not scheduled when its blocks do not fit),
 one-token prefill chunks are picked up there for the few requests that are new
-or known to be mid-prefill, and shutdown writes the final line.
+or known to be mid-prefill, and shutdown writes the final line. A daemon
+thread per audited scheduler writes the summary when due (an idle server still
+reports), hands the figures to the Prometheus export (``metrics``) and stops at
+shutdown; the first would-be-poisoned slot is logged at once, at WARNING.
 Nothing grows with traffic: per-request facts live in one integer attribute on
 vLLM's ``Request``.
 """
@@ -49,6 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from . import settings
 from .errors import MambaAlignError
 from .releases import PrefillRule, SplitBody, in_prefill
 from .retention import Retention
@@ -71,9 +75,12 @@ LOGGER_NAME = "vllm.plugins.mamba_align"
 
 ACTIVE_STATUS = (
     "AUDIT, mode=audit: stock vLLM schedules unchanged; counting would-be-poisoned "
-    "slots and skipped state boundaries (summary every "
-    f"{DEFAULT_INTERVAL_SECONDS:.0f} s when changed, and at shutdown)"
+    "slots and skipped state boundaries (a summary when changed, every "
+    f"{DEFAULT_INTERVAL_SECONDS:.0f} s by default ({settings.AUDIT_INTERVAL_VARIABLE})"
+    " and at shutdown; the first would-be-poisoned slot at once)"
 )
+REPORT_TICK_SECONDS = 1.0
+"""How often the reporter thread looks at the counts (export; summary when due)."""
 
 
 @dataclass(frozen=True)
@@ -134,19 +141,30 @@ def _vllm_log(line: str) -> None:
     init_logger(LOGGER_NAME).info("%s", line)
 
 
+def _vllm_warn(line: str) -> None:
+    from vllm.logger import init_logger
+
+    init_logger(LOGGER_NAME).warning("%s", line)
+
+
 class Audit:
     """One scheduler's counters and its summary cadence."""
 
     __slots__ = (
         "__weakref__",
         "_closed",
+        "_exported_chunks",
         "_last_log",
         "_logged_chunks",
         "_pending",
         "_prefilling",
+        "_report_lock",
+        "_reporter",
         "_started",
+        "_warned_poison",
         "cache_block",
         "clock",
+        "export",
         "interval",
         "live_requests",
         "log",
@@ -161,6 +179,7 @@ class Audit:
         "retention",
         "skipped_boundaries",
         "state_block",
+        "warn",
     )
 
     def __init__(
@@ -173,6 +192,8 @@ class Audit:
         interval: float = DEFAULT_INTERVAL_SECONDS,
         clock: Callable[[], float] = time.monotonic,
         log: Callable[[str], None] = _vllm_log,
+        warn: Callable[[str], None] = _vllm_warn,
+        export: Callable[[AuditSnapshot], None] | None = None,
     ) -> None:
         self.state_block = state_block
         self.cache_block = cache_block
@@ -181,6 +202,9 @@ class Audit:
         self.interval = interval
         self.clock = clock
         self.log = log
+        self.warn = warn
+        self.export = export
+        """Where the figures go besides the log (Prometheus counters), if any."""
         self.prefill_chunks = 0
         self.prefill_tokens = 0
         self.poisoned_slots = 0
@@ -196,7 +220,11 @@ class Audit:
         self._started = clock()
         self._last_log = self._started
         self._logged_chunks = 0
+        self._exported_chunks = 0
         self._closed = False
+        self._warned_poison = False
+        self._report_lock = threading.Lock()
+        self._reporter: _Reporter | None = None
 
     def after_schedule(self, output: Any) -> None:
         """Count the prefill chunks this ``schedule()`` really scheduled.
@@ -227,10 +255,8 @@ class Audit:
                 elif count == 0 and request_id not in self.live_requests:
                     del prefilling[request_id]  # finished or aborted
         pending.clear()
-        if self.prefill_chunks != self._logged_chunks:
-            now = self.clock()
-            if now - self._last_log >= self.interval:
-                self._emit(now)
+        if self.poisoned_slots and not self._warned_poison:
+            self._warn_first_poison()
 
     def _count_scheduled(self, request: Any, count: int) -> None:
         """Count a scheduled chunk of ``count`` tokens; note if prefill goes on."""
@@ -294,17 +320,90 @@ class Audit:
             elapsed_seconds=self.clock() - self._started,
         )
 
+    def _warn_first_poison(self) -> None:
+        """Say at once, at WARNING, that stock vLLM published a wrong state."""
+        self._warned_poison = True
+        self.warn(
+            "vllm-mamba-align: the audit found the first would-be-poisoned slot "
+            f"(B={self.state_block}, C={self.cache_block}): a prefill chunk "
+            "started off the Mamba "
+            "state grid and ran past a boundary, so vLLM published a Mamba slot "
+            "under the hash of a state it does not hold; requests that share that "
+            "prefix continue from a wrong state. Switch the fix on: unset "
+            f"{settings.MODE_VARIABLE} (default full) or set it to grid."
+        )
+
     def _emit(self, now: float) -> None:
         self._last_log = now
         self._logged_chunks = self.prefill_chunks
         self.log(self.snapshot().summary())
 
+    def report(self) -> None:
+        """Export the figures and log the summary when due (the reporter's tick).
+
+        Runs on the reporter thread, so an idle server still logs what it
+        counted; reads integers the scheduler thread writes (each read is
+        atomic; a summary may lag one step behind).
+        """
+        with self._report_lock:
+            if self._closed:
+                return
+            self._report(final=False)
+
+    def _report(self, *, final: bool) -> None:
+        chunks = self.prefill_chunks
+        if self.export is not None and (final or chunks != self._exported_chunks):
+            self._exported_chunks = chunks
+            self.export(self.snapshot())
+        if final:
+            self._emit(self.clock())
+        elif chunks != self._logged_chunks:
+            now = self.clock()
+            if now - self._last_log >= self.interval:
+                self._emit(now)
+
+    def start_reporter(self, owner: Any) -> None:
+        """Report every ``REPORT_TICK_SECONDS`` on a daemon thread while ``owner``
+        (the scheduler, weakly held) lives and until :meth:`close`."""
+        self._reporter = _Reporter(self, owner)
+        self._reporter.start()
+
+    def stop_reporter(self) -> None:
+        """Stop the reporter thread, if one runs (the counts go on)."""
+        reporter = self._reporter
+        if reporter is not None:
+            reporter.stop()
+
     def close(self) -> None:
-        """Log the final summary once, when vLLM shuts the scheduler down."""
-        if self._closed:
-            return
-        self._closed = True
-        self._emit(self.clock())
+        """Stop the reporter; export and log the final summary once."""
+        self.stop_reporter()
+        with self._report_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._report(final=True)
+
+
+class _Reporter(threading.Thread):
+    """One audited scheduler's timer: :meth:`Audit.report` every tick."""
+
+    def __init__(self, audit: Audit, owner: Any) -> None:
+        super().__init__(name="vllm-mamba-align-audit", daemon=True)
+        self._audit = audit
+        self._owner = weakref.ref(owner)
+        self._stopped = threading.Event()
+        self._tick = min(REPORT_TICK_SECONDS, audit.interval)
+
+    def run(self) -> None:
+        while not self._stopped.wait(self._tick):
+            if self._owner() is None:
+                return  # the scheduler is gone without a shutdown
+            self._audit.report()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self is not threading.current_thread():
+            self.join(timeout=5)
 
 
 # -- process-wide registry (for `doctor` and tests) ------------------------------
@@ -387,6 +486,10 @@ def install(
     class is untouched); the split observer (around ``stock_split``, vLLM's own
     function) is returned for ``activation`` to bind as this scheduler's split.
     """
+    from . import metrics
+
+    options.setdefault("interval", settings.audit_interval())
+    options.setdefault("export", metrics.audit_exporter(scheduler))
     audit = Audit(
         state_block,
         int(scheduler.cache_config.block_size),
@@ -424,6 +527,7 @@ def install(
     with _lock:
         _audits[scheduler] = audit
     setattr(scheduler, AUDIT_ATTRIBUTE, audit)
+    audit.start_reporter(scheduler)
     return _observe_split(audit, scheduler, stock_split)
 
 

@@ -1,7 +1,10 @@
 """The ``vllm-mamba-align`` command: ``doctor`` and ``simulate``.
 
 Exit status: 0 fine; 1 ``doctor`` found that the plugin would refuse to start a
-hybrid align-mode scheduler; 2 bad usage, or vLLM is not installed. vLLM (and its
+hybrid align-mode scheduler; 2 bad usage, or vLLM is not installed; 3 ``doctor``
+found that the plugin itself cannot be imported (a missing dependency: vLLM would
+only log that and run without the fix); 4 ``doctor --strict`` found that vLLM
+would not load the plugin (``VLLM_PLUGINS`` or no entry point). vLLM (and its
 torch) are imported only inside the commands, so ``--help`` works anywhere.
 """
 
@@ -17,6 +20,8 @@ from .errors import MambaAlignError
 EXIT_OK = 0
 EXIT_REFUSE = 1
 EXIT_USAGE = 2
+EXIT_BROKEN = 3
+EXIT_NOT_LOADED = 4
 
 NO_VLLM = (
     "vllm-mamba-align: vLLM is not installed in this Python environment "
@@ -45,6 +50,11 @@ def _parser() -> argparse.ArgumentParser:
         "when the plugin would refuse to start a hybrid model in align mode.",
     )
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.add_argument(
+        "--strict",
+        action="store_true",
+        help="also exit 4 when vLLM would not load the plugin (for image builds)",
+    )
 
     d = Scenario()
     simulate = commands.add_parser(
@@ -123,7 +133,30 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _doctor(as_json: bool) -> int:
+def _plugin_import_error() -> str | None:
+    """Why the plugin's code (what vLLM's entry point runs) cannot be imported."""
+    import importlib
+
+    try:
+        importlib.import_module(f"{__package__}.plugin")
+    except ImportError as error:
+        return str(error)
+    return None
+
+
+def _doctor(as_json: bool, strict: bool = False) -> int:
+    from . import MISSING_DEPENDENCY
+
+    broken = _plugin_import_error()
+    if broken is not None:
+        message = MISSING_DEPENDENCY.format(error=broken)
+        print(f"vllm-mamba-align doctor: [!!] {message}", file=sys.stderr)
+        if as_json:
+            import json
+
+            print(json.dumps({"plugin_importable": False, "import_error": broken}))
+        return EXIT_BROKEN
+
     from .doctor import VllmMissing, collect, render_text
 
     try:
@@ -134,7 +167,11 @@ def _doctor(as_json: bool) -> int:
             print('{"vllm_installed": false}')
         return EXIT_USAGE
     print(report.to_json() if as_json else render_text(report))
-    return EXIT_REFUSE if report.would_refuse else EXIT_OK
+    if report.would_refuse:
+        return EXIT_REFUSE
+    if strict and not report.would_load:
+        return EXIT_NOT_LOADED
+    return EXIT_OK
 
 
 def _default_share(share: int, prompt: int) -> int:
@@ -204,5 +241,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "doctor":
-        return _doctor(args.json)
+        return _doctor(args.json, args.strict)
     return _simulate(args)

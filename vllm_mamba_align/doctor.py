@@ -25,6 +25,7 @@ from typing import Any
 
 from . import __version__, settings
 from .errors import MambaAlignError
+from .metrics import export_status as metrics_export_status
 from .releases import SUPPORTED_RELEASES, describe_version, expected_body
 
 PLUGIN_NAME = "mamba_align"
@@ -72,6 +73,10 @@ class Report:
     would_refuse: bool
     refusal: str | None
     """The exact error the plugin would raise for a hybrid align-mode model."""
+    metrics_exported: bool = False
+    """prometheus_client importable and PROMETHEUS_MULTIPROC_DIR set: the audit's
+    counters written in the engine core reach the API server's /metrics."""
+    metrics_detail: str = ""
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
@@ -272,6 +277,7 @@ def collect() -> Report:
             "settings (see plugin loading)"
         )
     seed, seed_detail = worker_seed_status(root)
+    export = metrics_export_status()
     retention, by_mode = _retention()
     return Report(
         plugin_version=__version__,
@@ -298,6 +304,8 @@ def collect() -> Report:
         retention_by_mode=by_mode,
         would_refuse=refusal is not None,
         refusal=refusal,
+        metrics_exported=export.exported,
+        metrics_detail=export.describe(),
         notes=notes,
     )
 
@@ -341,6 +349,7 @@ def render_text(report: Report) -> str:
             if report.mode
             else f"[{bad}] {report.mode_error}"
         ),
+        f"  metrics         {report.metrics_detail}",
         f"  worker seed     {report.worker_seed_detail}",
         "  upstream fix    "
         + (

@@ -57,6 +57,7 @@ def register() -> None:
     """Entry point of the ``mamba_align`` plugin (group ``vllm.general_plugins``)."""
     global _hook_installed
     settings.read_mode()  # a bad setting fails here, before anything is patched
+    settings.audit_interval()
     if _hook_installed:
         return
     wrapt.register_post_import_hook(declare_settings, ENVS_MODULE)
@@ -75,7 +76,11 @@ def declare_settings(envs_module: ModuleType) -> None:
     table = getattr(envs_module, "environment_variables", None)
     if not isinstance(table, dict):
         return
-    for name in (settings.MODE_VARIABLE, settings.ALLOW_UNVERIFIED_VARIABLE):
+    for name in (
+        settings.MODE_VARIABLE,
+        settings.ALLOW_UNVERIFIED_VARIABLE,
+        settings.AUDIT_INTERVAL_VARIABLE,
+    ):
         table.setdefault(name, functools.partial(os.getenv, name))
 
 

@@ -53,3 +53,25 @@ def allow_unverified() -> bool:
     """Whether the user opted in to running the fix on code no release matches."""
     raw = os.environ.get(ALLOW_UNVERIFIED_VARIABLE, "").strip().lower()
     return raw in ("1", "true", "yes", "on")
+
+
+AUDIT_INTERVAL_VARIABLE = "VLLM_MAMBA_ALIGN_AUDIT_INTERVAL"
+DEFAULT_AUDIT_INTERVAL = 60.0
+
+
+def audit_interval() -> float:
+    """Seconds between audit summary lines (``VLLM_MAMBA_ALIGN_AUDIT_INTERVAL``)."""
+    raw = os.environ.get(AUDIT_INTERVAL_VARIABLE, "").strip()
+    if not raw:
+        return DEFAULT_AUDIT_INTERVAL
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise MambaAlignError(
+            f"{AUDIT_INTERVAL_VARIABLE}={raw!r} is not a number of seconds > 0 "
+            f"(default {DEFAULT_AUDIT_INTERVAL:.0f}). Unset it or set e.g. "
+            f"{AUDIT_INTERVAL_VARIABLE}=300."
+        )
+    return value

@@ -41,8 +41,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if not _engine_installed():
         return
-    from .test_default_retention import retention_summary_lines
-    from .test_engine import summary_lines
+    from . import test_default_retention, test_engine, test_serve
 
-    for line in [*summary_lines(), *retention_summary_lines()]:
+    for line in [
+        *test_engine.summary_lines(),
+        *test_default_retention.retention_summary_lines(),
+        *test_serve.summary_lines(),
+    ]:
         terminalreporter.write_line(line)

@@ -72,7 +72,8 @@ HYBRID: dict[str, Any] = {
 }
 
 LOG_LINE = re.compile(
-    r"vllm-mamba-align \S+ on vLLM (?P<vllm>\S+).*?: (?P<status>.*?); "
+    # The status may contain semicolons (retention, audit): up to the geometry.
+    r"vllm-mamba-align \S+ on vLLM (?P<vllm>\S+) \([^)]*\): (?P<status>[^\n]*); "
     r"cache block C=(?P<c>\d+), Mamba state block B=(?P<b>\w+), "
     r"hash block (?P<h>\d+)"
 )

@@ -1,0 +1,276 @@
+"""A real ``vllm serve`` (vLLM's OpenAI-compatible API server) for the e2e tests.
+
+The server runs as ``python -m vllm.entrypoints.openai.api_server``: the ``vllm``
+console script of the CPU build looks up a distribution named ``vllm`` and fails,
+the module entry point does not. It binds 127.0.0.1 only, on a free port, in its
+own process group (API server, engine cores and workers), so that stopping it
+stops everything it started: SIGINT to the group, then SIGKILL to the group after
+a bounded wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from .models import VOCAB
+
+SERVED_NAME = "tiny-hybrid"
+START_TIMEOUT = 420.0  # seconds until /health answers (2 cores, engine + drafter)
+STOP_TIMEOUT = 60.0  # seconds after SIGINT before the group is killed
+
+
+def write_tokenizer(model: Path) -> None:
+    """A WordLevel tokenizer covering the model's vocabulary (``t0`` … ``t511``).
+
+    With a tokenizer vLLM can return logprobs (``--skip-tokenizer-init`` forbids
+    them); prompts are still sent as token ids.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(model / "tokenizer.json"))
+    (model / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "unk_token": "t0",
+                "bos_token": "t1",
+                "eos_token": "t2",
+                "model_max_length": 4096,
+            }
+        )
+    )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def cli_arguments(options: dict[str, Any]) -> list[str]:
+    """``{"max_model_len": 4096, "enforce_eager": True}`` -> CLI flags.
+
+    ``True`` is a bare flag, ``None`` is the literal ``None`` vLLM's parser
+    accepts for optional integers, dicts are JSON.
+    """
+    words: list[str] = []
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            words.append(flag)
+        elif value is None:
+            words += [flag, "None"]
+        elif isinstance(value, dict):
+            words += [flag, json.dumps(value)]
+        else:
+            words += [flag, str(value)]
+    return words
+
+
+class Server:
+    """One API server process group; use as a context manager."""
+
+    def __init__(
+        self,
+        model: Path,
+        options: dict[str, Any],
+        env: dict[str, str],
+        log_path: Path,
+    ) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.command = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--served-model-name",
+            SERVED_NAME,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *cli_arguments(options),
+        ]
+        self.env = {**os.environ, **env}
+        self.process: subprocess.Popen[bytes] | None = None
+        self.start_seconds = 0.0
+        self.stop_seconds = 0.0
+        self.stopped_cleanly = False
+
+    # -- lifetime -------------------------------------------------------------
+    def __enter__(self) -> Server:
+        started = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                self.command,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own process group
+            )
+        try:
+            self._wait_healthy(started + START_TIMEOUT)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_seconds = time.monotonic() - started
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _wait_healthy(self, deadline: float) -> None:
+        assert self.process is not None
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(
+                    f"vLLM's API server exited with {self.process.returncode} "
+                    f"before answering /health:\n{self.log()[-6000:]}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.base}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1.0)
+        raise AssertionError(
+            f"vLLM's API server did not answer /health within {START_TIMEOUT:.0f} s:"
+            f"\n{self.log()[-6000:]}"
+        )
+
+    def stop(self) -> None:
+        """SIGINT to the whole group, SIGKILL after STOP_TIMEOUT; reap."""
+        process = self.process
+        if process is None:
+            return
+        group = process.pid  # start_new_session: the group id is the leader's pid
+        started = time.monotonic()
+        if process.poll() is None:
+            _signal_group(group, signal.SIGINT)
+            try:
+                process.wait(timeout=STOP_TIMEOUT)
+                self.stopped_cleanly = True
+            except subprocess.TimeoutExpired:
+                pass
+        # Whatever is left of the group (engine cores, workers) goes too.
+        deadline = time.monotonic() + 10
+        while _group_alive(group) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _group_alive(group):
+            self.stopped_cleanly = False
+            _signal_group(group, signal.SIGKILL)
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=30)
+        self.stop_seconds = time.monotonic() - started
+
+    def group_alive(self) -> bool:
+        return self.process is not None and _group_alive(self.process.pid)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    # -- requests ---------------------------------------------------------------
+    def client(self) -> Any:
+        import openai
+
+        return openai.OpenAI(
+            base_url=f"{self.base}/v1", api_key="unused", timeout=600, max_retries=0
+        )
+
+    def complete(
+        self,
+        prompt: list[int],
+        *,
+        salt: str | None = None,
+        rank: int | None = None,
+    ) -> Completion:
+        """One ``max_tokens=1`` completion of a token-id prompt."""
+        extra_body: dict[str, Any] = {"return_tokens_as_token_ids": True}
+        if salt is not None:
+            extra_body["cache_salt"] = salt
+        headers = {} if rank is None else {"X-data-parallel-rank": str(rank)}
+        response = self.client().completions.create(
+            model=SERVED_NAME,
+            prompt=prompt,
+            max_tokens=1,
+            temperature=0.0,
+            logprobs=20,
+            extra_body=extra_body,
+            extra_headers=headers,
+        )
+        choice = response.choices[0]
+        details = response.usage.prompt_tokens_details
+        return Completion(
+            cached_tokens=int(details.cached_tokens or 0) if details else -1,
+            logprobs=dict(choice.logprobs.top_logprobs[0]),
+        )
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"{self.base}/metrics", timeout=30) as r:
+            return str(r.read().decode())
+
+
+class Completion:
+    def __init__(self, cached_tokens: int, logprobs: dict[str, float]) -> None:
+        self.cached_tokens = cached_tokens
+        self.logprobs = logprobs
+
+
+def max_delta(a: Completion, b: Completion) -> float:
+    """Largest |Δ logprob| over the tokens both top-20 lists contain."""
+    common = set(a.logprobs) & set(b.logprobs)
+    assert common, (a.logprobs, b.logprobs)
+    return max(abs(a.logprobs[t] - b.logprobs[t]) for t in common)
+
+
+def _signal_group(group: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, signum)
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+SAMPLE = re.compile(
+    r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})? (?P<v>\S+)$"
+)
+LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """Every sample of metric ``name`` in a Prometheus text exposition."""
+    found = []
+    for line in text.splitlines():
+        match = SAMPLE.match(line)
+        if match and match["name"] == name:
+            labels = dict(LABEL.findall(match["labels"] or ""))
+            found.append((labels, float(match["v"])))
+    return found
