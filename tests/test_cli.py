@@ -353,28 +353,31 @@ def test_the_oracle_names_prefix_states_in_linear_time_identically() -> None:
     assert ids == [state_id(tokens, (k + 1) * 16) for k in range(len(ids))]
 
 
-SEED_0_31 = """
-class MambaHybridModelState:
-    def add_request(self, req_index, new_req_data):
-        if self._align_mode:
-            self._mamba_state_idx_gpu[req_index].fill_(
-                (new_req_data.num_computed_tokens - 1) // self.cache_config.block_size
-            )
-"""
+def test_doctor_classifies_the_worker_seed_with_the_plugins_fingerprints() -> None:
+    """From the source file's syntax tree, never importing GPU code: the same
+    answer as the plugin's classification of the live class."""
+    import importlib
 
+    import vllm
 
-def test_worker_seed_site_on_older_and_absent_runners(tmp_path: Path) -> None:
-    """0.25.1-0.31.0 seed with C (affected); before MRV2 the file is absent."""
-    from vllm_mamba_align.doctor import WORKER_SEED_FILE, worker_seed_status
+    from vllm_mamba_align.doctor import worker_seed_status
+    from vllm_mamba_align.releases import MODEL_STATE, WORKER_MODULE, SeedSite
+    from vllm_mamba_align.worker_seed import classify
 
-    assert worker_seed_status(tmp_path)[0] == "absent"
-    site = tmp_path / WORKER_SEED_FILE
-    site.parent.mkdir(parents=True)
-    site.write_text(SEED_0_31)
-    status, detail = worker_seed_status(tmp_path)
-    assert status == "affected"
-    assert "seeds with cache_config.block_size (not patched by this version" in detail
-    site.write_text(
-        SEED_0_31.replace("cache_config.block_size", "cache_config.mamba_block_size")
-    )
-    assert worker_seed_status(tmp_path)[0] == "not needed"
+    try:
+        model_state = getattr(importlib.import_module(WORKER_MODULE), MODEL_STATE)
+    except (ImportError, AttributeError):
+        model_state = None
+    site = classify(model_state)
+    root = Path(vllm.__file__).parent
+    status, detail = worker_seed_status(root, "full")
+    expected = {
+        SeedSite.SEEDS_WITH_CACHE_BLOCK: "patched",
+        SeedSite.SEEDS_WITH_MAMBA_BLOCK: "not needed",
+        SeedSite.ABSENT: "absent",
+        SeedSite.UNRECOGNIZED: "unknown",
+    }
+    assert status == expected[site], detail
+    if site is SeedSite.SEEDS_WITH_CACHE_BLOCK:  # 0.25.1-0.31.0
+        assert detail.startswith("patched by the plugin: vLLM ")
+        assert worker_seed_status(root, "off")[0] == "affected"

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from vllm_mamba_align.worker_seed import WORKER_MODULE, SeedSite, classify
+from vllm_mamba_align.releases import WORKER_MODULE, SeedSite
+from vllm_mamba_align.worker_seed import classify
 
 C, B = 816, 1648
 RESUMED_AT = 3 * B + 100  # column 3 on the B grid, column 6 on the C grid
