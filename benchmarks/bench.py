@@ -4,7 +4,7 @@ Run: ``python benchmarks/bench.py [--output benchmarks/RESULTS.md] [--quick]``
 (or ``nox -s bench``). Prints one markdown report. Every mode of
 ``settings.Mode`` is measured next to stock vLLM, so a new mode shows up by itself.
 
-How it measures (CPU only, no weights; see vllm_mamba_align/simulation.py):
+How it measures (CPU only, no weights; see vllm_mamba_align/tools/simulation.py):
 
 - overhead: wall time of ``schedule()`` + ``update_from_output()`` per step on a
   64-request mixed prefill/decode batch, modes interleaved round by round (stock,
@@ -43,14 +43,12 @@ os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 import vllm_mamba_align
 from vllm_mamba_align.plugin import SPLIT_METHOD
 from vllm_mamba_align.settings import Mode
-from vllm_mamba_align.simulate import simulated_modes
-from vllm_mamba_align.simulation import (
-    STOCK,
+from vllm_mamba_align.tools.modes import STOCK, scheduler_mode, simulated_modes
+from vllm_mamba_align.tools.simulation import (
     Geometry,
     Simulation,
     chunk_starts,
     prompt,
-    scheduler_mode,
 )
 
 C, B, H = 816, 1648, 16

@@ -1,8 +1,8 @@
 """Shared fixtures: the plugin registered once per session; stock vs patched helpers.
 
-`stock_vllm` and `scheduler_mode` live in the package (simulation.py), so the
-`simulate` command and the benchmarks compare modes with the same code as the
-tests.
+`stock_vllm` and `scheduler_mode` live in the package's tools
+(``vllm_mamba_align.tools.modes``), so the `simulate` command and the benchmarks
+compare modes with the same code as the tests.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from hypothesis import HealthCheck, settings
 
-from vllm_mamba_align.simulation import scheduler_mode, stock_vllm
+from vllm_mamba_align.tools.modes import scheduler_mode, stock_vllm
 
 settings.register_profile(
     "ci",
@@ -55,7 +55,7 @@ def registered_plugin() -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    from vllm_mamba_align.simulation import Simulation
+    from vllm_mamba_align.tools.simulation import Simulation
 
     terminalreporter.write_line(
         f"real vLLM schedule() calls in this run: {Simulation.schedule_calls}"
@@ -133,7 +133,7 @@ def geometry_rule() -> str:
     "any" (0.28.0+), "divisor" (C must divide B: 0.15.1-0.19.1) or "equal"
     (0.20.2-0.27.1 refuse C < B at startup).
     """
-    from vllm_mamba_align.simulation import Geometry, build_scheduler
+    from vllm_mamba_align.tools.simulation import Geometry, build_scheduler
 
     for rule, cache_block in (("any", 816), ("divisor", 824)):
         try:

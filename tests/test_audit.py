@@ -1,7 +1,7 @@
 """Audit mode on the real scheduler: stock schedules, counts that match the oracle.
 
-The oracle (``vllm_mamba_align.simulation``) models the worker's Mamba state writes
-and checks every published Mamba hash against the state its block holds. Audit
+The oracle (``vllm_mamba_align.tools.simulation``) models the worker's Mamba state
+writes and checks every published Mamba hash against the state its block holds. Audit
 mode counts from chunk positions alone; these tests hold the two against each
 other on stock vLLM's own schedules.
 
@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from test_property import Workload, drive, fits, workloads
 
 from vllm_mamba_align import audit
-from vllm_mamba_align.simulation import (
+from vllm_mamba_align.tools.simulation import (
     Chunk,
     Geometry,
     Simulation,
@@ -165,7 +165,7 @@ def test_audit_counts_what_vllm_publishes_under_each_retention(
     state_block: int, retention: int | str | None
 ) -> None:
     """Only states vLLM's retention keeps can be published wrong or lost."""
-    from vllm_mamba_align.simulation import supports_retention_setting
+    from vllm_mamba_align.releases import supports_retention_setting
 
     if retention not in ("default", None) and not supports_retention_setting():
         pytest.skip("this vLLM has no retention setting")

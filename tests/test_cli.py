@@ -220,7 +220,7 @@ def test_simulate_dense_retention_shows_the_defect_and_the_fix(
 def test_simulate_defaults_run_vllms_default_retention(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from vllm_mamba_align.simulation import Geometry, retention_interval
+    from vllm_mamba_align.tools.simulation import Geometry, retention_interval
 
     assert main(["simulate"]) == EXIT_OK
     out = capsys.readouterr().out
@@ -261,7 +261,7 @@ def test_simulate_rejects_a_bad_retention(
 def test_simulate_reports_vllms_reason_for_an_interval_it_rejects(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from vllm_mamba_align.simulation import supports_retention_setting
+    from vllm_mamba_align.releases import supports_retention_setting
 
     if not supports_retention_setting():
         pytest.skip("this vLLM has no retention setting")
@@ -345,7 +345,7 @@ def test_simulate_short_prompt_default_share_fits(
 
 
 def test_the_oracle_names_prefix_states_in_linear_time_identically() -> None:
-    from vllm_mamba_align.simulation import prefix_state_ids, prompt, state_id
+    from vllm_mamba_align.tools.simulation import prefix_state_ids, prompt, state_id
 
     tokens = prompt(1000, seed=3)
     ids = list(prefix_state_ids(tokens, 16))

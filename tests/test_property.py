@@ -24,13 +24,8 @@ from hypothesis import assume, event, find, given, reject, settings
 from hypothesis import strategies as st
 
 from vllm_mamba_align import MambaAlignError
-from vllm_mamba_align.simulation import (
-    Geometry,
-    Simulation,
-    prompt,
-    supports_hash_block,
-    supports_retention_setting,
-)
+from vllm_mamba_align.releases import supports_hash_block, supports_retention_setting
+from vllm_mamba_align.tools.simulation import Geometry, Simulation, prompt
 
 
 @dataclass(frozen=True)

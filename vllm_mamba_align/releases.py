@@ -340,3 +340,50 @@ def classify_seed(
     ):
         return SeedSite.UNRECOGNIZED  # the deferred re-seed could not be trusted
     return code.site
+
+
+# -- features of the installed vLLM that the tools and tests adapt to ---------------
+# (each imports vLLM when called; the plugin itself never calls them)
+
+
+def retention_in_kv_config() -> bool:
+    """Whether this vLLM's KV-cache config carries the state retention (0.29.0+)."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    return "prefix_cache_retention_interval" in getattr(
+        KVCacheConfig, "__dataclass_fields__", {}
+    )
+
+
+def supports_retention_setting() -> bool:
+    """Whether this vLLM has a state retention setting (0.27.1+: an environment
+    variable until 0.28.0, the cache config from 0.29.0)."""
+    import vllm.envs
+
+    from .retention import RETENTION_VARIABLE
+
+    return retention_in_kv_config() or RETENTION_VARIABLE in getattr(
+        vllm.envs, "environment_variables", {}
+    )
+
+
+def supports_hash_block() -> bool:
+    """Whether this vLLM lets the hash block be chosen (prefix_match_unit, 0.26.0+)."""
+    from vllm.config import CacheConfig
+
+    return "prefix_match_unit" in getattr(CacheConfig, "__dataclass_fields__", {})
+
+
+def requests_need_eos_token_id() -> bool:
+    """Whether ``Request()`` requires an ``eos_token_id`` argument (0.15.1-0.16.0)."""
+    import inspect
+
+    from vllm.v1.request import Request
+
+    return "eos_token_id" in inspect.signature(Request.__init__).parameters
+
+
+AMX_DISABLES_PREFIX_CACHING = "0.24.0 0.25.1"
+"""Releases whose CPU platform turns prefix caching off for linear-attention
+models when the host CPU has AMX (no setting avoids it); the tools build configs
+as on a CPU without AMX (``tools.simulation``)."""
