@@ -11,7 +11,6 @@ from conftest import geometry_rule, run_python
 
 from vllm_mamba_align import releases
 from vllm_mamba_align.cli import EXIT_OK, EXIT_REFUSE, EXIT_USAGE, main
-from vllm_mamba_align.doctor import would_load
 
 # -- doctor ----------------------------------------------------------------------
 
@@ -115,21 +114,6 @@ def test_doctor_exits_1_on_a_bad_mode(
     code, out = doctor(capsys)
     assert code == EXIT_REFUSE
     assert "VLLM_MAMBA_ALIGN_MODE='sideways' is not a valid mode" in out
-
-
-@pytest.mark.parametrize(
-    ("value", "loads"),
-    [
-        (None, True),
-        ("mamba_align", True),
-        ("a,mamba_align", True),
-        ("", False),
-        ("a, mamba_align", False),  # vLLM does not strip spaces
-        ("other", False),
-    ],
-)
-def test_vllm_plugins_rule(value: str | None, loads: bool) -> None:
-    assert would_load(value)[0] is loads
 
 
 # -- no vLLM ----------------------------------------------------------------------
