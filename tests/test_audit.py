@@ -22,16 +22,14 @@ import dataclasses
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import pytest
-from conftest import cache_block_for, geometry_rule, installed_body, scheduler_mode
+from conftest import cache_block_for, geometry_rule, scheduler_mode
 from hypothesis import event, find, given, reject, settings
 from hypothesis import strategies as st
 from test_property import Workload, drive, workloads
 
 from vllm_mamba_align import audit
-from vllm_mamba_align.releases import in_prefill
 from vllm_mamba_align.tools.simulation import (
     Chunk,
     Geometry,
@@ -64,23 +62,12 @@ class PublicationOracle(Simulation):
         self._wrong_now: set[tuple[int, bytes]] = set()
 
     def step(self) -> dict[str, Chunk]:
-        # Which chunks are prefill: the installed split body's rule
-        # (releases.in_prefill), judged on the request as it was before this step.
-        before = {
-            r: SimpleNamespace(
-                num_output_tokens=record.request.num_output_tokens,
-                num_prompt_tokens=record.request.num_prompt_tokens,
-                num_tokens=record.request.num_tokens,
-            )
-            for r, record in self.records.items()
-        }
-        rule = installed_body().prefill
         chunks = super().step()
         self.all_chunks += [(r, c.start, c.end) for r, c in chunks.items()]
+        # Prefill by the installed body's rule (releases.in_prefill), as the
+        # simulation judged it before the step.
         self.prefill_chunks += [
-            (r, c.start, c.end)
-            for r, c in chunks.items()
-            if in_prefill(rule, before[r], c.start)
+            (r, c.start, c.end) for r, c in chunks.items() if r in self.prefill_now
         ]
         for record in self.records.values():
             request = record.request

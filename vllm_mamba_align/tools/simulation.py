@@ -21,15 +21,24 @@ import contextlib
 import copy
 import functools
 import hashlib
+import inspect
 import json
 import os
 import tempfile
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
+from ..activation import SPLIT_METHOD
+from ..fingerprint import analyse_function
 from ..releases import (
+    InternalCheckpoint,
+    PrefillRule,
+    SplitBody,
+    body_for,
+    in_prefill,
     requests_need_eos_token_id,
     retention_in_kv_config,
 )
@@ -303,6 +312,28 @@ def build_scheduler(geometry: Geometry) -> Any:
         )
 
 
+def split_body_of(scheduler: Any) -> SplitBody:
+    """The release-table entry of the split this scheduler's class runs (vLLM's
+    function under the plugin's wrapper); a class with its own unrecognized
+    split gets the rules of every release from 0.17.1."""
+    function = inspect.getattr_static(type(scheduler), SPLIT_METHOD, None)
+    return _body_of_function(getattr(function, "__wrapped__", function))
+
+
+@functools.cache
+def _body_of_function(function: Any) -> SplitBody:
+    body = body_for(analyse_function(function).fingerprint) if function else None
+    if body is not None:
+        return body
+    return SplitBody(
+        ("unknown",),
+        "unknown",
+        PrefillRule.BEFORE_PREFILL_END,
+        InternalCheckpoint.NONE,
+        wide_block_exemption=True,
+    )
+
+
 StateId = tuple[int, bytes]
 """(number of tokens, digest of those tokens): which state a slot holds."""
 
@@ -380,6 +411,10 @@ class Simulation:
         self.same_step_reuse: list[str] = []
         """Hits on a state written in the same step: vLLM's own, not the grid's."""
         self.steps = 0
+        self.prefill_rule = split_body_of(self.scheduler).prefill
+        """How the installed split tells prefill (releases.in_prefill's rule)."""
+        self.prefill_now: set[str] = set()
+        """The requests whose chunk of the last step was prefill."""
         from ..retention import read_retention
 
         self.retention = read_retention(self.scheduler, self.state_block)
@@ -453,8 +488,14 @@ class Simulation:
         """One schedule(), the modeled forward pass, and update_from_output()."""
         from vllm.v1.outputs import ModelRunnerOutput
 
-        prefill_ends = {
-            req_id: max(r.request.num_prompt_tokens, r.request.num_tokens - 1)
+        # Which chunks are prefill, by the installed body's own rule, judged on
+        # each request as it is before this step.
+        before = {
+            req_id: SimpleNamespace(
+                num_output_tokens=r.request.num_output_tokens,
+                num_prompt_tokens=r.request.num_prompt_tokens,
+                num_tokens=r.request.num_tokens,
+            )
             for req_id, r in self.records.items()
         }
         output = self.scheduler.schedule()
@@ -481,9 +522,14 @@ class Simulation:
             self._check_reused_state(new.req_id, new.num_computed_tokens, written)
         for req_id, chunk in chunks.items():
             self._write_running_state(req_id, chunk.end)
-        for req_id, chunk in chunks.items():
-            if chunk.start < prefill_ends.get(req_id, 0):
-                self._track_kept_states(req_id, chunk)
+        rule = self.prefill_rule
+        self.prefill_now = {
+            req_id
+            for req_id, chunk in chunks.items()
+            if req_id in before and in_prefill(rule, before[req_id], chunk.start)
+        }
+        for req_id in self.prefill_now:
+            self._track_kept_states(req_id, chunks[req_id])
         self._check_published_hashes()
 
         sampled: list[list[int]] = []
