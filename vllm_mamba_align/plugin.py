@@ -32,8 +32,9 @@ Sites, one card each (why / how / upstream / delete when):
    call). ``mamba_state_block_size`` = B, the attribute upstream's fix adds
    (fixing modes only). In ``audit`` mode ``schedule`` and ``shutdown`` are
    observers that call vLLM's methods and return their results unchanged,
-   ``_vllm_mamba_align_audit`` holds the counters, and two integer attributes
-   ride on each vLLM ``Request``. Upstream: PR #54076. Delete when: as 2.
+   ``_vllm_mamba_align_audit`` holds the counters, and two small attributes
+   (``_vllm_mamba_align_audit_flags``, ``_vllm_mamba_align_audit_chain``) ride
+   on each vLLM ``Request`` and die with it. Upstream: PR #54076. Delete when: as 2.
 4. **The cache config, during each split call** (fixing modes). Why: every
    released split reads its grid from ``self.cache_config.block_size`` (C), the
    smallest block over all groups, not the Mamba grid B. How: for the duration
@@ -46,8 +47,9 @@ Sites, one card each (why / how / upstream / delete when):
    Why: those releases seed a resumed request's running-state column with C
    instead of B (vLLM issue #53142: a wrong pre-copy, illegal memory access).
    How: wrapt wrappers re-seed with B once vLLM has bound the Mamba spec
-   (worker_seed.py). Upstream: fixed by #53798 in 0.32.0. Delete when: 0.31.0
-   and older are no longer supported.
+   (worker_seed.py); seeds waiting for the spec sit in the model state's
+   ``_vllm_mamba_align_pending_seeds``. Upstream: fixed by #53798 in 0.32.0.
+   Delete when: 0.31.0 and older are no longer supported.
 6. **The checkpoint-decision observer** (the scheduler module's
    ``is_mamba_prefill_checkpoint_valid``; bodies of 0.30.0+). Why: the fix must
    not add a stop where vLLM's backend checkpoints a chunk's interior itself;
