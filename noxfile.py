@@ -1,4 +1,5 @@
-"""Environments and checks. `nox` runs lint and the tests on every pinned vLLM.
+"""Environments and checks. `nox` runs lint, the fast tier without vLLM, the
+tests on the releases CI covers and the end-to-end tests.
 
 Each vLLM release gets a CPU environment from its pinned file in envs/: torch's
 CPU build, vLLM without its CUDA dependencies, then exactly the listed versions.
@@ -17,7 +18,7 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "ci", "e2e"]
+nox.options.sessions = ["lint", "unit", "ci", "e2e"]
 
 REPO = Path(__file__).parent
 ENVS = REPO / "envs"
@@ -82,6 +83,15 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy")
+
+
+@nox.session
+def unit(session: nox.Session) -> None:
+    """The fast tier (tests/unit): no vLLM, no torch, seconds."""
+    session.install(*TEST_TOOLS)
+    install_plugin_wheel(session)
+    env = {"MAMBA_ALIGN_UNIT_ONLY": "1"}
+    session.run("python", "-m", "pytest", "tests/unit", *session.posargs, env=env)
 
 
 def run_suite(session: nox.Session, release: str) -> None:

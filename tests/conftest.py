@@ -1,8 +1,8 @@
 """Shared fixtures: the plugin registered once per session; stock vs patched helpers.
 
-`stock_vllm` and `scheduler_mode` live in the package (simulation.py), so the
-`simulate` command and the benchmarks compare modes with the same code as the
-tests.
+`stock_vllm` and `scheduler_mode` live in the package's tools
+(``vllm_mamba_align.tools.modes``), so the `simulate` command and the benchmarks
+compare modes with the same code as the tests.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from hypothesis import HealthCheck, settings
 
-from vllm_mamba_align.simulation import scheduler_mode, stock_vllm
+from vllm_mamba_align.releases import SplitBody
+from vllm_mamba_align.tools.modes import scheduler_mode, stock_vllm
 
 settings.register_profile(
     "ci",
@@ -55,7 +56,7 @@ def registered_plugin() -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    from vllm_mamba_align.simulation import Simulation
+    from vllm_mamba_align.tools.simulation import Simulation
 
     terminalreporter.write_line(
         f"real vLLM schedule() calls in this run: {Simulation.schedule_calls}"
@@ -126,22 +127,36 @@ def built_or_skipped() -> Iterator[None]:
         raise
 
 
-@functools.cache
 def geometry_rule() -> str:
-    """Which C < B geometries the installed vLLM starts with.
+    """Which C < B geometries the installed vLLM starts with (releases.py).
 
     "any" (0.28.0+), "divisor" (C must divide B: 0.15.1-0.19.1) or "equal"
-    (0.20.2-0.27.1 refuse C < B at startup).
+    (0.20.2-0.27.1 refuse C < B at startup). Read from the version: nothing is
+    built to find out.
     """
-    from vllm_mamba_align.simulation import Geometry, build_scheduler
+    from vllm_mamba_align.releases import cache_block_rule, installed_version
 
-    for rule, cache_block in (("any", 816), ("divisor", 824)):
-        try:
-            with scheduler_mode("stock"):
-                build_scheduler(Geometry(cache_block, 1648))
-        except Exception as error:
-            if vllm_refuses(error):
-                continue
-            raise
-        return rule
-    return "equal"
+    return cache_block_rule(installed_version()).value
+
+
+def cache_block_for(state_block: int, upstream: int = 816) -> int:
+    """A cache block C < B the installed vLLM starts with next to ``state_block``:
+    upstream's 816 where any C goes, B / 2 where C must divide B, else B."""
+    rule = geometry_rule()
+    if rule == "any":
+        return upstream
+    if rule == "divisor":
+        return state_block // 2
+    return state_block
+
+
+@functools.cache
+def installed_body() -> SplitBody:
+    """The release-table entry of the installed split function."""
+    import vllm.v1.core.sched.scheduler as module
+
+    from vllm_mamba_align.plugin import recognize
+
+    body = recognize(module.Scheduler).body
+    assert body is not None, "the tests run on verified releases"
+    return body

@@ -1,7 +1,7 @@
 """Audit mode on the real scheduler: stock schedules, counts that match the oracle.
 
-The oracle (``vllm_mamba_align.simulation``) models the worker's Mamba state writes
-and checks every published Mamba hash against the state its block holds. Audit
+The oracle (``vllm_mamba_align.tools.simulation``) models the worker's Mamba state
+writes and checks every published Mamba hash against the state its block holds. Audit
 mode counts from chunk positions alone; these tests hold the two against each
 other on stock vLLM's own schedules.
 
@@ -20,19 +20,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import pytest
-from conftest import geometry_rule, scheduler_mode
-from hypothesis import event, find, given, settings
+from conftest import cache_block_for, geometry_rule, scheduler_mode
+from hypothesis import event, find, given, reject, settings
 from hypothesis import strategies as st
-from test_property import Workload, drive, fits, workloads
+from test_property import Workload, drive, workloads
 
 from vllm_mamba_align import audit
-from vllm_mamba_align.simulation import (
+from vllm_mamba_align.tools.simulation import (
     Chunk,
     Geometry,
     Simulation,
@@ -41,17 +39,16 @@ from vllm_mamba_align.simulation import (
     state_id,
 )
 
-C, B, P, BUDGET = 816, 1648, 16764, 8192
+B, P, BUDGET = 1648, 16764, 8192
+# The cache block each release starts with next to B: upstream's 816 (0.28.0+),
+# 824 = B / 2 where C must divide B (0.15.1-0.19.1), B itself where vLLM refuses
+# C < B (0.20.2-0.27.1: only the aligned-start defect exists there).
+C = cache_block_for(B)
+UPSTREAM = C == 816
+"""The upstream geometry, whose exact figures are asserted below."""
 # Dense retention: every boundary kept, so every defect is published (the fixed
 # figures below). vLLM's default retention is held against the oracle further down.
 HETEROGENEOUS = Geometry(cache_block=C, state_block=B, budget=BUDGET, retention=None)
-
-# The validation against the oracle uses the upstream geometry (C = 816, B = 1648),
-# which vLLM starts with from 0.28.0 on; older releases refuse it or need C | B.
-pytestmark = pytest.mark.skipif(
-    geometry_rule() != "any",
-    reason="audit is validated on the C=816/B=1648 geometry (vLLM 0.28.0+)",
-)
 
 
 class PublicationOracle(Simulation):
@@ -65,18 +62,12 @@ class PublicationOracle(Simulation):
         self._wrong_now: set[tuple[int, bytes]] = set()
 
     def step(self) -> dict[str, Chunk]:
-        # A chunk is prefill when it starts before the prompt ends, or before the
-        # last known token of a request replaying its outputs after preemption
-        # (vLLM's own rule on 0.28.0+): judged on the request as it was before
-        # this step.
-        prefill_end = {
-            r: max(record.request.num_prompt_tokens, record.request.num_tokens - 1)
-            for r, record in self.records.items()
-        }
         chunks = super().step()
         self.all_chunks += [(r, c.start, c.end) for r, c in chunks.items()]
+        # Prefill by the installed body's rule (releases.in_prefill), as the
+        # simulation judged it before the step.
         self.prefill_chunks += [
-            (r, c.start, c.end) for r, c in chunks.items() if c.start < prefill_end[r]
+            (r, c.start, c.end) for r, c in chunks.items() if r in self.prefill_now
         ]
         for record in self.records.values():
             request = record.request
@@ -142,7 +133,11 @@ def test_audit_poisoned_count_equals_the_oracle_on_the_heterogeneous_scenario(
 ) -> None:
     stock, audited = stock_and_audit
     found = counts(audited)
-    assert len(stock.poisoned) == stock.wrong_publications == 5
+    assert len(stock.poisoned) == stock.wrong_publications
+    if UPSTREAM:
+        assert stock.wrong_publications == 5
+    if C == B:
+        assert stock.wrong_publications == 0, "stock is correct in equal geometry"
     assert found.poisoned_slots == len(stock.poisoned)
     assert found.poisoned_slots == len(audited.poisoned), "same schedule, same harm"
 
@@ -166,18 +161,22 @@ def test_audit_counts_what_vllm_publishes_under_each_retention(
     state_block: int, retention: int | str | None
 ) -> None:
     """Only states vLLM's retention keeps can be published wrong or lost."""
-    from vllm_mamba_align.simulation import supports_retention_setting
+    from vllm_mamba_align.releases import supports_retention_setting
 
     if retention not in ("default", None) and not supports_retention_setting():
         pytest.skip("this vLLM has no retention setting")
-    geometry = Geometry(C, state_block, BUDGET, retention=retention)
+    geometry = Geometry(
+        cache_block_for(state_block), state_block, BUDGET, retention=retention
+    )
     stock, audited = heterogeneous("stock", geometry), heterogeneous("audit", geometry)
     oracle_checks(stock, audited)
     found = counts(audited)
     print(f"{retention}, B={state_block}: {found.summary()}")
     dense = heterogeneous("audit", dataclasses.replace(geometry, retention=None))
     assert found.poisoned_slots <= counts(dense).poisoned_slots
-    if state_block == B:  # (with B = 1632 stock's 8,160-token chunks land on it)
+    if geometry.cache_block == geometry.state_block:
+        assert found.poisoned_slots == 0, "equal geometry: nothing published wrong"
+    elif UPSTREAM and state_block == B:  # (B = 1632: 8,160-token chunks land on it)
         assert found.poisoned_slots > 0, "stock publishes wrong states here too"
 
 
@@ -191,14 +190,13 @@ def test_audit_skipped_plus_poisoned_are_the_boundaries_never_materialized() -> 
     missing = len(cacheable_boundaries(P, B)) - len(
         sim.materialized_boundaries("first")
     )
-    assert (found.poisoned_slots, found.skipped_boundaries) == (2, 8)
-    assert found.poisoned_slots + found.skipped_boundaries == missing == 10
-    assert (found.prefill_chunks, found.prefill_tokens) == (4, P)
-    assert (found.requests, found.requests_affected, found.requests_poisoning) == (
-        1,
-        1,
-        1,
-    )
+    assert found.poisoned_slots + found.skipped_boundaries == missing
+    assert found.prefill_tokens == P
+    assert found.requests == found.requests_affected == 1
+    assert found.requests_poisoning == (found.poisoned_slots > 0)
+    if UPSTREAM:
+        assert (found.poisoned_slots, found.skipped_boundaries) == (2, 8)
+        assert missing == 10 and found.prefill_chunks == 4
 
 
 def test_audit_of_the_full_scenario_counts_requests_and_tokens(
@@ -213,12 +211,10 @@ def test_audit_of_the_full_scenario_counts_requests_and_tokens(
     ]
     assert found.prefill_chunks == len(prefill) > 0
     assert found.prefill_tokens == sum(e - s for s, e in prefill)
-    # The re-ask starts at vLLM's partial-tail checkpoint and crosses nothing.
-    assert (found.requests, found.requests_affected, found.requests_poisoning) == (
-        4,
-        3,
-        3,
-    )
+    assert found.requests == 4
+    if UPSTREAM:
+        # The re-ask starts at vLLM's partial-tail checkpoint and crosses nothing.
+        assert (found.requests_affected, found.requests_poisoning) == (3, 3)
 
 
 def test_audit_counts_nothing_in_equal_geometry_where_stock_is_correct() -> None:
@@ -244,12 +240,25 @@ def run_workload(mode: str, workload: Workload) -> PublicationOracle:
     return sim
 
 
+REPLAYS_VALIDATED = geometry_rule() == "any"
+"""Whether the audit's counts of a preempted request's replay are validated here.
+
+On 0.28.0+ they equal the oracle's. Before, they are not: 0.15.1-0.16.0 never
+split a replay (by the body's rule it is not prefill, so neither the fix nor the
+audit sees it, while the oracle counts what vLLM publishes), and on 0.17.1-0.27.1
+the audit counts would-be-poisoned slots past the prompt that the oracle does not
+see published (found on 0.18.1, C = 8, B = 16). Open: what those releases publish
+for replayed output tokens."""
+
+
 def preempted(sim: Simulation) -> bool:
     return any(r.request.num_preemptions for r in sim.records.values())
 
 
 def check_audit_against_stock(workload: Workload) -> audit.AuditSnapshot:
     stock = run_workload("stock", workload)
+    if preempted(stock) and not REPLAYS_VALIDATED:
+        reject()
     audited = run_workload("audit", workload)
     assert audited.all_chunks == stock.all_chunks, "audit changed a schedule"
     found = counts(audited)
@@ -276,8 +285,7 @@ def check_audit_against_stock(workload: Workload) -> audit.AuditSnapshot:
 @settings(max_examples=50)
 @given(workloads())
 def test_audit_matches_the_oracle_on_random_workloads(workload: Workload) -> None:
-    if fits(workload):
-        check_audit_against_stock(workload)
+    check_audit_against_stock(workload)
 
 
 @st.composite
@@ -301,144 +309,39 @@ def scarce_workloads(draw: st.DrawFn) -> Workload:
     )
 
 
+@pytest.mark.skipif(not REPLAYS_VALIDATED, reason="replays validated on 0.28.0+")
 @settings(max_examples=25)
 @given(scarce_workloads())
 def test_audit_counts_each_publication_under_preemption(workload: Workload) -> None:
-    if fits(workload):
-        check_audit_against_stock(workload)
+    check_audit_against_stock(workload)
 
 
 @settings(max_examples=40)
 @given(workloads(equal_geometry=True))
 def test_audit_finds_no_poisoning_in_equal_geometry(workload: Workload) -> None:
-    if fits(workload):
-        found = check_audit_against_stock(workload)
-        assert found.poisoned_slots == 0
+    found = check_audit_against_stock(workload)
+    assert found.poisoned_slots == 0
 
 
 def test_the_audit_property_finds_poisoning() -> None:
     """The control: random heterogeneous workloads do make the audit count."""
+    if geometry_rule() == "equal":
+        pytest.skip("this vLLM refuses C < B at startup: stock cannot poison")
     found = find(
         workloads(),
-        lambda w: fits(w) and counts(run_workload("audit", w)).poisoned_slots > 0,
+        lambda w: counts(run_workload("audit", w)).poisoned_slots > 0,
         settings=settings(max_examples=400, database=None),
     )
     assert run_workload("stock", found).wrong_publications > 0
 
 
-# -- the summary line, its cadence, shutdown -----------------------------------------
+# -- the summary line on a real scheduler (its arithmetic: tests/unit) ---------------
 class Clock:
     def __init__(self) -> None:
         self.now = 1000.0
 
     def __call__(self) -> float:
         return self.now
-
-
-def fake_audit(lines: list[str], clock: Clock) -> audit.Audit:
-    return audit.Audit(B, C, interval=60.0, clock=clock, log=lines.append)
-
-
-def test_summary_line_format() -> None:
-    lines: list[str] = []
-    clock = Clock()
-    found = fake_audit(lines, clock)
-    request = SimpleNamespace()
-    for start, end in ((0, 8160), (8160, 16320), (16320, 16752), (16752, 16764)):
-        found.count_chunk(request, start, end)
-    clock.now += 3 * 3600 + 12 * 60 + 5
-    found.count_chunk(SimpleNamespace(), 0, 1_000_000)  # aligned start: skips only
-    found.close()
-    assert lines == [
-        "vllm-mamba-align audit (B=1648, C=816): 5 prefill chunks, "
-        "2 would-be-poisoned slots, 614 skipped state boundaries, "
-        "0 non-canonical kept states, 2 of 2 requests affected (1 poisoning), "
-        "1,016,764 prefill tokens scheduled in 3h12m"
-    ]
-
-
-@pytest.mark.parametrize(
-    ("seconds", "text"), [(0.4, "0s"), (59, "59s"), (725, "12m05s"), (11525, "3h12m")]
-)
-def test_durations_are_short(seconds: float, text: str) -> None:
-    assert audit.format_duration(seconds) == text
-
-
-def test_summary_cadence_is_time_based_and_only_when_counts_changed() -> None:
-    lines: list[str] = []
-    clock = Clock()
-    found = fake_audit(lines, clock)
-    quiet = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[])
-    found.count_chunk(SimpleNamespace(), 8160, 16320)
-    found.after_schedule(quiet)
-    clock.now += 59
-    found.report()  # the reporter thread's tick
-    assert lines == [], "not before the interval"
-    clock.now += 1
-    found.report()
-    assert len(lines) == 1 and "1 would-be-poisoned slots" in lines[0]
-    clock.now += 600
-    found.report()
-    assert len(lines) == 1, "nothing changed: no line"
-    found.count_chunk(SimpleNamespace(), 0, 816)
-    found.report()
-    assert len(lines) == 2, "changed and the interval has passed: a line"
-
-
-def test_first_would_be_poisoned_slot_is_warned_at_once_and_only_once() -> None:
-    warnings: list[str] = []
-    found = audit.Audit(B, C, clock=Clock(), log=[].append, warn=warnings.append)
-    quiet = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[])
-    found.count_chunk(SimpleNamespace(), 0, 8160)  # skips boundaries, no poison
-    found.after_schedule(quiet)
-    assert warnings == []
-    found.count_chunk(SimpleNamespace(), 8160, 16320)
-    found.after_schedule(quiet)
-    assert len(warnings) == 1
-    assert "first would-be-poisoned slot" in warnings[0]
-    assert "VLLM_MAMBA_ALIGN_MODE" in warnings[0]
-    found.count_chunk(SimpleNamespace(), 8160, 16320)
-    found.after_schedule(quiet)
-    assert len(warnings) == 1
-
-
-def test_the_reporter_thread_logs_while_the_scheduler_is_idle() -> None:
-    lines: list[str] = []
-    exported: list[audit.AuditSnapshot] = []
-    found = audit.Audit(B, C, interval=0.05, log=lines.append, export=exported.append)
-
-    class Scheduler:  # weakly referenced, like vLLM's
-        pass
-
-    owner = Scheduler()
-    found.start_reporter(owner)
-    found.count_chunk(SimpleNamespace(), 8160, 16320)  # then nothing is scheduled
-    deadline = time.monotonic() + 10
-    while not lines and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert lines and "1 would-be-poisoned slots" in lines[0]
-    assert exported and exported[-1].poisoned_slots == 1
-    found.close()
-    assert found._reporter is not None and not found._reporter.is_alive()
-    assert len(lines) == 2, "the final line at close"
-    found.close()
-    assert len(lines) == 2
-
-
-def test_the_audit_interval_setting_is_checked(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from vllm_mamba_align import settings as plugin_settings
-    from vllm_mamba_align.errors import MambaAlignError
-
-    monkeypatch.delenv(plugin_settings.AUDIT_INTERVAL_VARIABLE, raising=False)
-    assert plugin_settings.audit_interval() == 60.0
-    monkeypatch.setenv(plugin_settings.AUDIT_INTERVAL_VARIABLE, "2.5")
-    assert plugin_settings.audit_interval() == 2.5
-    for bad in ("0", "-1", "soon", "inf"):
-        monkeypatch.setenv(plugin_settings.AUDIT_INTERVAL_VARIABLE, bad)
-        with pytest.raises(MambaAlignError, match="VLLM_MAMBA_ALIGN_AUDIT_INTERVAL"):
-            plugin_settings.audit_interval()
 
 
 @contextmanager
@@ -479,19 +382,23 @@ def test_a_real_scheduler_logs_on_cadence_and_once_at_shutdown() -> None:
         sim.step()  # [0, 8160)
         assert summaries(lines) == []
         clock.now += 61
-        sim.step()  # [8160, 16320): a would-be-poisoned slot
+        sim.step()  # upstream geometry: [8160, 16320), a would-be-poisoned slot
         assert summaries(lines) == [], "the reporter logs, not the step"
-        assert any("first would-be-poisoned slot" in line for line in lines)
+        if UPSTREAM:
+            assert any("first would-be-poisoned slot" in line for line in lines)
         observer.report()
         assert len(summaries(lines)) == 1
-        assert "2 prefill chunks, 1 would-be-poisoned slots" in summaries(lines)[0]
+        assert "2 prefill chunks, " in summaries(lines)[0]
+        if UPSTREAM:
+            assert "2 prefill chunks, 1 would-be-poisoned slots" in summaries(lines)[0]
         sim.run()
         sim.scheduler.shutdown()
         sim.scheduler.shutdown()
     final = summaries(lines)[1:]
     assert len(final) == 1, "one final line at shutdown"
     assert final[0] == counts(sim).summary()
-    assert "4 prefill chunks, 2 would-be-poisoned slots" in final[0]
+    if UPSTREAM:
+        assert "4 prefill chunks, 2 would-be-poisoned slots" in final[0]
 
 
 def test_live_snapshots_list_every_audited_scheduler() -> None:

@@ -11,7 +11,6 @@ from conftest import geometry_rule, run_python
 
 from vllm_mamba_align import releases
 from vllm_mamba_align.cli import EXIT_OK, EXIT_REFUSE, EXIT_USAGE, main
-from vllm_mamba_align.doctor import would_load
 
 # -- doctor ----------------------------------------------------------------------
 
@@ -115,21 +114,6 @@ def test_doctor_exits_1_on_a_bad_mode(
     code, out = doctor(capsys)
     assert code == EXIT_REFUSE
     assert "VLLM_MAMBA_ALIGN_MODE='sideways' is not a valid mode" in out
-
-
-@pytest.mark.parametrize(
-    ("value", "loads"),
-    [
-        (None, True),
-        ("mamba_align", True),
-        ("a,mamba_align", True),
-        ("", False),
-        ("a, mamba_align", False),  # vLLM does not strip spaces
-        ("other", False),
-    ],
-)
-def test_vllm_plugins_rule(value: str | None, loads: bool) -> None:
-    assert would_load(value)[0] is loads
 
 
 # -- no vLLM ----------------------------------------------------------------------
@@ -287,7 +271,7 @@ def test_simulate_dense_retention_shows_the_defect_and_the_fix(
 def test_simulate_defaults_run_vllms_default_retention(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from vllm_mamba_align.simulation import Geometry, retention_interval
+    from vllm_mamba_align.tools.simulation import Geometry, retention_interval
 
     assert main(["simulate"]) == EXIT_OK
     out = capsys.readouterr().out
@@ -328,7 +312,7 @@ def test_simulate_rejects_a_bad_retention(
 def test_simulate_reports_vllms_reason_for_an_interval_it_rejects(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from vllm_mamba_align.simulation import supports_retention_setting
+    from vllm_mamba_align.releases import supports_retention_setting
 
     if not supports_retention_setting():
         pytest.skip("this vLLM has no retention setting")
@@ -412,7 +396,7 @@ def test_simulate_short_prompt_default_share_fits(
 
 
 def test_the_oracle_names_prefix_states_in_linear_time_identically() -> None:
-    from vllm_mamba_align.simulation import prefix_state_ids, prompt, state_id
+    from vllm_mamba_align.tools.simulation import prefix_state_ids, prompt, state_id
 
     tokens = prompt(1000, seed=3)
     ids = list(prefix_state_ids(tokens, 16))
@@ -420,28 +404,31 @@ def test_the_oracle_names_prefix_states_in_linear_time_identically() -> None:
     assert ids == [state_id(tokens, (k + 1) * 16) for k in range(len(ids))]
 
 
-SEED_0_31 = """
-class MambaHybridModelState:
-    def add_request(self, req_index, new_req_data):
-        if self._align_mode:
-            self._mamba_state_idx_gpu[req_index].fill_(
-                (new_req_data.num_computed_tokens - 1) // self.cache_config.block_size
-            )
-"""
+def test_doctor_classifies_the_worker_seed_with_the_plugins_fingerprints() -> None:
+    """From the source file's syntax tree, never importing GPU code: the same
+    answer as the plugin's classification of the live class."""
+    import importlib
 
+    import vllm
 
-def test_worker_seed_site_on_older_and_absent_runners(tmp_path: Path) -> None:
-    """0.25.1-0.31.0 seed with C (affected); before MRV2 the file is absent."""
-    from vllm_mamba_align.doctor import WORKER_SEED_FILE, worker_seed_status
+    from vllm_mamba_align.doctor import worker_seed_status
+    from vllm_mamba_align.releases import MODEL_STATE, WORKER_MODULE, SeedSite
+    from vllm_mamba_align.worker_seed import classify
 
-    assert worker_seed_status(tmp_path)[0] == "absent"
-    site = tmp_path / WORKER_SEED_FILE
-    site.parent.mkdir(parents=True)
-    site.write_text(SEED_0_31)
-    status, detail = worker_seed_status(tmp_path)
-    assert status == "affected"
-    assert "seeds with cache_config.block_size (not patched by this version" in detail
-    site.write_text(
-        SEED_0_31.replace("cache_config.block_size", "cache_config.mamba_block_size")
-    )
-    assert worker_seed_status(tmp_path)[0] == "not needed"
+    try:
+        model_state = getattr(importlib.import_module(WORKER_MODULE), MODEL_STATE)
+    except (ImportError, AttributeError):
+        model_state = None
+    site = classify(model_state)
+    root = Path(vllm.__file__).parent
+    status, detail = worker_seed_status(root, "full")
+    expected = {
+        SeedSite.SEEDS_WITH_CACHE_BLOCK: "patched",
+        SeedSite.SEEDS_WITH_MAMBA_BLOCK: "not needed",
+        SeedSite.ABSENT: "absent",
+        SeedSite.UNRECOGNIZED: "unknown",
+    }
+    assert status == expected[site], detail
+    if site is SeedSite.SEEDS_WITH_CACHE_BLOCK:  # 0.25.1-0.31.0
+        assert detail.startswith("patched by the plugin: vLLM ")
+        assert worker_seed_status(root, "off")[0] == "affected"

@@ -8,7 +8,12 @@ import pytest
 from conftest import built_or_skipped, run_python, scheduler_mode, vllm_refuses
 
 from vllm_mamba_align import MambaAlignError, register
-from vllm_mamba_align.simulation import Geometry, Simulation, build_scheduler, prompt
+from vllm_mamba_align.tools.simulation import (
+    Geometry,
+    Simulation,
+    build_scheduler,
+    prompt,
+)
 
 
 def test_disagreeing_mamba_groups_refuse_to_start() -> None:
@@ -82,7 +87,9 @@ module.Scheduler._mamba_block_aligned_split = namespace["_mamba_block_aligned_sp
 BUILD = """
 import vllm_mamba_align
 from vllm_mamba_align.plugin import is_patched
-from vllm_mamba_align.simulation import Geometry, Simulation, build_scheduler, prompt
+from vllm_mamba_align.tools.simulation import (
+    Geometry, Simulation, build_scheduler, prompt
+)
 vllm_mamba_align.register()
 from vllm.v1.core.sched.scheduler import Scheduler
 split_patched = is_patched(vars(Scheduler)["_mamba_block_aligned_split"])
@@ -185,7 +192,7 @@ def test_a_vendor_build_with_a_known_body_is_accepted() -> None:
         import vllm
         vllm.__version__ = "0.1.dev20073+g8e685d198"
         import vllm_mamba_align
-        from vllm_mamba_align.simulation import Geometry, Simulation, prompt
+        from vllm_mamba_align.tools.simulation import Geometry, Simulation, prompt
         vllm_mamba_align.register()
         sim = Simulation(Geometry(cache_block=1648, state_block=1648))
         sim.add("a", prompt(5000, 1))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import textwrap
 
 import pytest
@@ -20,7 +21,7 @@ LOAD_AND_START = textwrap.dedent(
     from vllm.v1.core.sched.scheduler import Scheduler
     print("init patched:", is_patched(vars(Scheduler)["__init__"]))
     print("split patched:", is_patched(vars(Scheduler)["_mamba_block_aligned_split"]))
-    from vllm_mamba_align.simulation import Simulation, Geometry, prompt
+    from vllm_mamba_align.tools.simulation import Simulation, Geometry, prompt
     sim = Simulation(Geometry(cache_block=1648, state_block=1648))
     sim.add("a", prompt(4000, 1))
     sim.run()
@@ -122,7 +123,7 @@ def test_split_calls_through_the_class_take_the_instance_route(mode: str) -> Non
     """A scheduler's own calls skip the class wrapper; calls through it agree."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_mamba_align.simulation import Geometry, Simulation, prompt
+    from vllm_mamba_align.tools.simulation import Geometry, Simulation, prompt
 
     stock = vars(Scheduler)["_mamba_block_aligned_split"].__wrapped__
     with scheduler_mode(mode):
@@ -137,6 +138,17 @@ def test_split_calls_through_the_class_take_the_instance_route(mode: str) -> Non
         assert through_class == stock(scheduler, request, 8192)
     else:
         assert own is vars(scheduler)["_vllm_mamba_align_split"]
+    # The bound route presents itself as vLLM's method, with its parameters.
+    for attribute in ("__name__", "__qualname__", "__doc__"):
+        assert getattr(own, attribute) == getattr(stock, attribute)
+    vllm_parameters = list(inspect.signature(stock).parameters)[1:]
+    if mode == "off":
+        assert list(inspect.signature(own).parameters) == vllm_parameters
+    else:
+        assert own.__wrapped__ is stock
+        code = own.__code__  # the closure's own parameters, not a signature copy
+        assert list(code.co_varnames[: code.co_argcount]) == vllm_parameters
+        assert list(inspect.signature(own).parameters) == vllm_parameters
     internal = getattr(scheduler, "mamba_has_prefill_checkpoint_blocks", False)
     if mode == "full" and not internal:  # the fix really ran on both routes
         assert through_class == 1648 != stock(scheduler, request, 8192)

@@ -21,17 +21,21 @@ import math
 from dataclasses import dataclass
 
 import pytest
-from conftest import geometry_rule, scheduler_mode, vllm_refuses
-from hypothesis import assume, event, find, given, reject, settings
+from conftest import geometry_rule, installed_body, scheduler_mode, vllm_refuses
+from hypothesis import event, find, given, reject, settings
 from hypothesis import strategies as st
 
 from vllm_mamba_align import MambaAlignError
-from vllm_mamba_align.simulation import (
+from vllm_mamba_align.releases import (
+    PrefillRule,
+    supports_hash_block,
+    supports_retention_setting,
+)
+from vllm_mamba_align.tools.simulation import (
+    MAX_MODEL_LEN,
     Geometry,
     Simulation,
     prompt,
-    supports_hash_block,
-    supports_retention_setting,
 )
 
 
@@ -88,6 +92,7 @@ def workloads(draw: st.DrawFn, equal_geometry: bool = False) -> Workload:
         if retention == "segments":
             retention = math.lcm(cache_block, state_block) * draw(st.integers(1, 3))
     longest = max(len(p) + n for p, n in zip(prompts, max_tokens, strict=True))
+    assert longest < MAX_MODEL_LEN  # at most 11 state blocks of at most 768 tokens
     # Blocks one request needs in both groups, so each request fits on its own
     # (vLLM cannot serve one that does not); scarce pools force preemption.
     need = -(-longest // cache_block) + -(-longest // state_block) + 4
@@ -148,18 +153,7 @@ def drive(sim: Simulation, workload: Workload) -> None:
 
 def resumed_requests_unsplit() -> bool:
     """Whether this vLLM's split skips resumed requests (0.15.1-0.16.0)."""
-    import vllm.v1.core.sched.scheduler as module
-
-    from vllm_mamba_align.plugin import recognize
-    from vllm_mamba_align.releases import PrefillRule
-
-    body = recognize(module.Scheduler).body
-    return body is not None and body.prefill is PrefillRule.NO_OUTPUT_YET
-
-
-def fits(workload: Workload) -> bool:
-    """Workloads within the model length (vLLM rejects longer prompts)."""
-    return max(len(p) for p in workload.prompts) < 100_000
+    return installed_body().prefill is PrefillRule.NO_OUTPUT_YET
 
 
 def one_block_per_step(geometry: Geometry) -> bool:
@@ -173,7 +167,6 @@ def one_block_per_step(geometry: Geometry) -> bool:
 
 @given(workloads())
 def test_fixed_scheduler_never_poisons_and_always_finishes(workload: Workload) -> None:
-    assume(fits(workload))
     runs = {}
     for mode in ("full", "kept", "grid"):
         sim = runs[mode] = simulate(mode, workload)
@@ -216,7 +209,6 @@ def test_fixed_scheduler_never_poisons_and_always_finishes(workload: Workload) -
 
 @given(workloads(equal_geometry=True))
 def test_grid_mode_is_stock_in_equal_geometry(workload: Workload) -> None:
-    assume(fits(workload))
     grid = simulate("grid", workload)
     stock = simulate("stock", workload)
     for req_id, record in stock.records.items():
@@ -231,9 +223,7 @@ def test_the_property_catches_stock_vllm() -> None:
     found = find(
         workloads(),
         lambda w: (
-            fits(w)
-            and w.geometry.retention == "default"
-            and bool(simulate("stock", w).poisoned)
+            w.geometry.retention == "default" and bool(simulate("stock", w).poisoned)
         ),
         settings=settings(max_examples=400, database=None),
     )
@@ -244,7 +234,7 @@ def test_the_property_catches_lost_kept_states() -> None:
     """The control of the materialization check: grid loses states vLLM keeps."""
     found = find(
         workloads(),
-        lambda w: fits(w) and bool(simulate("grid", w).missing_kept),
+        lambda w: bool(simulate("grid", w).missing_kept),
         settings=settings(max_examples=400, database=None),
     )
     assert simulate("grid", found).missing_kept

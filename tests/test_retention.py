@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import pytest
 from conftest import geometry_rule, scheduler_mode
 
-from vllm_mamba_align.simulation import (
+from vllm_mamba_align.releases import supports_retention_setting
+from vllm_mamba_align.tools.simulation import (
     Geometry,
     Simulation,
     StateId,
@@ -23,7 +24,6 @@ from vllm_mamba_align.simulation import (
     prompt,
     retention_interval,
     state_id,
-    supports_retention_setting,
 )
 
 P = 16764

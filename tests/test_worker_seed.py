@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from vllm_mamba_align.worker_seed import WORKER_MODULE, SeedSite, classify
+from vllm_mamba_align.releases import WORKER_MODULE, SeedSite
+from vllm_mamba_align.worker_seed import classify
 
 C, B = 816, 1648
 RESUMED_AT = 3 * B + 100  # column 3 on the B grid, column 6 on the C grid
@@ -58,7 +59,7 @@ def _model_state() -> Any:
 
     import torch
 
-    from vllm_mamba_align.simulation import base_vllm_config
+    from vllm_mamba_align.tools.simulation import base_vllm_config
 
     config = copy.deepcopy(base_vllm_config())
     config.cache_config.block_size = C  # the engine's min over groups
@@ -67,7 +68,7 @@ def _model_state() -> Any:
 
 
 def _kv_cache_config() -> Any:
-    from vllm_mamba_align.simulation import Geometry, kv_cache_config
+    from vllm_mamba_align.tools.simulation import Geometry, kv_cache_config
 
     return kv_cache_config(Geometry(cache_block=C, state_block=B))
 

@@ -26,7 +26,8 @@ def record(release: str, junit: Path, seconds: float) -> None:
     import vllm.v1.core.sched.scheduler as scheduler_module
 
     from vllm_mamba_align.plugin import recognize
-    from vllm_mamba_align.worker_seed import WORKER_MODULE, classify
+    from vllm_mamba_align.releases import WORKER_MODULE
+    from vllm_mamba_align.worker_seed import classify
 
     recognition = recognize(scheduler_module.Scheduler)
     try:

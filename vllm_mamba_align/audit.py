@@ -56,7 +56,7 @@ from . import settings
 from .errors import MambaAlignError
 from .releases import PrefillRule, SplitBody, in_prefill
 from .retention import Retention
-from .split import NOT_GIVEN
+from .split import SplitFunction, present_as
 
 # Where the audit lives on a scheduler instance (next to SPLIT_ATTRIBUTE's fix).
 AUDIT_ATTRIBUTE = "_vllm_mamba_align_audit"
@@ -259,16 +259,23 @@ class Audit:
             self._warn_first_poison()
 
     def _count_scheduled(self, request: Any, count: int) -> None:
-        """Count a scheduled chunk of ``count`` tokens; note if prefill goes on."""
+        """Count a scheduled chunk of ``count`` tokens if it is prefill, and note
+        whether prefill goes on after it.
+
+        Both judged by the installed body's rule (:func:`releases.in_prefill`),
+        the same predicate the split observer and the fix use. Between the split
+        call and this look at the step's output vLLM changes only
+        ``num_computed_tokens``, so the judgement at ``start`` is the body's own.
+        """
         end = request.num_computed_tokens  # vLLM advanced it by the scheduled count
-        self.count_chunk(request, end - count, end)
-        prefill_end = request.num_prompt_tokens
-        if self.prefill_rule is PrefillRule.BEFORE_PREFILL_END:
-            prefill_end = max(prefill_end, request.num_tokens - 1)
-        if end < prefill_end:
-            self._prefilling[request.request_id] = request
-        else:
-            self._prefilling.pop(request.request_id, None)
+        start = end - count
+        rule = self.prefill_rule
+        if in_prefill(rule, request, start):
+            self.count_chunk(request, start, end)
+            if in_prefill(rule, request, end):
+                self._prefilling[request.request_id] = request
+                return
+        self._prefilling.pop(request.request_id, None)
 
     def count_chunk(self, request: Any, start: int, end: int) -> None:
         """Classify one scheduled prefill chunk ``[start, end)``."""
@@ -330,7 +337,7 @@ class Audit:
             "state grid and ran past a boundary, so vLLM published a Mamba slot "
             "under the hash of a state it does not hold; requests that share that "
             "prefix continue from a wrong state. Switch the fix on: unset "
-            f"{settings.MODE_VARIABLE} (default full) or set it to grid."
+            f"{settings.MODE_VARIABLE} (default full) or set it to kept or grid."
         )
 
     def _emit(self, now: float) -> None:
@@ -412,54 +419,74 @@ _lock = threading.Lock()
 
 
 def _observe_split(
-    audit: Audit, scheduler: Any, stock: Callable[..., int]
-) -> Callable[..., int]:
+    audit: Audit, scheduler: Any, stock: SplitFunction, body: SplitBody
+) -> SplitFunction:
     """The split observer bound to one scheduler: vLLM's call, then O(1) notes.
 
-    It has the split's own signature and passes every argument on unchanged, so
-    the answer is vLLM's; prefill chunks are remembered until the step's output
-    says whether they ran.
+    It has vLLM's method's parameters (one variant per signature, chosen here)
+    and passes every argument on unchanged, so the answer is vLLM's; prefill
+    chunks are remembered until the step's output says whether they ran.
+    One-token calls (decodes, most calls) are left to ``after_schedule``.
     """
     pending = audit._pending
     prefill_rule = audit.prefill_rule
+
+    def note(request: Any, start: int) -> None:
+        if in_prefill(prefill_rule, request, start):
+            pending[request.request_id] = request
 
     def observed_split(
         request: Any,
         num_new_tokens: int,
         num_new_local_computed_tokens: int = 0,
         num_external_computed_tokens: int = 0,
-        fifth_argument: Any = NOT_GIVEN,
     ) -> int:
-        num_tokens: int = (
-            stock(
-                scheduler,
-                request,
-                num_new_tokens,
-                num_new_local_computed_tokens,
-                num_external_computed_tokens,
-            )
-            if fifth_argument is NOT_GIVEN
-            else stock(
-                scheduler,
-                request,
-                num_new_tokens,
-                num_new_local_computed_tokens,
-                num_external_computed_tokens,
-                fifth_argument,
-            )
+        num_tokens: int = stock(
+            scheduler,
+            request,
+            num_new_tokens,
+            num_new_local_computed_tokens,
+            num_external_computed_tokens,
         )
-        # One-token calls (decodes, most calls) are left to after_schedule.
         if num_new_tokens > 1 and num_tokens > 0:
             start = (
                 request.num_computed_tokens
                 + num_new_local_computed_tokens
                 + num_external_computed_tokens
             )
-            if in_prefill(prefill_rule, request, start):
-                pending[request.request_id] = request
+            note(request, start)
         return num_tokens
 
-    return observed_split
+    def observed_split_with_prefix_tokens(
+        request: Any,
+        num_new_tokens: int,
+        num_new_local_computed_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        num_uncached_common_prefix_tokens: int = 0,
+    ) -> int:
+        num_tokens: int = stock(
+            scheduler,
+            request,
+            num_new_tokens,
+            num_new_local_computed_tokens,
+            num_external_computed_tokens,
+            num_uncached_common_prefix_tokens,
+        )
+        if num_new_tokens > 1 and num_tokens > 0:
+            start = (
+                request.num_computed_tokens
+                + num_new_local_computed_tokens
+                + num_external_computed_tokens
+            )
+            note(request, start)
+        return num_tokens
+
+    route = (
+        observed_split
+        if body.extra_parameter is None
+        else observed_split_with_prefix_tokens
+    )
+    return present_as(route, stock)
 
 
 def _vllm_method(scheduler: Any, name: str) -> Any:
@@ -474,10 +501,10 @@ def install(
     scheduler: Any,
     state_block: int,
     body: SplitBody,
-    stock_split: Callable[..., int],
+    stock_split: SplitFunction,
     retention: Retention | None = None,
     **options: Any,
-) -> Callable[..., int]:
+) -> SplitFunction:
     """Create the audit of one scheduler, bind its observers, register it weakly.
 
     Every observer returns exactly what vLLM's method returns, called with the
@@ -528,7 +555,7 @@ def install(
         _audits[scheduler] = audit
     setattr(scheduler, AUDIT_ATTRIBUTE, audit)
     audit.start_reporter(scheduler)
-    return _observe_split(audit, scheduler, stock_split)
+    return _observe_split(audit, scheduler, stock_split, body)
 
 
 def audit_of(scheduler: Any) -> Audit | None:

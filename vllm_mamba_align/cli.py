@@ -32,8 +32,8 @@ NO_VLLM = (
 
 def _parser() -> argparse.ArgumentParser:
     from .settings import Mode
-    from .simulate import Scenario
-    from .simulation import STOCK
+    from .tools.modes import STOCK
+    from .tools.simulate import Scenario
 
     parser = argparse.ArgumentParser(
         prog="vllm-mamba-align",
@@ -180,7 +180,7 @@ def _default_share(share: int, prompt: int) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from .simulate import (
+    from .tools.simulate import (
         Scenario,
         parse_retention,
         render,

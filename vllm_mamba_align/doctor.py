@@ -15,7 +15,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib
-import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
@@ -25,13 +24,23 @@ from typing import Any
 
 from . import __version__, settings
 from .errors import MambaAlignError
+from .fingerprint import fingerprint_node, method_in_file
 from .metrics import export_status as metrics_export_status
-from .releases import SUPPORTED_RELEASES, describe_version, expected_body
+from .releases import (
+    GROUP_INFO_METHOD,
+    MODEL_STATE,
+    SEED_METHOD,
+    SUPPORTED_RELEASES,
+    WORKER_FILE,
+    SeedSite,
+    classify_seed,
+    describe_version,
+    expected_body,
+    seed_code,
+)
 
 PLUGIN_NAME = "mamba_align"
 PLUGIN_GROUP = "vllm.general_plugins"
-WORKER_SEED_FILE = "v1/worker/gpu/model_states/mamba_hybrid.py"
-WORKER_SEED_CLASS = "MambaHybridModelState"
 
 
 class VllmMissing(Exception):
@@ -63,7 +72,8 @@ class Report:
     mode_error: str | None
     allow_unverified: bool
     worker_seed: str
-    """``not needed`` / ``affected`` / ``absent`` / ``unknown``."""
+    """``not needed`` / ``patched`` (by the plugin) / ``affected`` (not patched in
+    this mode) / ``absent`` / ``unknown``."""
     worker_seed_detail: str
     upstream_fix_present: bool
     retention: str
@@ -118,53 +128,56 @@ def _entry_point() -> metadata.EntryPoint | None:
     return None
 
 
-def _cache_config_reads(function: ast.AST) -> set[str]:
-    """Attributes read as ``<anything>.cache_config.<attr>`` inside ``function``."""
-    reads = set()
-    for node in ast.walk(function):
-        if (
-            isinstance(node, ast.Attribute)
-            and isinstance(node.value, ast.Attribute)
-            and node.value.attr == "cache_config"
-        ):
-            reads.add(node.attr)
-    return reads
+def worker_seed_status(vllm_root: Path, mode: str | None) -> tuple[str, str]:
+    """What MRV2's ``add_request`` seeds the running-state column with, and
+    whether the plugin re-seeds it.
 
-
-def worker_seed_status(vllm_root: Path) -> tuple[str, str]:
-    """Which block size MRV2's ``add_request`` seeds the running-state column with.
-
-    Reads the source file (never imports it: it is GPU code). 0.25.1-0.31.0 divide
-    by ``cache_config.block_size`` (wrong when C < B, upstream issue #53142); 0.32.0+
-    by ``cache_config.mamba_block_size``.
+    Classified by the same fingerprints the plugin uses (releases.py), taken from
+    the method's syntax tree in the source file: the module is never imported (it
+    is GPU code). ``mode`` is the plugin mode (None: the setting is invalid, so
+    the plugin patches nothing).
     """
-    path = vllm_root / WORKER_SEED_FILE
+    path = vllm_root / WORKER_FILE
     if not path.exists():
-        return "absent", f"{WORKER_SEED_FILE} is not in this vLLM (no Model Runner V2)"
+        return "absent", f"{WORKER_FILE} is not in this vLLM (no Model Runner V2)"
     try:
-        tree = ast.parse(path.read_text())
+        seed = method_in_file(str(path), MODEL_STATE, SEED_METHOD)
+        group_info = method_in_file(str(path), MODEL_STATE, GROUP_INFO_METHOD)
     except (OSError, SyntaxError, ValueError) as error:
         return "unknown", f"could not read {path}: {error}"
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef) and node.name == WORKER_SEED_CLASS:
-            for item in node.body:
-                if isinstance(item, ast.FunctionDef) and item.name == "add_request":
-                    reads = _cache_config_reads(item)
-                    if "mamba_block_size" in reads:
-                        return (
-                            "not needed",
-                            "not needed (0.32.0+ uses the Mamba block size: "
-                            "cache_config.mamba_block_size)",
-                        )
-                    if "block_size" in reads:
-                        return (
-                            "affected",
-                            "affected: seeds with cache_config.block_size (not "
-                            "patched by this version; wrong column when C < B, "
-                            "vLLM issue #53142)",
-                        )
-                    return "unknown", "add_request reads no cache_config block size"
-    return "unknown", f"{WORKER_SEED_CLASS}.add_request not found in {path}"
+    seed_fingerprint = fingerprint_node(seed) if seed else None
+    site = classify_seed(
+        seed_fingerprint,
+        fingerprint_node(group_info) if group_info else None,
+        present=seed is not None,
+    )
+    code = seed_code(seed_fingerprint)
+    shipped = f"vLLM {code.releases}'s code" if code else "this code"
+    if site is SeedSite.SEEDS_WITH_MAMBA_BLOCK:
+        return (
+            "not needed",
+            "not needed (0.32.0+ uses the Mamba block size: "
+            "cache_config.mamba_block_size)",
+        )
+    if site is SeedSite.SEEDS_WITH_CACHE_BLOCK:
+        problem = (
+            f"{shipped} seeds with cache_config.block_size (a wrong column when "
+            "C < B, vLLM issue #53142)"
+        )
+        if mode in (None, settings.Mode.OFF.value):
+            return "affected", f"affected: {problem}; not patched in this mode"
+        return (
+            "patched",
+            f"patched by the plugin: {problem}; the plugin re-seeds with the Mamba "
+            "block size",
+        )
+    if site is SeedSite.ABSENT:
+        return "absent", f"{MODEL_STATE}.{SEED_METHOD} is not in {path}"
+    return (
+        "unknown",
+        f"unrecognized {MODEL_STATE}.{SEED_METHOD} (fingerprint "
+        f"{seed_fingerprint or 'unreadable'}): left as it is",
+    )
 
 
 def _upstream_fix_present(scheduler_module: Any) -> bool:
@@ -276,7 +289,7 @@ def collect() -> Report:
             "the plugin would refuse, but vLLM would not load it with the current "
             "settings (see plugin loading)"
         )
-    seed, seed_detail = worker_seed_status(root)
+    seed, seed_detail = worker_seed_status(root, mode)
     export = metrics_export_status()
     retention, by_mode = _retention()
     return Report(

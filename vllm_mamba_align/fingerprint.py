@@ -54,11 +54,7 @@ class CodeShape:
         )
 
 
-def _function_def(source: str) -> ast.FunctionDef:
-    tree = ast.parse(textwrap.dedent(source))
-    node = tree.body[0]
-    if not isinstance(node, ast.FunctionDef):
-        raise ValueError("source is not a plain function definition")
+def _without_docstring(node: ast.FunctionDef) -> ast.FunctionDef:
     body = node.body
     if (
         body
@@ -70,11 +66,41 @@ def _function_def(source: str) -> ast.FunctionDef:
     return node
 
 
-def fingerprint_source(source: str) -> str:
-    """Hash of the normalized syntax tree of one function's source text."""
-    node = _function_def(source)
+def _function_def(source: str) -> ast.FunctionDef:
+    tree = ast.parse(textwrap.dedent(source))
+    node = tree.body[0]
+    if not isinstance(node, ast.FunctionDef):
+        raise ValueError("source is not a plain function definition")
+    return _without_docstring(node)
+
+
+def fingerprint_node(node: ast.FunctionDef) -> str:
+    """Hash of one function's normalized syntax tree (docstring already removed)."""
     dump = ast.dump(node, annotate_fields=True, include_attributes=False)
     return hashlib.sha256(dump.encode()).hexdigest()[:16]
+
+
+def fingerprint_source(source: str) -> str:
+    """Hash of the normalized syntax tree of one function's source text."""
+    return fingerprint_node(_function_def(source))
+
+
+def method_in_file(path: str, class_name: str, method: str) -> ast.FunctionDef | None:
+    """``class_name.method`` as found in a module's source file, docstring removed.
+
+    For code that must not be imported (Model Runner V2's module imports GPU
+    kernels). Its :func:`fingerprint_node` equals :func:`analyse_function`'s
+    fingerprint of the same method imported: both hash the same syntax tree.
+    Raises ``OSError``/``SyntaxError``/``ValueError`` when the file is unreadable.
+    """
+    with open(path, encoding="utf-8") as source:
+        tree = ast.parse(source.read())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == method:
+                    return _without_docstring(item)
+    return None
 
 
 def _is_grid_read(node: ast.AST) -> bool:

@@ -1,27 +1,67 @@
-"""``register()``: the vLLM general-plugin entry point.
+"""``register()``, and every place in vLLM the plugin touches.
 
-Cheap and idempotent: it validates the settings, then arranges (with a wrapt
-post-import hook) for vLLM's scheduler module to be patched whenever it is
-imported, or at once if it already is. What is patched:
+Cheap and idempotent: ``register()`` validates the settings, then arranges (with
+wrapt post-import hooks) for vLLM's modules to be patched whenever they are
+imported, or at once if they already are. Nothing is patched for code that
+releases.py does not recognize by fingerprint (unless the user opts in to
+unverified split code that passes the structural check). ``AsyncScheduler`` (and
+the diffusion schedulers of 0.31.0+) inherit every scheduler site.
 
-- ``Scheduler.__init__``: after vLLM's init, decide per scheduler (activation.py).
-- ``Scheduler._mamba_block_aligned_split``: only when its code is recognized (or the
-  user opted in to unverified code that passes the structural check).
-- Model Runner V2's ``MambaHybridModelState.add_request`` (and
-  ``_get_mamba_group_info``): only on 0.25.1-0.31.0 code, which seeds the running
-  state column with the wrong block size (worker_seed.py).
-- The scheduler module's ``is_mamba_prefill_checkpoint_valid``: only on bodies whose
-  internal-checkpoint decision is observed (0.30.0+); it records, never changes.
+Sites, one card each (why / how / upstream / delete when):
 
-``AsyncScheduler`` inherits all of it.
+1. **vLLM's environment-variable table** (``vllm.envs.environment_variables``).
+   Why: 0.33.0 warns about every unknown ``VLLM_*`` variable and refuses to start
+   on one under ``--fail-on-environ-validation``. How: ``setdefault`` of our two
+   variables (:func:`declare_settings`), never overwriting. Upstream: none.
+   Delete when: vLLM gives plugins a way to declare their variables.
+2. **Class wrappers on ``Scheduler``** (wrapt, marked with :data:`MARKER`).
+   ``__init__``: after vLLM's own init, decide per scheduler: activate, stand
+   aside or refuse (activation.py). ``_mamba_block_aligned_split``: routes calls
+   made through the class to the scheduler's bound route (:func:`split_wrapper`).
+   Why: the engine core builds vLLM's ``Scheduler`` on every path (``vllm
+   serve``, ``LLM``); patching the class reaches them all. Upstream: PR #54076
+   (open, in no release). Delete when: every supported release has it; the
+   plugin already stands aside where the scheduler sets
+   ``mamba_state_block_size`` itself.
+3. **Instance attributes of each align-mode hybrid scheduler** (the class and
+   other schedulers are untouched):
+   ``_mamba_block_aligned_split`` and ``_vllm_mamba_align_split`` hold the
+   bound route: the fix (split.py), audit's observer (audit.py) or, in ``off``,
+   vLLM's own function. Why: vLLM calls the split for every running request at
+   every step; an instance attribute skips the wrapt layers (about 0.5 us a
+   call). ``mamba_state_block_size`` = B, the attribute upstream's fix adds
+   (fixing modes only). In ``audit`` mode ``schedule`` and ``shutdown`` are
+   observers that call vLLM's methods and return their results unchanged,
+   ``_vllm_mamba_align_audit`` holds the counters, and two small attributes
+   (``_vllm_mamba_align_audit_flags``, ``_vllm_mamba_align_audit_chain``) ride
+   on each vLLM ``Request`` and die with it. Upstream: PR #54076. Delete when: as 2.
+4. **The cache config, during each split call** (fixing modes). Why: every
+   released split reads its grid from ``self.cache_config.block_size`` (C), the
+   smallest block over all groups, not the Mamba grid B. How: for the duration
+   of vLLM's call the scheduler's own ``cache_config`` attribute points at a
+   read-only view whose ``block_size`` is B, restored in ``finally``; the shared
+   config is never written. Upstream: PR #54076 (reads B from the KV-cache
+   groups). Delete when: as 2.
+5. **Model Runner V2's worker seed** (``MambaHybridModelState.add_request`` and
+   ``_get_mamba_group_info``; 0.25.1-0.31.0 code only, not in ``off`` mode).
+   Why: those releases seed a resumed request's running-state column with C
+   instead of B (vLLM issue #53142: a wrong pre-copy, illegal memory access).
+   How: wrapt wrappers re-seed with B once vLLM has bound the Mamba spec
+   (worker_seed.py); seeds waiting for the spec sit in the model state's
+   ``_vllm_mamba_align_pending_seeds``. Upstream: fixed by #53798 in 0.32.0.
+   Delete when: 0.31.0 and older are no longer supported.
+6. **The checkpoint-decision observer** (the scheduler module's
+   ``is_mamba_prefill_checkpoint_valid``; bodies of 0.30.0+). Why: the fix must
+   not add a stop where vLLM's backend checkpoints a chunk's interior itself;
+   watching vLLM's own decision beats re-deriving it. How: a wrapt wrapper that
+   counts True answers per thread and returns the answer unchanged (split.py).
+   Upstream: PR #54076. Delete when: as 2.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import sys
-from importlib import metadata
 from types import ModuleType
 from typing import Any
 
@@ -31,17 +71,20 @@ from . import settings
 from .activation import SPLIT_ATTRIBUTE, Recognition, attach
 from .activation import SPLIT_METHOD as SPLIT_METHOD  # re-exported
 from .fingerprint import analyse_function
-from .releases import InternalCheckpoint, body_for, unverified_body
+from .releases import (
+    GROUP_INFO_METHOD,
+    MODEL_STATE,
+    SEED_METHOD,
+    WORKER_MODULE,
+    InternalCheckpoint,
+    SeedSite,
+    body_for,
+    installed_version,
+    unverified_body,
+)
 from .settings import Mode
 from .split import observe_checkpoint_decision
-from .worker_seed import (
-    MODEL_STATE,
-    WORKER_MODULE,
-    SeedSite,
-    add_request_wrapper,
-    classify,
-    group_info_wrapper,
-)
+from .worker_seed import add_request_wrapper, classify, group_info_wrapper
 
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 ENVS_MODULE = "vllm.envs"
@@ -89,20 +132,9 @@ def is_patched(attribute: Any) -> bool:
     return getattr(attribute, MARKER, None) is not None
 
 
-def _installed_vllm_version() -> str | None:
-    vllm = sys.modules.get("vllm")
-    version = getattr(vllm, "__version__", None)
-    if isinstance(version, str):
-        return version
-    try:
-        return metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def recognize(scheduler_class: type) -> Recognition:
     """Identify the installed split function and pick the rules for it."""
-    version = _installed_vllm_version()
+    version = installed_version()
     split = scheduler_class.__dict__.get(SPLIT_METHOD)
     if split is None:
         return Recognition(version, None, None, verified=False)
@@ -163,12 +195,12 @@ def split_wrapper(
 def patch_worker_module(module: ModuleType) -> None:
     """Post-import hook: fix the worker's state seed where the code needs it, once."""
     model_state = getattr(module, MODEL_STATE, None)
-    if model_state is None or is_patched(vars(model_state).get("add_request")):
+    if model_state is None or is_patched(vars(model_state).get(SEED_METHOD)):
         return
     if settings.read_mode() is Mode.OFF:
         return
     site = classify(model_state)
     if site is not SeedSite.SEEDS_WITH_CACHE_BLOCK:
         return
-    _wrap(model_state, "_get_mamba_group_info", group_info_wrapper, site)
-    _wrap(model_state, "add_request", add_request_wrapper, site)
+    _wrap(model_state, GROUP_INFO_METHOD, group_info_wrapper, site)
+    _wrap(model_state, SEED_METHOD, add_request_wrapper, site)

@@ -1,20 +1,37 @@
-"""What the plugin knows about vLLM releases: one table, one entry per split body.
+"""Everything the project knows about vLLM releases, in one place.
 
-Every vLLM release from 0.15.1 has ``Scheduler._mamba_block_aligned_split``; its body
-changed 11 times. An entry says which code (by fingerprint) it describes, which
-releases shipped it, and the three facts the fix needs to apply correctly there.
+Read by the plugin (plugin.py, activation.py, split.py, audit.py, worker_seed.py),
+by ``doctor`` and by the tests; nothing else re-derives these facts.
+
+- **Split bodies**: every vLLM release from 0.15.1 has
+  ``Scheduler._mamba_block_aligned_split``; its body changed 11 times. An entry
+  says which code (by fingerprint) it describes, which releases shipped it, and
+  the facts the fix needs to apply correctly there (how it tells prefill, how
+  vLLM's internal prefill checkpointing is decided, whether a state block wider
+  than the step budget may advance sub-block, its parameters).
+- **The prefill predicate** (:func:`in_prefill`): the one judgement of "is this
+  chunk prefill" for the fix's stop and the audit's counts.
+- **Worker-seed sites**: the fingerprints of Model Runner V2's
+  ``MambaHybridModelState.add_request`` and ``_get_mamba_group_info`` per
+  release, and what each means (:func:`classify_seed`).
+- **Geometries a release starts with** (:func:`cache_block_rule`): which C < B
+  the engine accepts, for the tests and ``simulate``.
+
 An entry is added only once the test suite has run the fix on that release.
+Importing this module needs neither vLLM nor torch.
 """
 
 from __future__ import annotations
 
 import enum
+import sys
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
-from .fingerprint import CodeShape
+from .fingerprint import SPLIT_PARAMETERS, CodeShape
 
 
 class PrefillRule(enum.Enum):
@@ -63,6 +80,8 @@ class SplitBody:
     wide_block_exemption: bool
     """Whether vLLM lets a state block wider than the step budget advance sub-block
     (0.27.1+). Without it, such a geometry stalls prefill forever."""
+    extra_parameter: str | None = None
+    """The fifth parameter after ``self`` (0.24.0-0.25.1 only), passed through."""
 
     @property
     def name(self) -> str:
@@ -76,6 +95,7 @@ def _body(
     prefill: PrefillRule = PrefillRule.BEFORE_PREFILL_END,
     internal_checkpoint: InternalCheckpoint = InternalCheckpoint.NONE,
     wide_block_exemption: bool = False,
+    extra_parameter: str | None = None,
 ) -> SplitBody:
     return SplitBody(
         tuple(releases.split()),
@@ -83,6 +103,7 @@ def _body(
         prefill,
         internal_checkpoint,
         wide_block_exemption,
+        extra_parameter,
     )
 
 
@@ -92,7 +113,11 @@ BODIES: tuple[SplitBody, ...] = (
     _body("0.15.1 0.16.0", "135e05b99088c4ba", PrefillRule.NO_OUTPUT_YET),
     _body("0.17.1 0.18.1 0.19.1 0.20.2 0.21.0 0.22.1", "2143cb64ffd26346"),
     _body("0.23.0", "b94b057ceb52248e"),  # 0.22.1 minus an external-token assert
-    _body("0.24.0 0.25.1", "f5d07d86cd551d4f"),  # a 5th parameter, passed through
+    _body(
+        "0.24.0 0.25.1",
+        "f5d07d86cd551d4f",
+        extra_parameter="num_uncached_common_prefix_tokens",  # passed through
+    ),
     _body("0.26.0", "ef698701aa153b4b"),  # stops tuple, partial-tail stop
     _body("0.27.1 0.28.0", "f285174274bce8f3", wide_block_exemption=True),
     _body(
@@ -158,12 +183,14 @@ def unverified_body(shape: CodeShape) -> SplitBody:
         and "prefill_end" not in shape.names
         else PrefillRule.BEFORE_PREFILL_END
     )
+    extra = shape.parameters[len(SPLIT_PARAMETERS) :]
     return SplitBody(
         releases=("unverified",),
         fingerprint=shape.fingerprint or "unreadable",
         prefill=prefill,
         internal_checkpoint=checkpoint,
         wide_block_exemption="max_prefill_tokens" in shape.names,
+        extra_parameter=extra[0] if extra else None,
     )
 
 
@@ -192,3 +219,171 @@ def expected_body(version: str | None) -> SplitBody | None:
         if public in body.releases:
             return body
     return None
+
+
+def installed_version() -> str | None:
+    """The installed vLLM's version string, without importing vLLM.
+
+    An already imported ``vllm`` module's ``__version__`` wins (what vLLM itself
+    reports); else the distribution's metadata; None when vLLM is not installed.
+    """
+    vllm = sys.modules.get("vllm")
+    version = getattr(vllm, "__version__", None)
+    if isinstance(version, str):
+        return version
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+# -- which geometries the engine starts with ----------------------------------------
+
+
+class CacheBlockRule(enum.Enum):
+    """Which cache blocks C < B a release's engine starts a hybrid model with."""
+
+    ANY = "any"
+    """0.28.0+: any C (sliding-window drafters, hidden-state and ring-buffer groups)."""
+    DIVISOR = "divisor"
+    """0.15.1-0.19.1: C must divide B (a drafter whose per-token KV is k times the
+    target's)."""
+    EQUAL = "equal"
+    """0.20.2-0.27.1: the hybrid KV coordinator asserts C == B at startup; only the
+    aligned-start defect (a chunk crossing several boundaries) exists there."""
+
+
+def cache_block_rule(version: str | None) -> CacheBlockRule:
+    """The rule for a release; EQUAL (what every release starts) when unknown."""
+    try:
+        public = Version(version or "").release
+    except InvalidVersion:
+        return CacheBlockRule.EQUAL
+    if public >= (0, 28):
+        return CacheBlockRule.ANY
+    if (0, 15) <= public < (0, 20):
+        return CacheBlockRule.DIVISOR
+    return CacheBlockRule.EQUAL
+
+
+# -- Model Runner V2's running-state seed (worker side) -----------------------------
+
+WORKER_MODULE = "vllm.v1.worker.gpu.model_states.mamba_hybrid"
+WORKER_FILE = "v1/worker/gpu/model_states/mamba_hybrid.py"
+"""``WORKER_MODULE``'s file, relative to vLLM's package directory."""
+MODEL_STATE = "MambaHybridModelState"
+SEED_METHOD = "add_request"
+GROUP_INFO_METHOD = "_get_mamba_group_info"
+
+
+class SeedSite(enum.Enum):
+    """What the installed worker does with the running-state seed."""
+
+    SEEDS_WITH_CACHE_BLOCK = "seeds with cache_config.block_size (fixed by plugin)"
+    """0.25.1-0.31.0: ``(n - 1) // cache_config.block_size``, a wrong column when
+    C < B (vLLM issue #53142); the plugin re-seeds with B."""
+    SEEDS_WITH_MAMBA_BLOCK = "seeds with the Mamba block size (no fix needed)"
+    """0.32.0+ (upstream #53798)."""
+    UNRECOGNIZED = "unrecognized code (left as it is)"
+    ABSENT = "no Model Runner V2 Mamba seed in this vLLM"
+    """0.24.0 and older."""
+
+
+@dataclass(frozen=True)
+class SeedCode:
+    """One released body of ``add_request`` and what it seeds with."""
+
+    releases: str
+    fingerprint: str
+    site: SeedSite
+
+
+SEED_BODIES: tuple[SeedCode, ...] = (
+    SeedCode("0.25.1", "15fe6a31bda00318", SeedSite.SEEDS_WITH_CACHE_BLOCK),
+    SeedCode("0.26.0", "9be463981ada6b80", SeedSite.SEEDS_WITH_CACHE_BLOCK),
+    SeedCode("0.27.1-0.31.0", "c440bde5f6af797c", SeedSite.SEEDS_WITH_CACHE_BLOCK),
+    SeedCode("0.32.0-0.33.0", "855d57fbda65b32d", SeedSite.SEEDS_WITH_MAMBA_BLOCK),
+)
+GROUP_INFO_BODIES: dict[str, str] = {
+    "e9850e0b37703e2e": "0.25.1-0.28.0",
+    "ab92c2fce7e1af45": "0.29.0-0.33.0",
+}
+"""``_get_mamba_group_info`` fingerprints whose contract the deferred seed relies
+on: it binds ``self._mamba_spec`` from the KV-cache config and returns
+``(ids, spec)``."""
+
+_SEED_BY_FINGERPRINT = {code.fingerprint: code for code in SEED_BODIES}
+
+
+def seed_code(fingerprint: str | None) -> SeedCode | None:
+    """The released ``add_request`` body with this fingerprint, if any."""
+    return None if fingerprint is None else _SEED_BY_FINGERPRINT.get(fingerprint)
+
+
+def classify_seed(
+    add_request: str | None, group_info: str | None, *, present: bool = True
+) -> SeedSite:
+    """The seed site, from the fingerprints of ``add_request`` and
+    ``_get_mamba_group_info`` (None: that method is missing or unreadable).
+
+    ``present`` is False when vLLM has no ``MambaHybridModelState.add_request``
+    at all. The plugin (from the live class) and ``doctor`` (from the file's
+    syntax tree, without importing GPU code) both decide here.
+    """
+    if not present:
+        return SeedSite.ABSENT
+    code = seed_code(add_request)
+    if code is None:
+        return SeedSite.UNRECOGNIZED
+    if code.site is SeedSite.SEEDS_WITH_CACHE_BLOCK and group_info not in (
+        GROUP_INFO_BODIES
+    ):
+        return SeedSite.UNRECOGNIZED  # the deferred re-seed could not be trusted
+    return code.site
+
+
+# -- features of the installed vLLM that the tools and tests adapt to ---------------
+# (each imports vLLM when called; the plugin itself never calls them)
+
+
+def retention_in_kv_config() -> bool:
+    """Whether this vLLM's KV-cache config carries the state retention (0.29.0+)."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    return "prefix_cache_retention_interval" in getattr(
+        KVCacheConfig, "__dataclass_fields__", {}
+    )
+
+
+def supports_retention_setting() -> bool:
+    """Whether this vLLM has a state retention setting (0.27.1+: an environment
+    variable until 0.28.0, the cache config from 0.29.0)."""
+    import vllm.envs
+
+    from .retention import RETENTION_VARIABLE
+
+    return retention_in_kv_config() or RETENTION_VARIABLE in getattr(
+        vllm.envs, "environment_variables", {}
+    )
+
+
+def supports_hash_block() -> bool:
+    """Whether this vLLM lets the hash block be chosen (prefix_match_unit, 0.26.0+)."""
+    from vllm.config import CacheConfig
+
+    return "prefix_match_unit" in getattr(CacheConfig, "__dataclass_fields__", {})
+
+
+def requests_need_eos_token_id() -> bool:
+    """Whether ``Request()`` requires an ``eos_token_id`` argument (0.15.1-0.16.0)."""
+    import inspect
+
+    from vllm.v1.request import Request
+
+    return "eos_token_id" in inspect.signature(Request.__init__).parameters
+
+
+AMX_DISABLES_PREFIX_CACHING = "0.24.0 0.25.1"
+"""Releases whose CPU platform turns prefix caching off for linear-attention
+models when the host CPU has AMX (no setting avoids it); the tools build configs
+as on a CPU without AMX (``tools.simulation``)."""

@@ -19,11 +19,17 @@ Backport of vLLM PR #54076 (never merged). Two defects of
 
 The split runs for every running request at every step (decodes included), so the
 fix is a plain closure bound to one scheduler: no wrapper layers, no argument
-packing, a few integer operations on top of vLLM's own call.
+packing, a few integer operations on top of vLLM's own call. It has exactly the
+parameters of the installed vLLM method (after ``self``): one variant for the
+four of most releases, one for the five of 0.24.0-0.25.1, chosen once at bind
+time; and it carries vLLM's ``__name__``, ``__qualname__``, ``__doc__`` and
+``__wrapped__`` (:func:`present_as`).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -35,12 +41,23 @@ from .settings import Mode
 SplitFunction = Callable[..., int]
 """``_mamba_block_aligned_split`` as bound to one scheduler (no ``self``)."""
 
-NOT_GIVEN: Any = object()
-"""Default of the optional fifth split argument (0.24.0-0.25.1 have one).
 
-Routes take it as a plain parameter and pass it on only when given: a ``*rest``
-parameter would cost about 70 ns per call, on every request at every step.
-"""
+def present_as(route: SplitFunction, stock: SplitFunction) -> SplitFunction:
+    """Give a bound route vLLM's method's identity, once, at bind time.
+
+    ``__name__``, ``__qualname__``, ``__doc__``, ``__module__`` and
+    ``__wrapped__`` (``stock``, vLLM's own function) are copied, and the
+    signature is vLLM's without ``self``, so tracebacks, profilers and
+    ``inspect`` see vLLM's method. Routes take their parameters as plain
+    positional ones (a ``*rest`` parameter would cost about 70 ns per call, on
+    every request at every step).
+    """
+    functools.update_wrapper(route, stock)
+    signature = inspect.signature(stock)
+    route.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=tuple(signature.parameters.values())[1:]
+    )
+    return route
 
 
 class _StateGridCacheConfig:
@@ -114,48 +131,9 @@ def state_grid_split(
     prefill_rule = body.prefill
     decisions = checkpoint_decisions
 
-    def split(
-        request: Any,
-        num_new_tokens: int,
-        num_new_local_computed_tokens: int = 0,
-        num_external_computed_tokens: int = 0,
-        fifth_argument: Any = NOT_GIVEN,
-    ) -> int:
-        nonlocal view
-        shared = scheduler.cache_config
-        if view.shared is not shared:  # replaced since the scheduler started
-            view = _StateGridCacheConfig(shared, grid)
-        # Only a chunk of two or more tokens can cross a boundary (decodes can't).
-        taken_before = decisions.taken if observed and num_new_tokens > 1 else 0
-        scheduler.cache_config = view
-        try:
-            num_tokens: int = (
-                stock(
-                    scheduler,
-                    request,
-                    num_new_tokens,
-                    num_new_local_computed_tokens,
-                    num_external_computed_tokens,
-                )
-                if fifth_argument is NOT_GIVEN
-                else stock(
-                    scheduler,
-                    request,
-                    num_new_tokens,
-                    num_new_local_computed_tokens,
-                    num_external_computed_tokens,
-                    fifth_argument,
-                )
-            )
-        finally:
-            scheduler.cache_config = shared
-        if num_tokens <= 1 or not stop_at_boundaries:
-            return num_tokens
-        start: int = (
-            request.num_computed_tokens
-            + num_new_local_computed_tokens
-            + num_external_computed_tokens
-        )
+    def stop(request: Any, start: int, num_tokens: int, taken_before: int) -> int:
+        """vLLM's answer for a chunk of two or more tokens, stopped at the next
+        boundary where the mode says so."""
         next_boundary = (start // grid + 1) * grid
         if next_boundary >= start + num_tokens:
             return num_tokens  # the chunk crosses no boundary: nothing to stop
@@ -178,4 +156,71 @@ def state_grid_split(
             return num_tokens
         return kept - start
 
-    return split
+    # The two variants differ only in vLLM's optional fifth parameter.
+    def split(
+        request: Any,
+        num_new_tokens: int,
+        num_new_local_computed_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+    ) -> int:
+        nonlocal view
+        shared = scheduler.cache_config
+        if view.shared is not shared:  # replaced since the scheduler started
+            view = _StateGridCacheConfig(shared, grid)
+        # Only a chunk of two or more tokens can cross a boundary (decodes can't).
+        taken_before = decisions.taken if observed and num_new_tokens > 1 else 0
+        scheduler.cache_config = view
+        try:
+            num_tokens: int = stock(
+                scheduler,
+                request,
+                num_new_tokens,
+                num_new_local_computed_tokens,
+                num_external_computed_tokens,
+            )
+        finally:
+            scheduler.cache_config = shared
+        if num_tokens <= 1 or not stop_at_boundaries:
+            return num_tokens
+        start = (
+            request.num_computed_tokens
+            + num_new_local_computed_tokens
+            + num_external_computed_tokens
+        )
+        return stop(request, start, num_tokens, taken_before)
+
+    def split_with_prefix_tokens(
+        request: Any,
+        num_new_tokens: int,
+        num_new_local_computed_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        num_uncached_common_prefix_tokens: int = 0,
+    ) -> int:
+        nonlocal view
+        shared = scheduler.cache_config
+        if view.shared is not shared:
+            view = _StateGridCacheConfig(shared, grid)
+        taken_before = decisions.taken if observed and num_new_tokens > 1 else 0
+        scheduler.cache_config = view
+        try:
+            num_tokens: int = stock(
+                scheduler,
+                request,
+                num_new_tokens,
+                num_new_local_computed_tokens,
+                num_external_computed_tokens,
+                num_uncached_common_prefix_tokens,
+            )
+        finally:
+            scheduler.cache_config = shared
+        if num_tokens <= 1 or not stop_at_boundaries:
+            return num_tokens
+        start = (
+            request.num_computed_tokens
+            + num_new_local_computed_tokens
+            + num_external_computed_tokens
+        )
+        return stop(request, start, num_tokens, taken_before)
+
+    route = split if body.extra_parameter is None else split_with_prefix_tokens
+    return present_as(route, stock)

@@ -9,57 +9,31 @@ pre-copies from a wrong column (vLLM issue #53142, fixed upstream by #53798 in
 config: right away if it already has, else at the first ``_get_mamba_group_info``
 call, which every step makes before the seed is read.
 
-Only code the table below recognizes is patched; 0.32.0+ already seed with B.
+Only code recognized by the fingerprints in releases.py is patched; 0.32.0+
+already seed with B.
 """
 
 from __future__ import annotations
 
-import enum
 from typing import Any
 
 from .fingerprint import analyse_function
+from .releases import GROUP_INFO_METHOD, SEED_METHOD, SeedSite, classify_seed
 
-WORKER_MODULE = "vllm.v1.worker.gpu.model_states.mamba_hybrid"
-MODEL_STATE = "MambaHybridModelState"
 # Seeds waiting for the Mamba spec, per model state: {request index: computed}.
 PENDING_ATTRIBUTE = "_vllm_mamba_align_pending_seeds"
 
 
-class SeedSite(enum.Enum):
-    """What the installed worker does with the seed."""
-
-    SEEDS_WITH_CACHE_BLOCK = "seeds with cache_config.block_size (fixed by plugin)"
-    SEEDS_WITH_MAMBA_BLOCK = "seeds with the Mamba block size (no fix needed)"
-    UNRECOGNIZED = "unrecognized code (left as it is)"
-    ABSENT = "no Model Runner V2 Mamba seed in this vLLM"
-
-
-# add_request fingerprints -> releases that shipped them.
-_NEEDS_FIX = {
-    "15fe6a31bda00318": "0.25.1",
-    "9be463981ada6b80": "0.26.0",
-    "c440bde5f6af797c": "0.27.1-0.31.0",
-}
-_ALREADY_RIGHT = {"855d57fbda65b32d": "0.32.0-0.33.0"}
-# _get_mamba_group_info fingerprints whose contract the deferred seed relies on:
-# it binds self._mamba_spec from the KV-cache config and returns (ids, spec).
-_GROUP_INFO = {"e9850e0b37703e2e": "0.25.1-0.28.0", "ab92c2fce7e1af45": "0.29.0+"}
-
-
 def classify(model_state_class: type | None) -> SeedSite:
-    """Which kind of seed code is installed."""
-    add_request = vars(model_state_class or object).get("add_request")
-    if add_request is None:
-        return SeedSite.ABSENT  # 0.24.0 and older seed nothing here
-    group_info = vars(model_state_class or object).get("_get_mamba_group_info")
-    if group_info is None:
-        return SeedSite.UNRECOGNIZED
-    seed = analyse_function(add_request).fingerprint
-    if seed in _ALREADY_RIGHT:
-        return SeedSite.SEEDS_WITH_MAMBA_BLOCK
-    if seed in _NEEDS_FIX and analyse_function(group_info).fingerprint in _GROUP_INFO:
-        return SeedSite.SEEDS_WITH_CACHE_BLOCK
-    return SeedSite.UNRECOGNIZED
+    """Which kind of seed code is installed (fingerprints in releases.py)."""
+    methods = vars(model_state_class or object)
+    add_request = methods.get(SEED_METHOD)
+    group_info = methods.get(GROUP_INFO_METHOD)
+    return classify_seed(
+        analyse_function(add_request).fingerprint if add_request else None,
+        analyse_function(group_info).fingerprint if group_info else None,
+        present=add_request is not None,
+    )
 
 
 def _seed(model_state: Any, req_index: int, num_computed: int, state_grid: int) -> None:

@@ -1,8 +1,8 @@
 """A real vLLM scheduler on CPU, and an oracle of the Mamba states its worker holds.
 
-Used by the test suite and by ``vllm-mamba-align simulate``; it needs vLLM (and its
-torch) installed, which the plugin itself never does. No GPU, no weights: the model
-is a config-only tiny hybrid written to a temporary directory.
+Used by ``vllm-mamba-align simulate``, the benchmarks and the test suite; it needs
+vLLM (and its torch) installed, which the plugin itself never does. No GPU, no
+weights: the model is a config-only tiny hybrid written to a temporary directory.
 
 Everything scheduled here goes through the installed vLLM's own ``VllmConfig``,
 ``Scheduler``, ``KVCacheManager`` and ``Request``. Only the GPU worker is modeled,
@@ -26,9 +26,22 @@ import json
 import os
 import tempfile
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
+
+from ..activation import SPLIT_METHOD
+from ..fingerprint import analyse_function
+from ..releases import (
+    InternalCheckpoint,
+    PrefillRule,
+    SplitBody,
+    body_for,
+    in_prefill,
+    requests_need_eos_token_id,
+    retention_in_kv_config,
+)
 
 # A tiny hybrid (GDN + full attention) architecture; only config.json is needed.
 TINY_QWEN3_NEXT = {
@@ -123,34 +136,6 @@ def _init_hashing() -> Any:
     return sha256
 
 
-def retention_in_kv_config() -> bool:
-    """Whether this vLLM's KV-cache config carries the retention (0.29.0+)."""
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-
-    return "prefix_cache_retention_interval" in getattr(
-        KVCacheConfig, "__dataclass_fields__", {}
-    )
-
-
-def supports_retention_setting() -> bool:
-    """Whether this vLLM has a state retention setting (0.27.1+: an environment
-    variable until 0.28.0, the cache config from 0.29.0)."""
-    import vllm.envs
-
-    from .retention import RETENTION_VARIABLE
-
-    return retention_in_kv_config() or RETENTION_VARIABLE in getattr(
-        vllm.envs, "environment_variables", {}
-    )
-
-
-def supports_hash_block() -> bool:
-    """Whether this vLLM lets the hash block be chosen (prefix_match_unit, 0.26.0+)."""
-    from vllm.config import CacheConfig
-
-    return "prefix_match_unit" in getattr(CacheConfig, "__dataclass_fields__", {})
-
-
 @dataclass(frozen=True)
 class Geometry:
     """The block sizes and budgets of one scheduler."""
@@ -239,7 +224,7 @@ def retention_interval(geometry: Geometry) -> int | None:
     if retention_in_kv_config():
         cache = base_vllm_config().cache_config
         return cache.prefix_cache_retention_interval  # type: ignore[no-any-return]
-    from .retention import RETENTION_VARIABLE
+    from ..retention import RETENTION_VARIABLE
 
     raw = os.environ.get(RETENTION_VARIABLE, "")
     return int(raw) if raw.strip() else None
@@ -249,7 +234,7 @@ def retention_interval(geometry: Geometry) -> int | None:
 def retention_environment(geometry: Geometry) -> Iterator[None]:
     """0.27.1-0.28.0 read the retention from the environment when the KV-cache
     coordinator is built: set it for the build when the geometry picks one."""
-    from .retention import RETENTION_VARIABLE
+    from ..retention import RETENTION_VARIABLE
 
     if retention_in_kv_config() or geometry.retention == DEFAULT_RETENTION:
         yield
@@ -325,6 +310,28 @@ def build_scheduler(geometry: Geometry) -> Any:
             **block_sizes,
             log_stats=True,
         )
+
+
+def split_body_of(scheduler: Any) -> SplitBody:
+    """The release-table entry of the split this scheduler's class runs (vLLM's
+    function under the plugin's wrapper); a class with its own unrecognized
+    split gets the rules of every release from 0.17.1."""
+    function = inspect.getattr_static(type(scheduler), SPLIT_METHOD, None)
+    return _body_of_function(getattr(function, "__wrapped__", function))
+
+
+@functools.cache
+def _body_of_function(function: Any) -> SplitBody:
+    body = body_for(analyse_function(function).fingerprint) if function else None
+    if body is not None:
+        return body
+    return SplitBody(
+        ("unknown",),
+        "unknown",
+        PrefillRule.BEFORE_PREFILL_END,
+        InternalCheckpoint.NONE,
+        wide_block_exemption=True,
+    )
 
 
 CANONICAL = "canonical"
@@ -408,7 +415,11 @@ class Simulation:
         self.same_step_reuse: list[str] = []
         """Hits on a state written in the same step: vLLM's own, not the grid's."""
         self.steps = 0
-        from .retention import read_retention
+        self.prefill_rule = split_body_of(self.scheduler).prefill
+        """How the installed split tells prefill (releases.in_prefill's rule)."""
+        self.prefill_now: set[str] = set()
+        """The requests whose chunk of the last step was prefill."""
+        from ..retention import read_retention
 
         self.retention = read_retention(self.scheduler, self.state_block)
         """What vLLM's KV-cache manager keeps here (read from the scheduler)."""
@@ -436,15 +447,26 @@ class Simulation:
 
     # -- requests ---------------------------------------------------------------
     def add(self, request_id: str, tokens: Sequence[int], max_tokens: int = 1) -> Any:
+        """A new request, watched by the oracle, handed to the scheduler."""
+        request = self.new_request(request_id, tokens, max_tokens)
+        self._name_hashes(request, tokens)
+        self.records[request_id] = RequestRecord(request)
+        self.scheduler.add_request(request)
+        return request
+
+    def new_request(
+        self, request_id: str, tokens: Sequence[int], max_tokens: int = 1
+    ) -> Any:
+        """A vLLM ``Request`` hashed for this scheduler (not added, not watched)."""
         from vllm.sampling_params import SamplingParams
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher
         from vllm.v1.request import Request
 
         hasher = get_request_block_hasher(self.hash_block, self.hash_fn)
         extra: dict[str, Any] = {}
-        if "eos_token_id" in inspect.signature(Request.__init__).parameters:
-            extra["eos_token_id"] = None  # 0.15.1-0.16.0 require it
-        request = Request(
+        if requests_need_eos_token_id():
+            extra["eos_token_id"] = None
+        return Request(
             request_id,
             list(tokens),
             SamplingParams(max_tokens=max_tokens, ignore_eos=True),
@@ -452,10 +474,6 @@ class Simulation:
             block_hasher=hasher,
             **extra,
         )
-        self._name_hashes(request, tokens)
-        self.records[request_id] = RequestRecord(request)
-        self.scheduler.add_request(request)
-        return request
 
     def _name_hashes(self, request: Any, tokens: Sequence[int]) -> None:
         """Remember which prefix every hash this request can publish names."""
@@ -480,8 +498,14 @@ class Simulation:
         """One schedule(), the modeled forward pass, and update_from_output()."""
         from vllm.v1.outputs import ModelRunnerOutput
 
-        prefill_ends = {
-            req_id: max(r.request.num_prompt_tokens, r.request.num_tokens - 1)
+        # Which chunks are prefill, by the installed body's own rule, judged on
+        # each request as it is before this step.
+        before = {
+            req_id: SimpleNamespace(
+                num_output_tokens=r.request.num_output_tokens,
+                num_prompt_tokens=r.request.num_prompt_tokens,
+                num_tokens=r.request.num_tokens,
+            )
             for req_id, r in self.records.items()
         }
         output = self.scheduler.schedule()
@@ -508,9 +532,14 @@ class Simulation:
             self._check_reused_state(new.req_id, new.num_computed_tokens, written)
         for req_id, chunk in chunks.items():
             self._write_running_state(req_id, chunk.end)
-        for req_id, chunk in chunks.items():
-            if chunk.start < prefill_ends.get(req_id, 0):
-                self._track_kept_states(req_id, chunk)
+        rule = self.prefill_rule
+        self.prefill_now = {
+            req_id
+            for req_id, chunk in chunks.items()
+            if req_id in before and in_prefill(rule, before[req_id], chunk.start)
+        }
+        for req_id in self.prefill_now:
+            self._track_kept_states(req_id, chunks[req_id])
         self._check_published_hashes()
 
         sampled: list[list[int]] = []
@@ -531,8 +560,15 @@ class Simulation:
         self.scheduler.update_from_output(output, runner_output)
         return chunks
 
-    def run(self, max_steps: int = 10_000) -> None:
-        """Step until every request has finished; fail loudly on a stall."""
+    def run(
+        self,
+        max_steps: int = 10_000,
+        after_step: Callable[[Simulation], None] | None = None,
+    ) -> None:
+        """Step until every request has finished; fail loudly on a stall.
+
+        ``after_step`` (e.g. a progress line) is called after every step.
+        """
         idle = 0
         while self.scheduler.has_requests():
             if self.steps >= max_steps:
@@ -543,6 +579,8 @@ class Simulation:
             idle = 0 if chunks else idle + 1
             if idle > 3:
                 raise AssertionError("the scheduler stalled: nothing scheduled 4 times")
+            if after_step is not None:
+                after_step(self)
 
     # -- the worker model and the oracle ----------------------------------------
     def _mamba_blocks(self, req_id: str) -> list[Any]:
@@ -702,68 +740,5 @@ def prompt(length: int, seed: int) -> list[int]:
 
 
 def cacheable_boundaries(prompt_length: int, state_block: int) -> list[int]:
+    """The B boundaries strictly inside a prompt: where its states can be cached."""
     return list(range(state_block, prompt_length, state_block))
-
-
-# -- stock vs patched in one process ---------------------------------------------
-
-STOCK = "stock"
-"""vLLM's own code, the plugin's wrappers temporarily removed (not our ``off``)."""
-
-
-def _patched_sites() -> list[tuple[Any, str]]:
-    import vllm.v1.core.sched.scheduler as module
-
-    from .plugin import CHECKPOINT_DECISION, SPLIT_METHOD
-
-    return [
-        (module.Scheduler, "__init__"),
-        (module.Scheduler, SPLIT_METHOD),
-        (module, CHECKPOINT_DECISION),
-    ]
-
-
-@contextlib.contextmanager
-def stock_vllm() -> Iterator[None]:
-    """Run vLLM's unpatched scheduler code inside the block.
-
-    Puts the wrapped originals (``__wrapped__``) back on the class and module, so
-    stock and patched can be compared in one process, interleaved.
-    """
-    from .plugin import is_patched
-
-    saved = []
-    for owner, name in _patched_sites():
-        current = vars(owner).get(name)
-        if is_patched(current):
-            saved.append((owner, name, current))
-            setattr(owner, name, current.__wrapped__)
-    try:
-        yield
-    finally:
-        for owner, name, current in saved:
-            setattr(owner, name, current)
-
-
-@contextlib.contextmanager
-def scheduler_mode(mode: str) -> Iterator[None]:
-    """Schedulers built and run inside use ``mode``: ``stock`` or a plugin mode.
-
-    Plugin modes need :func:`vllm_mamba_align.register` to have run in this
-    process; the mode is read from the environment at scheduler start.
-    """
-    from .settings import MODE_VARIABLE
-
-    if mode == STOCK:
-        with stock_vllm():
-            yield
-        return
-    previous = os.environ.get(MODE_VARIABLE)
-    os.environ[MODE_VARIABLE] = mode
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[MODE_VARIABLE]
-        else:
-            os.environ[MODE_VARIABLE] = previous

@@ -15,13 +15,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from .settings import Mode
-from .simulation import STOCK
+from .modes import simulated_modes
+from .simulation import cacheable_boundaries
 
-
-def simulated_modes() -> list[str]:
-    """``stock`` then every plugin mode with something to show (``off`` is stock)."""
-    return [STOCK, *(m.value for m in Mode if m is not Mode.OFF)]
+__all__ = ["simulated_modes"]
 
 
 @dataclass(frozen=True)
@@ -136,6 +133,10 @@ def _geometry(s: Scenario) -> Any:
     )
 
 
+MAX_STEPS = 200_000
+"""A scenario still unfinished after this many steps has stalled."""
+
+
 class Progress:
     """A line on stderr every couple of seconds, only once a run takes a while."""
 
@@ -145,35 +146,26 @@ class Progress:
         self.start = time.monotonic()
         self.last = self.start
 
-    def tick(self, steps: int, done: int, total: int) -> None:
+    def tick(self, sim: Any) -> None:
+        """After a step of ``sim``: a line if the run has taken a while."""
         now = time.monotonic()
         if now - self.start > 2 and now - self.last > 2:
             self.last = now
+            records = sim.records.values()
+            done = sum(1 for r in records if r.prefilled_at_step is not None)
             print(
-                f"  {self.label}: step {steps}, {done}/{total} prompts prefilled, "
+                f"  {self.label}: step {sim.steps}, {done}/{len(records)} prompts "
+                "prefilled, "
                 f"{now - self.start:.0f}s",
                 file=self.stream,
                 flush=True,
             )
 
 
-def _run(sim: Any, progress: Progress, total: int, max_steps: int = 200_000) -> None:
-    """Step until idle, reporting progress; raise on a stall (never hang)."""
-    idle = 0
-    while sim.scheduler.has_requests():
-        if sim.steps >= max_steps:
-            raise RuntimeError(f"requests still unfinished after {max_steps} steps")
-        chunks = sim.step()
-        idle = 0 if chunks else idle + 1
-        if idle > 3:
-            raise RuntimeError("the scheduler stalled: nothing scheduled 4 times")
-        done = sum(1 for r in sim.records.values() if r.prefilled_at_step is not None)
-        progress.tick(sim.steps, done, total)
-
-
 def run_mode(s: Scenario, mode: str, progress_stream: TextIO) -> ModeResult:
     """The scenario on a fresh real scheduler in one mode."""
-    from .simulation import Simulation, prompt, scheduler_mode
+    from .modes import scheduler_mode
+    from .simulation import Simulation, prompt
 
     began = time.monotonic()
     first = prompt(s.prompt, seed=1)
@@ -183,14 +175,14 @@ def run_mode(s: Scenario, mode: str, progress_stream: TextIO) -> ModeResult:
         sim.add("r0", first)
         for i in range(1, s.requests):
             sim.add(f"r{i}", prompt(s.prompt, seed=100 + i))
-        _run(sim, progress, s.requests)
+        sim.run(MAX_STEPS, progress.tick)
         all_prefilled = max(r.prefilled_at_step or 0 for r in sim.records.values())
         ends = sim.chunk_ends("r0")
         materialized = sim.materialized_boundaries("r0")
         sim.add("re-ask", first)
-        _run(sim, progress, s.requests + 1)
+        sim.run(MAX_STEPS, progress.tick)
         sim.add("sibling", first[: s.share] + prompt(max(1, s.prompt - s.share), 2))
-        _run(sim, progress, s.requests + 2)
+        sim.run(MAX_STEPS, progress.tick)
     first_record = sim.records["r0"]
     return ModeResult(
         mode=mode,
@@ -229,7 +221,7 @@ def picture(s: Scenario, results: list[ModeResult]) -> list[str]:
         return min(width - 1, max(0, round(position / scale) - 1))
 
     grid = ["-"] * width
-    for boundary in range(s.state_block, s.prompt, s.state_block):
+    for boundary in cacheable_boundaries(s.prompt, s.state_block):
         grid[column(boundary)] = "|"
     label = 8
     lines = [
@@ -258,7 +250,7 @@ def _ends(ends: list[int], limit: int = 12) -> str:
 
 
 def render(s: Scenario, results: list[ModeResult]) -> str:
-    boundaries = len(range(s.state_block, s.prompt, s.state_block))
+    boundaries = len(cacheable_boundaries(s.prompt, s.state_block))
     legal_reask = (s.prompt - 1) // s.state_block * s.state_block
     lines = [
         f"Real vLLM scheduler, C={s.cache_block}, B={s.state_block}, hash block "
@@ -344,7 +336,7 @@ def simulate(
         # warnings and up). Only before vLLM configures its logging, so a process
         # that already runs vLLM (a test session) keeps its settings.
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-    from . import register
+    from .. import register
 
     register()
     return [run_mode(s, mode, progress_stream) for mode in modes]

@@ -1,0 +1,496 @@
+"""Measurements of the plugin's benefit and cost: functions that return data.
+
+Every measurement runs the installed vLLM's real scheduler on CPU (no weights;
+``vllm_mamba_align.tools.simulation``), stock and each plugin mode in one
+process (``vllm_mamba_align.tools.modes``). ``report.py`` turns the data into
+markdown; ``bench.py`` runs both.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+
+from vllm_mamba_align.plugin import SPLIT_METHOD
+from vllm_mamba_align.settings import Mode
+from vllm_mamba_align.tools.modes import STOCK, scheduler_mode, simulated_modes
+from vllm_mamba_align.tools.simulation import (
+    Geometry,
+    Simulation,
+    chunk_starts,
+    prompt,
+)
+
+C, B, H = 816, 1648, 16
+MODES = [STOCK, *(m.value for m in Mode)]
+"""Stock vLLM, then every plugin mode (``off`` measures the wrappers alone)."""
+SCHEDULING_MODES = simulated_modes()
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def rotations(items: list[str], rounds: int) -> Iterator[tuple[int, list[str]]]:
+    """ABAB...: each round runs every item, starting one further along."""
+    for r in range(rounds):
+        k = r % len(items)
+        yield r, items[k:] + items[:k]
+
+
+Pairs = dict[str, list[tuple[float, float]]]
+"""Per plugin mode: (stock, mode) measurements taken side by side, one per round."""
+
+
+# -- overhead --------------------------------------------------------------------
+
+
+def _runner_output(output: Any, finishing: set[str]) -> Any:
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    ids = list(output.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[7] if r in finishing else [] for r in ids],
+    )
+
+
+@dataclass
+class MixedBatch:
+    """64 requests in flight: 48 decoding, 16 prefilling long prompts."""
+
+    sim: Simulation
+    rng: random.Random
+    serial: int = 0
+    step_times: list[float] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)
+
+    def add(self, decode: bool) -> None:
+        self.serial += 1
+        length = (
+            self.rng.randrange(500, 3000) if decode else self.rng.randrange(4000, 40000)
+        )
+        # Straight into the scheduler: the oracle's bookkeeping is not timed and
+        # not needed here.
+        request = self.sim.new_request(
+            f"{'d' if decode else 'p'}{self.serial}",
+            prompt(length, seed=self.serial),
+            max_tokens=100_000 if decode else 1,
+        )
+        self.sim.scheduler.add_request(request)
+
+    def step(self, timed: bool) -> None:
+        scheduler = self.sim.scheduler
+        begin = time.perf_counter()
+        output = scheduler.schedule()
+        prep_begin = time.perf_counter()
+        starts = chunk_starts(output)
+        finishing = {
+            req_id
+            for req_id, count in output.num_scheduled_tokens.items()
+            if starts[req_id] + count >= scheduler.requests[req_id].num_tokens
+        }
+        runner_output = _runner_output(output, finishing)
+        prep_end = time.perf_counter()
+        scheduler.update_from_output(output, runner_output)
+        end = time.perf_counter()
+        if timed:
+            self.step_times.append((prep_begin - begin) + (end - prep_end))
+            self.step_tokens.append(output.total_num_scheduled_tokens)
+        # vLLM reports finished ids only to some front ends: ask the scheduler.
+        for req_id in finishing:
+            if req_id not in scheduler.requests:
+                self.add(decode=False)
+
+
+@dataclass
+class StepCost:
+    median_step: float
+    """Median wall time of one step, in seconds."""
+    per_token: float
+    """All timed steps' wall time over all tokens they scheduled, in seconds."""
+    tokens_per_step: float
+
+    @staticmethod
+    def of(batch: MixedBatch) -> StepCost:
+        tokens = sum(batch.step_tokens)
+        return StepCost(
+            statistics.median(batch.step_times),
+            sum(batch.step_times) / tokens,
+            tokens / len(batch.step_tokens),
+        )
+
+
+def mixed_batch(mode: str) -> MixedBatch:
+    geometry = Geometry(cache_block=C, state_block=B, hash_block=H, num_blocks=30000)
+    with scheduler_mode(mode):
+        batch = MixedBatch(Simulation(geometry), random.Random(4))
+        if mode == STOCK:
+            # Bind vLLM's own split on the instance, as the plugin binds its route:
+            # the stock scheduler then runs vLLM's code while the class keeps the
+            # plugin's wrappers (switching the class back and forth every step
+            # would reset the interpreter's attribute caches and slow stock down).
+            scheduler = batch.sim.scheduler
+            own = inspect.getattr_static(type(scheduler), SPLIT_METHOD)
+            scheduler.__dict__[SPLIT_METHOD] = own.__get__(scheduler, type(scheduler))
+    for i in range(64):
+        batch.add(decode=i < 48)
+    return batch
+
+
+def paired_steps(mode: str, steps: int, stock_first: bool) -> tuple[StepCost, StepCost]:
+    """Stock and ``mode`` stepped alternately, so load bursts hit both alike.
+
+    Which of the two is built first matters by itself (about 1.5 % on this
+    machine, in favour of the later one), so rounds alternate it.
+    """
+    if stock_first:
+        stock, patched = mixed_batch(STOCK), mixed_batch(mode)
+    else:
+        patched = mixed_batch(mode)
+        stock = mixed_batch(STOCK)
+    for i in range(steps + 20):
+        timed = i >= 20
+        for batch in (stock, patched) if i % 2 else (patched, stock):
+            batch.step(timed)
+    return StepCost.of(stock), StepCost.of(patched)
+
+
+def split_caller(mode: str, decoding: bool) -> Callable[[int], float]:
+    """A timer of ``n`` split calls on one request, decoding or mid-prefill."""
+    geometry = Geometry(cache_block=C, state_block=B, hash_block=H)
+    with scheduler_mode(mode):
+        sim = Simulation(geometry)
+        if decoding:
+            request = sim.add("r", prompt(2000, seed=9), max_tokens=1000)
+            while request.num_output_tokens < 2:
+                sim.step()
+            num_new_tokens = 1
+        else:
+            request = sim.add("r", prompt(30000, seed=9))
+            sim.step()  # mid-prefill: num_computed_tokens = first chunk end
+            num_new_tokens = 8192
+        split = sim.scheduler._mamba_block_aligned_split  # bound in this mode
+
+    def timed_calls(n: int) -> float:
+        began = time.perf_counter()
+        for _ in range(n):
+            split(request, num_new_tokens)
+        return time.perf_counter() - began
+
+    return timed_calls
+
+
+def split_calls_per_step(mode: str, steps: int = 60) -> tuple[float, float]:
+    """Mean split calls per step in the mixed batch: (one-token, longer) chunks."""
+    batch = mixed_batch(mode)
+    scheduler = batch.sim.scheduler
+    split = scheduler._mamba_block_aligned_split
+    counts = [0, 0]
+
+    def counted(request: Any, num_new_tokens: int, *rest: Any) -> int:
+        counts[num_new_tokens > 1] += 1
+        return int(split(request, num_new_tokens, *rest))
+
+    scheduler.__dict__[SPLIT_METHOD] = counted
+    for _ in range(steps):
+        batch.step(timed=False)
+    return counts[0] / steps, counts[1] / steps
+
+
+def paired_calls(mode: str, calls: int, decoding: bool) -> tuple[float, float]:
+    """Seconds per call, stock and ``mode``, in alternating blocks of calls."""
+    stock, patched = split_caller(STOCK, decoding), split_caller(mode, decoding)
+    block = max(calls // 20, 1)
+    stock_time = patched_time = 0.0
+    for i in range(20):
+        if i % 2:
+            stock_time += stock(block)
+            patched_time += patched(block)
+        else:
+            patched_time += patched(block)
+            stock_time += stock(block)
+    return stock_time / (20 * block), patched_time / (20 * block)
+
+
+@dataclass
+class Overhead:
+    """Per-step and per-call costs, each plugin mode paired with stock."""
+
+    rounds: int
+    steps: int
+    calls: int
+    per_step: Pairs
+    """Median step time (s) of stock and the mode, one pair per round."""
+    per_token: Pairs
+    """Step time over scheduled tokens (s per token), one pair per round."""
+    decode_call: Pairs
+    """Seconds per split call for a decoding request."""
+    prefill_call: Pairs
+    """Seconds per split call for a request mid-prefill."""
+    tokens: dict[str, list[float]]
+    """Mean tokens scheduled per step, per mode (stock included), per run."""
+    calls_per_step: dict[str, tuple[float, float]]
+    """Split calls per step in the batch: (one-token, longer) chunks."""
+
+
+def measure_overhead(rounds: int, steps: int, calls: int) -> Overhead:
+    plugin_modes = [m for m in MODES if m != STOCK]
+    log(
+        f"overhead: {rounds} rounds x {len(plugin_modes)} modes, each paired with stock"
+    )
+    data = Overhead(
+        rounds,
+        steps,
+        calls,
+        per_step={m: [] for m in plugin_modes},
+        per_token={m: [] for m in plugin_modes},
+        decode_call={m: [] for m in plugin_modes},
+        prefill_call={m: [] for m in plugin_modes},
+        tokens={m: [] for m in MODES},
+        calls_per_step={},
+    )
+    for r, order in rotations(plugin_modes, rounds):
+        for mode in order:
+            stock, patched = paired_steps(mode, steps, stock_first=r % 2 == 0)
+            data.per_step[mode].append((stock.median_step, patched.median_step))
+            data.per_token[mode].append((stock.per_token, patched.per_token))
+            data.tokens[STOCK].append(stock.tokens_per_step)
+            data.tokens[mode].append(patched.tokens_per_step)
+            data.decode_call[mode].append(paired_calls(mode, calls, decoding=True))
+            data.prefill_call[mode].append(paired_calls(mode, calls, decoding=False))
+        log(f"  round {r + 1}/{rounds} done")
+    for mode in plugin_modes:
+        data.calls_per_step[mode] = split_calls_per_step(mode)
+    return data
+
+
+# -- benefit and cost ------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    prompts: int = 0
+    prompt_tokens: int = 0
+    prefill_steps: int = 0
+    kept_states: int = 0
+    lost_kept: int = 0
+    noncanonical: int = 0
+    published: int = 0
+    poisoned: int = 0
+    wrong_reads: int = 0
+    reask_reuse: int = 0
+    reask_legal: int = 0
+    sibling_reuse: int = 0
+    sibling_shared: int = 0
+    sibling_wrong: int = 0
+
+
+@dataclass(frozen=True)
+class RetentionCase:
+    """One state retention the benefit table is measured at."""
+
+    label: str
+    retention: int | str | None
+    state_block: int
+
+
+RETENTION_CASES = [
+    RetentionCase("vLLM's default (0: replay boundaries and junctions)", "default", B),
+    RetentionCase("dense (None: every boundary)", None, B),
+    # With B = 1648 the scheduler block is lcm(816, 1648) = 84,048, so no legal
+    # interval falls inside these prompts; B = 1632 gives lcm 1632.
+    RetentionCase("R = 6,528 (every 4th boundary; B = 1,632)", 6528, 1632),
+]
+
+
+def workload(seed: int, count: int) -> list[tuple[int, int, int]]:
+    """(prompt length, budget, shared tokens) triples, varied."""
+    rng = random.Random(seed)
+    budgets = [2048, 4096, 8192, 16384]
+    out = []
+    for i in range(count):
+        length = rng.randrange(2000, 48000)
+        out.append(
+            (length, budgets[i % len(budgets)], rng.randrange(length // 5, length))
+        )
+    return out
+
+
+def benefit_run(
+    mode: str, items: list[tuple[int, int, int]], case: RetentionCase
+) -> Tally:
+    """Each prompt alone, then a re-ask and two siblings sharing a prefix (the
+    first sibling makes vLLM keep the junction state, the second reuses it)."""
+    tally = Tally()
+    by_budget: dict[int, list[tuple[int, int, int, int]]] = {}
+    for index, (length, budget, share) in enumerate(items):
+        by_budget.setdefault(budget, []).append((index, length, budget, share))
+    for budget, group in by_budget.items():
+        geometry = Geometry(
+            cache_block=C,
+            state_block=case.state_block,
+            hash_block=H,
+            budget=budget,
+            num_blocks=8000,
+            retention=case.retention,
+        )
+        with scheduler_mode(mode):
+            sim = Simulation(geometry)
+            for index, length, _budget, share in group:
+                tokens = prompt(length, seed=1000 + index)
+                first = f"p{index}"
+                sim.add(first, tokens)
+                sim.run()
+                record = sim.records[first]
+                tally.prompts += 1
+                tally.prompt_tokens += length
+                tally.prefill_steps += len(record.chunks)
+                sim.add(f"{first}-reask", tokens)
+                sim.run()
+                tally.reask_reuse += sim.reused(f"{first}-reask")
+                tally.reask_legal += length
+                for sibling in (1, 2):
+                    name = f"{first}-sibling{sibling}"
+                    wrong_before = len(sim.wrong_reuse)
+                    tail = prompt(2000, seed=5000 + 10 * index + sibling)
+                    sim.add(name, tokens[:share] + tail)
+                    sim.run()
+                    tally.sibling_reuse += sim.reused(name)
+                    tally.sibling_shared += share
+                    tally.sibling_wrong += len(sim.wrong_reuse) - wrong_before
+        tally.kept_states += sim.kept_writes
+        tally.lost_kept += len(sim.missing_kept)
+        tally.noncanonical += len(sim.noncanonical_kept)
+        tally.published += len(sim.published)
+        tally.poisoned += len(sim.poisoned)
+        tally.wrong_reads += len(sim.wrong_reuse)
+    return tally
+
+
+def measure_benefit(count: int) -> dict[str, dict[str, Tally]]:
+    """Per retention case (its label): each scheduling mode's tally."""
+    items = workload(seed=7, count=count)
+    results = {}
+    for case in RETENTION_CASES:
+        log(f"benefit/cost, {case.label}: {count} prompts x {len(SCHEDULING_MODES)}")
+        results[case.label] = {
+            mode: benefit_run(mode, items, case) for mode in SCHEDULING_MODES
+        }
+    return results
+
+
+# -- scaling ---------------------------------------------------------------------
+
+
+def lone_steps(mode: str, length: int, budget: int) -> int:
+    geometry = Geometry(cache_block=C, state_block=B, hash_block=H, budget=budget)
+    with scheduler_mode(mode):
+        sim = Simulation(geometry)
+        sim.add("r", prompt(length, seed=length))
+        sim.run()
+    return len(sim.records["r"].chunks)
+
+
+def concurrent(mode: str, n: int, length: int) -> tuple[int, float, float]:
+    """(steps until all prefilled, mean TTFT in steps, prompt tokens per step)."""
+    geometry = Geometry(
+        cache_block=C, state_block=B, hash_block=H, budget=8192, num_blocks=8000
+    )
+    with scheduler_mode(mode):
+        sim = Simulation(geometry)
+        for i in range(n):
+            sim.add(f"r{i}", prompt(length, seed=300 + i))
+        sim.run()
+    done = [r.prefilled_at_step or 0 for r in sim.records.values()]
+    return max(done), statistics.mean(done), n * length / max(done)
+
+
+PROMPT_LENGTHS = [4096, 16764, 32768, 65536]
+BUDGETS = [1648, 4096, 8192, 16384, 32768]
+CONCURRENCY = [1, 4, 16]
+
+
+@dataclass
+class Scaling:
+    """Prefill steps per mode against prompt length, budget and concurrency."""
+
+    by_length: dict[int, dict[str, int]] = field(default_factory=dict)
+    """Lone request, budget 8192: prompt length -> mode -> prefill steps."""
+    by_budget: dict[int, dict[str, int]] = field(default_factory=dict)
+    """Lone 32,768-token prompt: budget -> mode -> prefill steps."""
+    concurrent: dict[int, dict[str, tuple[int, float, float]]] = field(
+        default_factory=dict
+    )
+    """N concurrent 16,764-token prompts: N -> mode -> :func:`concurrent`."""
+
+
+def measure_scaling(quick: bool) -> Scaling:
+    log("scaling: prompt length, budget / B, concurrency")
+    modes = SCHEDULING_MODES
+    lengths = [4096, 16764, 65536] if quick else PROMPT_LENGTHS
+    data = Scaling()
+    for length in lengths:
+        data.by_length[length] = {m: lone_steps(m, length, 8192) for m in modes}
+    for budget in BUDGETS:
+        data.by_budget[budget] = {m: lone_steps(m, 32768, budget) for m in modes}
+    for n in CONCURRENCY:
+        data.concurrent[n] = {m: concurrent(m, n, 16764) for m in modes}
+    return data
+
+
+# -- register() --------------------------------------------------------------------
+
+REGISTER_CHILD = """
+import os, sys, time
+{pre}
+t0 = time.perf_counter()
+import vllm_mamba_align
+t1 = time.perf_counter()
+vllm_mamba_align.register()
+t2 = time.perf_counter()
+print(t1 - t0, t2 - t1)
+"""
+
+
+REGISTER_CASES = {
+    "vLLM not imported yet (hooks only)": "",
+    "vLLM's scheduler already imported (0.33.0's order: patch + fingerprint)": (
+        "import vllm.v1.core.sched.scheduler"
+    ),
+}
+
+
+def measure_register(runs: int) -> dict[str, tuple[list[float], list[float]]]:
+    """Per case: seconds of ``import vllm_mamba_align`` and of ``register()``,
+    each timed inside a fresh interpreter, cases interleaved."""
+    log(f"register(): {runs} fresh interpreters per case")
+    results: dict[str, tuple[list[float], list[float]]] = {
+        c: ([], []) for c in REGISTER_CASES
+    }
+    env = dict(os.environ)
+    for _ in range(runs):
+        for case, pre in REGISTER_CASES.items():  # interleaved
+            out = subprocess.run(
+                [sys.executable, "-c", REGISTER_CHILD.format(pre=pre)],
+                capture_output=True,
+                text=True,
+                env=env,
+                check=True,
+            ).stdout.split()
+            results[case][0].append(float(out[-2]))
+            results[case][1].append(float(out[-1]))
+    return results

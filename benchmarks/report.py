@@ -1,0 +1,280 @@
+"""Markdown for the benchmark report, from the data ``measure.py`` returns.
+
+Nothing here runs vLLM: each section renders one measurement's data.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+from measure import (
+    MODES,
+    SCHEDULING_MODES,
+    STOCK,
+    B,
+    C,
+    H,
+    Overhead,
+    Pairs,
+    Scaling,
+    Tally,
+)
+
+
+def ratio_line(pairs: Pairs, unit: str, scale: float) -> list[str]:
+    """Stock's median over all pairings, then each mode with its paired ratios.
+
+    The ratio is the geometric mean of the rounds' ratios: the rounds alternate
+    which scheduler is built first, and the mean weighs both orders equally.
+    """
+    stock = [s for measured in pairs.values() for s, _ in measured]
+    rows = [
+        f"| {STOCK} | {statistics.median(stock) * scale:.1f} {unit} | 1.000 | "
+        "(paired runs) |"
+    ]
+    for mode, measured in pairs.items():
+        values = [v for _, v in measured]
+        ratios = [v / s for s, v in measured]
+        rows.append(
+            f"| {mode} | {statistics.median(values) * scale:.1f} {unit} | "
+            f"{statistics.geometric_mean(ratios):.3f} | "
+            f"{min(ratios):.3f} - {max(ratios):.3f} |"
+        )
+    return rows
+
+
+def overhead_section(data: Overhead) -> list[str]:
+    """Per step, per scheduled token, the plugin's own time, per split call."""
+    token_rows = [
+        f"| {mode} | {statistics.mean(values):,.0f} |"
+        for mode, values in data.tokens.items()
+    ]
+    stock_step = statistics.median(
+        s for pairs in data.per_step.values() for s, _ in pairs
+    )
+    own_rows = []
+    for mode, (one_token, longer) in data.calls_per_step.items():
+        extra_one = statistics.median(p - s for s, p in data.decode_call[mode])
+        extra_longer = statistics.median(p - s for s, p in data.prefill_call[mode])
+        own = one_token * extra_one + longer * extra_longer
+        own_rows.append(
+            f"| {mode} | {one_token:.1f} + {longer:.1f} | {own * 1e6:.1f} µs | "
+            f"{own / stock_step:.2%} |"
+        )
+    return [
+        "### Overhead: `schedule()` + `update_from_output()`",
+        "",
+        f"64 requests in flight (48 decoding, 16 prefilling 4k-40k-token prompts, "
+        f"replaced as they finish), C={C}, B={B}, budget 8192. Each round runs every "
+        f"mode next to its own stock scheduler, the two stepped alternately for "
+        f"{data.steps} timed steps, so load on the machine hits both alike; median "
+        f"per-step time, ratio per round, {data.rounds} rounds. `off` and `audit` "
+        "schedule exactly as stock, so their ratio is the plugin's own cost. "
+        "`full` and `grid` schedule different chunks (tokens per step below), so "
+        "their steps are not the same work; the per-token table puts them on a "
+        "common footing.",
+        "",
+        "| mode | per step | ratio to stock | ratio range |",
+        "|---|---|---|---|",
+        *ratio_line(data.per_step, "µs", 1e6),
+        "",
+        "| mode | tokens scheduled per step (mean) |",
+        "|---|---|",
+        *token_rows,
+        "",
+        "| mode | per scheduled token | ratio to stock | ratio range |",
+        "|---|---|---|---|",
+        *ratio_line(data.per_token, "ns", 1e9),
+        "",
+        "The plugin's own time per step: split calls per step in this batch "
+        "(one-token chunks, that is decodes, + longer ones) times the extra cost "
+        "per call measured below (decoding request; request mid-prefill), next to "
+        "stock's median step (audit's look at each step's output, a few "
+        "integer operations per prefill chunk, is not included).",
+        "",
+        "| mode | split calls per step | own time per step | share of a stock step |",
+        "|---|---|---|---|",
+        *own_rows,
+        "",
+        "### Overhead per `_mamba_block_aligned_split` call",
+        "",
+        f"{data.calls} calls per run in alternating blocks with stock, "
+        f"{data.rounds} rounds. "
+        "vLLM calls the split "
+        "for every running request at every step, so decoding requests make most "
+        "of the calls (48 of about 49 per step above).",
+        "",
+        "| mode | per call, decoding request | ratio to stock | ratio range |",
+        "|---|---|---|---|",
+        *ratio_line(data.decode_call, "ns", 1e9),
+        "",
+        "| mode | per call, request mid-prefill | ratio to stock | ratio range |",
+        "|---|---|---|---|",
+        *ratio_line(data.prefill_call, "ns", 1e9),
+    ]
+
+
+def benefit_section(count: int, results: dict[str, dict[str, Tally]]) -> list[str]:
+    """The workload's benefit and cost, one table per retention case."""
+    rows = [
+        "### Benefit and cost on a varied workload, per state retention",
+        "",
+        f"{count} prompts of 2k-48k tokens at budgets 2048/4096/8192/16384 (C={C}, "
+        f"B={B} unless said, hash block {H}), each prompt alone, then an immediate "
+        "re-ask and two siblings sharing the same random 20-100 % of it (the first "
+        "makes vLLM keep the junction state, the second can reuse it). "
+        '"kept states" are the boundary states vLLM\'s retention keeps that a '
+        'prefill chunk materialized; "lost" those it would keep that fell inside '
+        'a chunk; "non-canonical" kept states not computed one B block per '
+        "chunk from token 0 (a cached continuation of those can differ from a "
+        "fresh run in the last bits; `full` has none).",
+        "",
+    ]
+    for label, tallies in results.items():
+        rows += [f"Retention {label}:", "", *benefit_table(tallies), ""]
+    return rows
+
+
+def benefit_table(tallies: dict[str, Tally]) -> list[str]:
+    stock = tallies[STOCK]
+    rows = [
+        "| | " + " | ".join(SCHEDULING_MODES) + " |",
+        "|---|" + "---|" * len(SCHEDULING_MODES),
+    ]
+
+    def row(label: str, fn: Callable[[Tally], str]) -> str:
+        return (
+            f"| {label} | "
+            + " | ".join(fn(tallies[m]) for m in SCHEDULING_MODES)
+            + " |"
+        )
+
+    rows += [
+        row("Mamba hashes published", lambda t: f"{t.published}"),
+        row("… naming a wrong state (poisoned)", lambda t: f"**{t.poisoned}**"),
+        row("requests that read a wrong state", lambda t: f"{t.wrong_reads}"),
+        row("kept states materialized", lambda t: f"{t.kept_states}"),
+        row("kept states lost inside a chunk", lambda t: f"{t.lost_kept}"),
+        row("… of them non-canonical", lambda t: f"{t.noncanonical}"),
+        row(
+            "re-ask reuse (of the prompt)",
+            lambda t: f"{100 * t.reask_reuse / max(1, t.reask_legal):.1f} %",
+        ),
+        row(
+            "sibling reuse (of the shared tokens)",
+            lambda t: (
+                f"{100 * t.sibling_reuse / max(1, t.sibling_shared):.1f} %"
+                + (f" ({t.sibling_wrong} wrong)" if t.sibling_wrong else "")
+            ),
+        ),
+        row("prefill steps per prompt", lambda t: f"{t.prefill_steps / t.prompts:.2f}"),
+        row(
+            "prefill steps vs stock",
+            lambda t: f"{t.prefill_steps / stock.prefill_steps:.2f}x",
+        ),
+    ]
+    return rows
+
+
+def scaling_section(data: Scaling) -> list[str]:
+    """Prefill steps against prompt length, budget / B and concurrency."""
+    modes = SCHEDULING_MODES
+    head = "| | " + " | ".join(modes) + " |"
+    rule = "|---|" + "---|" * len(modes)
+
+    def ratio_cells(values: dict[str, int]) -> str:
+        base = values[STOCK]
+        return " | ".join(
+            f"{values[m]}" + ("" if m == STOCK else f" ({values[m] / base:.2f}x)")
+            for m in modes
+        )
+
+    rows = [
+        "### Cost against prompt length (lone request, budget 8192)",
+        "",
+        "Prefill steps = the request's time to first token, in steps.",
+        "",
+        head.replace("| |", "| prompt |", 1),
+        rule,
+    ]
+    for length, values in data.by_length.items():
+        rows.append(f"| {length} | {ratio_cells(values)} |")
+    rows += [
+        "",
+        "### Cost against budget / B (lone 32,768-token prompt)",
+        "",
+        head.replace("| |", "| budget (÷ B) |", 1),
+        rule,
+    ]
+    for budget, values in data.by_budget.items():
+        rows.append(f"| {budget} ({budget / B:.1f}) | {ratio_cells(values)} |")
+    rows += [
+        "",
+        "### Cost under load: N concurrent 16,764-token prefills, budget 8192",
+        "",
+        "Steps until every prompt has prefilled (throughput), the mean step at which "
+        "a prompt finished its prefill (time to first token) and prompt tokens per "
+        "step. Other requests fill the budget around the extra stops.",
+        "",
+        "| N | "
+        + " | ".join(f"{m}: all / mean TTFT / tok per step" for m in modes)
+        + " |",
+        rule,
+    ]
+    for n, by_mode in data.concurrent.items():
+        cells = []
+        for m in modes:
+            steps, ttft, per_step = by_mode[m]
+            cells.append(f"{steps} / {ttft:.1f} / {per_step:.0f}")
+        rows.append(f"| {n} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def register_section(
+    runs: int, results: dict[str, tuple[list[float], list[float]]]
+) -> list[str]:
+    """Medians of the import and ``register()`` times in fresh interpreters."""
+    rows = [
+        "### `register()` cost at process start",
+        "",
+        f"Timed inside {runs} fresh interpreters per case (interleaved), medians. "
+        "`import` is `import vllm_mamba_align` (wrapt, packaging); `register()` is the "
+        "entry point vLLM calls.",
+        "",
+        "| case | import | register() |",
+        "|---|---|---|",
+    ]
+    for case, (imports, registers) in results.items():
+        rows.append(
+            f"| {case} | {statistics.median(imports) * 1e3:.1f} ms | "
+            f"{statistics.median(registers) * 1e3:.2f} ms |"
+        )
+    return rows
+
+
+def render(header: str, sections: list[list[str]]) -> str:
+    """The whole report: a header paragraph, then each section."""
+    lines = [header, ""]
+    for section in sections:
+        lines += [*section, ""]
+    return "\n".join(lines)
+
+
+def header(
+    vllm_version: str,
+    plugin_version: str,
+    cpus: int | None,
+    minutes: float,
+    quick: bool,
+) -> str:
+    return (
+        f"## Benchmarks (vLLM {vllm_version}, vllm-mamba-align {plugin_version}, "
+        f"{cpus} CPUs)\n\n"
+        "Produced by `benchmarks/bench.py`"
+        + (" --quick" if quick else "")
+        + " (what `python3 -m nox -s bench` runs), "
+        + f"{minutes:.1f} minutes. Modes: "
+        + ", ".join(f"`{m}`" for m in MODES)
+        + " (`stock` = vLLM's own code, the plugin's wrappers removed)."
+    )

@@ -1,0 +1,96 @@
+"""doctor's decisions that need no vLLM: the plugin-loading rule and the worker
+seed, classified from a source file with the plugin's fingerprints."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from vllm_mamba_align import releases
+from vllm_mamba_align.doctor import worker_seed_status, would_load
+from vllm_mamba_align.fingerprint import fingerprint_source
+from vllm_mamba_align.releases import SeedCode, SeedSite
+
+
+@pytest.mark.parametrize(
+    ("value", "loads"),
+    [
+        (None, True),
+        ("mamba_align", True),
+        ("a,mamba_align", True),
+        ("", False),
+        ("a, mamba_align", False),  # vLLM does not strip spaces
+        ("other", False),
+    ],
+)
+def test_vllm_plugins_rule(value: str | None, loads: bool) -> None:
+    assert would_load(value)[0] is loads
+
+
+SEED = """
+def add_request(self, req_index, new_req_data):
+    if self._align_mode:
+        self._mamba_state_idx_gpu[req_index].fill_(
+            (new_req_data.num_computed_tokens - 1) // self.cache_config.block_size
+        )
+"""
+GROUP_INFO = """
+def _get_mamba_group_info(self, kv_cache_config):
+    self._mamba_spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    return [0], self._mamba_spec
+"""
+
+
+def write_worker(root: Path, *methods: str) -> None:
+    path = root / releases.WORKER_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = "".join(textwrap.indent(m, "    ") for m in methods)
+    path.write_text(f"import torch\n\nclass {releases.MODEL_STATE}:\n{body}")
+
+
+@pytest.fixture
+def known_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pretend SEED and GROUP_INFO are a release's code that needs the fix."""
+    code = SeedCode("9.9.9", fingerprint_source(SEED), SeedSite.SEEDS_WITH_CACHE_BLOCK)
+    monkeypatch.setattr(releases, "_SEED_BY_FINGERPRINT", {code.fingerprint: code})
+    monkeypatch.setattr(
+        releases, "GROUP_INFO_BODIES", {fingerprint_source(GROUP_INFO): "9.9.9"}
+    )
+
+
+def test_a_seed_the_plugin_fixes_is_reported_patched(
+    tmp_path: Path, known_seed: None
+) -> None:
+    write_worker(tmp_path, SEED, GROUP_INFO)
+    status, detail = worker_seed_status(tmp_path, "full")
+    assert status == "patched"
+    assert detail.startswith(
+        "patched by the plugin: vLLM 9.9.9's code seeds with cache_config.block_size"
+    )
+    assert worker_seed_status(tmp_path, "off")[0] == "affected"
+    assert worker_seed_status(tmp_path, None)[0] == "affected"  # invalid mode
+
+
+def test_an_edited_seed_is_unrecognized(tmp_path: Path, known_seed: None) -> None:
+    write_worker(tmp_path, SEED.replace("- 1", "- 2"), GROUP_INFO)
+    status, detail = worker_seed_status(tmp_path, "full")
+    assert status == "unknown"
+    assert "unrecognized MambaHybridModelState.add_request" in detail
+
+
+def test_no_model_runner_v2(tmp_path: Path) -> None:
+    assert worker_seed_status(tmp_path, "full")[0] == "absent"
+    write_worker(tmp_path, GROUP_INFO)  # the class without add_request
+    assert worker_seed_status(tmp_path, "full")[0] == "absent"
+
+
+def test_this_tier_runs_without_vllm() -> None:
+    """In the `unit` nox session vLLM is not even installed."""
+    import importlib.util
+    import os
+
+    if os.environ.get("MAMBA_ALIGN_UNIT_ONLY") != "1":
+        pytest.skip("only meaningful in the unit session's environment")
+    assert importlib.util.find_spec("vllm") is None

@@ -1,0 +1,124 @@
+"""The release table is consistent with itself and with the tested environments."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from packaging.version import Version
+
+from vllm_mamba_align import releases
+from vllm_mamba_align.releases import (
+    BODIES,
+    SEED_BODIES,
+    SUPPORTED_RELEASES,
+    CacheBlockRule,
+    InternalCheckpoint,
+    PrefillRule,
+    SeedSite,
+    body_for,
+    cache_block_rule,
+    classify_seed,
+    expected_body,
+    in_prefill,
+)
+
+ENVS = Path(__file__).resolve().parents[2] / "envs"
+HEX16 = re.compile(r"[0-9a-f]{16}")
+
+
+def test_every_body_has_its_own_fingerprint_and_releases() -> None:
+    fingerprints = [body.fingerprint for body in BODIES]
+    assert len(set(fingerprints)) == len(fingerprints) == 11
+    assert all(HEX16.fullmatch(f) for f in fingerprints)
+    shipped = [r for body in BODIES for r in body.releases]
+    assert len(set(shipped)) == len(shipped), "a release listed twice"
+    assert shipped == sorted(shipped, key=Version), "bodies in release order"
+    for body in BODIES:
+        assert body_for(body.fingerprint) is body
+        for release in body.releases:
+            assert expected_body(release) is body
+            assert expected_body(f"{release}+cpu") is body
+
+
+def test_every_pinned_environment_is_a_verified_release() -> None:
+    pinned = {p.stem.removeprefix("vllm-") for p in ENVS.glob("vllm-*.txt")}
+    assert pinned == set(SUPPORTED_RELEASES)
+
+
+def test_rules_change_where_the_domain_notes_say() -> None:
+    by_release = {r: body for body in BODIES for r in body.releases}
+    no_output = {
+        r for r, b in by_release.items() if b.prefill is PrefillRule.NO_OUTPUT_YET
+    }
+    assert no_output == {"0.15.1", "0.16.0"}
+    wide = {r for r, b in by_release.items() if b.wide_block_exemption}
+    assert min(wide, key=Version) == "0.27.1"
+    assert all(Version(r) >= Version("0.27.1") for r in wide)
+    extra = {r for r, b in by_release.items() if b.extra_parameter}
+    assert extra == {"0.24.0", "0.25.1"}
+    assert {b.extra_parameter for b in BODIES} == {
+        None,
+        "num_uncached_common_prefix_tokens",
+    }
+    checkpoint = {r: b.internal_checkpoint for r, b in by_release.items()}
+    assert checkpoint["0.28.0"] is InternalCheckpoint.NONE
+    assert checkpoint["0.29.0"] is InternalCheckpoint.ALIGNED_START
+    assert all(
+        checkpoint[r] is InternalCheckpoint.OBSERVED
+        for r in ("0.30.0", "0.31.0", "0.32.0", "0.33.0")
+    )
+
+
+def test_worker_seed_table() -> None:
+    assert len({code.fingerprint for code in SEED_BODIES}) == len(SEED_BODIES)
+    group_info = next(iter(releases.GROUP_INFO_BODIES))
+    for code in SEED_BODIES:
+        assert classify_seed(code.fingerprint, group_info) is code.site
+    fix = [c for c in SEED_BODIES if c.site is SeedSite.SEEDS_WITH_CACHE_BLOCK]
+    assert [c.releases for c in fix] == ["0.25.1", "0.26.0", "0.27.1-0.31.0"]
+    # Without a recognized _get_mamba_group_info the deferred re-seed is not safe.
+    assert classify_seed(fix[0].fingerprint, None) is SeedSite.UNRECOGNIZED
+    assert classify_seed("0" * 16, group_info) is SeedSite.UNRECOGNIZED
+    assert classify_seed(None, None, present=False) is SeedSite.ABSENT
+
+
+@pytest.mark.parametrize(
+    ("version", "rule"),
+    [
+        ("0.15.1", CacheBlockRule.DIVISOR),
+        ("0.19.1", CacheBlockRule.DIVISOR),
+        ("0.20.2", CacheBlockRule.EQUAL),
+        ("0.27.1", CacheBlockRule.EQUAL),
+        ("0.28.0", CacheBlockRule.ANY),
+        ("0.33.0", CacheBlockRule.ANY),
+        ("0.1.dev20073+g8e685d198", CacheBlockRule.EQUAL),
+        ("dev", CacheBlockRule.EQUAL),
+        (None, CacheBlockRule.EQUAL),
+    ],
+)
+def test_which_cache_blocks_a_release_starts_with(
+    version: str | None, rule: CacheBlockRule
+) -> None:
+    assert cache_block_rule(version) is rule
+
+
+def request(prompt: int, tokens: int, outputs: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        num_prompt_tokens=prompt, num_tokens=tokens, num_output_tokens=outputs
+    )
+
+
+def test_the_prefill_predicate_of_each_rule() -> None:
+    fresh = request(prompt=100, tokens=100, outputs=0)
+    resumed = request(prompt=100, tokens=140, outputs=40)  # replaying its outputs
+    for rule in PrefillRule:
+        assert in_prefill(rule, fresh, 0)
+        assert in_prefill(rule, fresh, 99)
+    assert not in_prefill(PrefillRule.BEFORE_PREFILL_END, fresh, 100)
+    assert in_prefill(PrefillRule.BEFORE_PREFILL_END, resumed, 120)
+    assert not in_prefill(PrefillRule.BEFORE_PREFILL_END, resumed, 139)
+    # 0.15.1-0.16.0: a request with outputs is never prefill, replay or not.
+    assert not in_prefill(PrefillRule.NO_OUTPUT_YET, resumed, 0)
