@@ -156,7 +156,7 @@ def benefit_table(tallies: dict[str, Tally]) -> list[str]:
         row("requests that read a wrong state", lambda t: f"{t.wrong_reads}"),
         row("kept states materialized", lambda t: f"{t.kept_states}"),
         row("kept states lost inside a chunk", lambda t: f"{t.lost_kept}"),
-        row("… of them non-canonical", lambda t: f"{t.noncanonical}"),
+        row("kept states materialized non-canonically", lambda t: f"{t.noncanonical}"),
         row(
             "re-ask reuse (of the prompt)",
             lambda t: f"{100 * t.reask_reuse / max(1, t.reask_legal):.1f} %",
