@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from .modes import simulated_modes
-from .simulation import cacheable_boundaries
 
 __all__ = ["simulated_modes"]
 
@@ -221,6 +220,8 @@ def picture(s: Scenario, results: list[ModeResult]) -> list[str]:
         return min(width - 1, max(0, round(position / scale) - 1))
 
     grid = ["-"] * width
+    from .simulation import cacheable_boundaries
+
     for boundary in cacheable_boundaries(s.prompt, s.state_block):
         grid[column(boundary)] = "|"
     label = 8
@@ -250,6 +251,8 @@ def _ends(ends: list[int], limit: int = 12) -> str:
 
 
 def render(s: Scenario, results: list[ModeResult]) -> str:
+    from .simulation import cacheable_boundaries
+
     boundaries = len(cacheable_boundaries(s.prompt, s.state_block))
     legal_reask = (s.prompt - 1) // s.state_block * s.state_block
     lines = [
