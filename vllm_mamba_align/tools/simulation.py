@@ -335,7 +335,7 @@ def _body_of_function(function: Any) -> SplitBody:
 
 
 CANONICAL = "canonical"
-FROM_TAIL = "continued from a partial-tail checkpoint"
+FROM_TAIL = "computed around vLLM's partial-tail checkpoint (off the grid)"
 NON_CANONICAL = "non-canonical"
 
 StateId = tuple[int, bytes]
@@ -439,9 +439,9 @@ class Simulation:
         self.noncanonical_kept: list[str] = []
         """Kept states whose state was not computed canonically from token 0."""
         self.tail_resumed_kept: list[str] = []
-        """Kept states computed canonically after a resumption from vLLM's
-        partial-tail checkpoint (off the grid): not canonical, not the split's
-        doing."""
+        """Kept states computed one block per chunk except around vLLM's
+        partial-tail checkpoint (resumed from it, or split at it): not
+        canonical, and not the split's doing."""
         self.missing_kept: list[str] = []
         """Prompt boundaries vLLM keeps whose state was never materialized."""
 
@@ -604,8 +604,9 @@ class Simulation:
         A state is canonical when it was computed one B block per chunk from
         token 0: then it is bit for bit what any other request computes for
         the same prefix. ``full`` promises that for every state it keeps, except
-        after a resumption from vLLM's partial-tail checkpoint (a cache hit that
-        ends off the B grid, 0.26.0+): those are tracked apart ("tail").
+        around vLLM's partial-tail checkpoint (0.26.0+: a resumption from a cache
+        hit that ends off the B grid, or vLLM's own stop inside the prompt's last
+        block): those are tracked apart (``tail_resumed_kept``).
         """
         grid = self.state_block
         start, end = chunk.start, chunk.end
@@ -629,9 +630,19 @@ class Simulation:
                 )
         if not (start % grid == 0 and end - start == grid):
             own = False
-            # Off the grid only after a partial-tail hit, up to the next boundary.
+            # Off the grid only around vLLM's partial-tail checkpoint: resumed
+            # from it (up to the next boundary), or stopped at it inside the
+            # prompt's last block (vLLM's own stop, which no mode overrides).
             to_boundary = start % grid and end <= (start // grid + 1) * grid
-            if not (provenance == FROM_TAIL and to_boundary):
+            prompt_end = request.num_prompt_tokens
+            at_tail = (
+                start % grid == 0
+                and end % grid
+                and (prompt_end - 1) // grid * grid < end < prompt_end
+            )
+            if at_tail and provenance == CANONICAL:
+                provenance = FROM_TAIL
+            elif not (provenance == FROM_TAIL and (to_boundary or at_tail)):
                 provenance = NON_CANONICAL
         self._chains[req_id] = (end, own, provenance)
         self.canonical[self._running_block(req_id, end).block_id] = provenance
