@@ -219,12 +219,13 @@ def state_grid_split(
                 else scheduler.mamba_has_prefill_checkpoint_blocks and start % grid == 0
             )
             and end >= max(request.num_prompt_tokens, request.num_tokens - 1)
-            and next_boundary + grid >= end
+            and end < next_boundary + grid  # no state at a later boundary
             and checkpoint_at(start, end) == next_boundary
         ):
             # vLLM checkpoints inside this chunk, which really ends the
             # prefill, and the one state its backend writes is the chunk's
-            # only boundary.
+            # only boundary (its end is not one: that state would come from
+            # a chunk two blocks long).
             return num_tokens
         if stop_anywhere:
             return next_boundary - start
