@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from vllm_mamba_align import MambaAlignError
 from vllm_mamba_align.releases import (
+    InternalCheckpoint,
     PrefillRule,
     supports_hash_block,
     supports_retention_setting,
@@ -91,6 +92,22 @@ def workloads(draw: st.DrawFn, equal_geometry: bool = False) -> Workload:
         retention = draw(st.sampled_from(["default", "default", None, "segments"]))
         if retention == "segments":
             retention = math.lcm(cache_block, state_block) * draw(st.integers(1, 3))
+    # Backend prefill checkpoints (GPU GDN/Mamba2/KDA, 0.29.0+): one state
+    # written inside a chunk vLLM checkpoints internally.
+    checkpoint = None
+    checkpoint_rule = installed_body().internal_checkpoint
+    if checkpoint_rule is not InternalCheckpoint.NONE and choose_hash:
+        backends: list[str | None] = [None, "flashkda"]
+        if checkpoint_rule is InternalCheckpoint.OBSERVED:
+            backends += ["gdn-flashinfer", "mamba2"]
+        checkpoint = draw(st.sampled_from(backends))
+        if (
+            checkpoint_rule is InternalCheckpoint.ALIGNED_START
+            and state_block % 16 == 8
+        ):
+            # 0.29.0's flashkda defect (vLLM's own, not the split's): the
+            # manager reserves a checkpoint block the backend never writes.
+            checkpoint = None
     longest = max(len(p) + n for p, n in zip(prompts, max_tokens, strict=True))
     assert longest < MAX_MODEL_LEN  # at most 11 state blocks of at most 768 tokens
     # Blocks one request needs in both groups, so each request fits on its own
@@ -107,6 +124,7 @@ def workloads(draw: st.DrawFn, equal_geometry: bool = False) -> Workload:
         num_blocks=draw(st.sampled_from([need + 2, 2 * need, 4000])),
         reserve_full_input=draw(st.booleans()),
         retention=retention,
+        prefill_checkpoint=checkpoint,
     )
     return Workload(
         geometry=geometry,
@@ -194,10 +212,16 @@ def test_fixed_scheduler_never_poisons_and_always_finishes(workload: Workload) -
         event("full: a request resumed from vLLM's partial-tail checkpoint")
     retention = runs["kept"].retention
     event(f"retention {'dense' if retention.dense else retention.interval}")
-    if retention.interval == 0 and not runs["grid"].missing_kept:
-        # vLLM's own stops already land on every kept boundary: kept adds none.
-        # (Where they do not, e.g. 0.29.0's replay stop for P % B == 0, kept
-        # stops there and grid loses the state.)
+    checkpointed = workload.geometry.prefill_checkpoint is not None
+    if checkpointed:
+        event(f"prefill checkpoints ({workload.geometry.prefill_checkpoint})")
+        if runs["full"].checkpoint_writes:
+            event("the backend wrote an in-chunk checkpoint (full)")
+    # vLLM's own stops already land on every kept boundary at retention 0, so
+    # kept adds none; where they do not (0.29.0's replay stop when B divides P;
+    # with backend checkpoints a final chunk that runs past the replay boundary)
+    # kept stops there and grid loses the state.
+    if retention.interval == 0 and not checkpointed and not runs["grid"].missing_kept:
         for req_id, record in runs["grid"].records.items():
             assert runs["kept"].chunk_ends(req_id) == [c.end for c in record.chunks]
     elif retention.interval == 0:

@@ -12,8 +12,11 @@ Backport of vLLM PR #54076 (never merged). Two defects of
 2. A chunk that starts on a boundary is not stopped at the next one, so one step
    can cross several boundaries; the allocator gives a request one real state
    block per step, so the crossed interior states are never materialized.
-   Fix (``full`` mode): a non-final prefill chunk stops at the next B boundary,
-   unless vLLM's backend checkpoints interior states itself for that chunk.
+   Fix (``full`` mode): a non-final prefill chunk stops at the next B boundary.
+   With backend prefill checkpoints (GPU, 0.29.0+) the backend writes ONE state
+   inside a chunk vLLM checkpoints internally: the stop is skipped only when the
+   returned chunk really ends the prefill and its only boundary is that state
+   (:func:`backend_checkpoint_rule`).
    ``kept`` mode stops only where vLLM's state retention keeps the boundary's
    state (retention.py); ``grid`` mode never adds a stop.
 
@@ -104,6 +107,72 @@ def observe_checkpoint_decision(
     return result
 
 
+CheckpointRule = Callable[[int, int], int]
+"""(chunk start, chunk end) -> where the backend's in-chunk checkpoint goes, for
+a chunk vLLM decided to checkpoint internally (-1: nowhere)."""
+
+
+def backend_checkpoint_rule(
+    scheduler: Any, stock: SplitFunction, rule: InternalCheckpoint, grid: int
+) -> CheckpointRule | None:
+    """Where vLLM's GPU backend writes its one in-chunk prefill state.
+
+    None: the body has no internal checkpointing, or its position is not known
+    here (the fix then stops at every boundary, which is always safe: a cut
+    chunk is no longer final and vLLM decides again for the next one).
+
+    - 0.30.0+: ``compute_mamba_prefill_checkpoints``
+      (model_executor/layers/mamba/checkpoint.py:21-63 in 0.33.0) puts the state
+      at ``get_mamba_prefill_checkpoint_position(chunk end, ...)`` into column
+      ``cdiv(end, B) - 2``; taken with vLLM's own function and the block the
+      scheduler's split passes it (scheduler.py:576-592).
+    - 0.29.0: only KDA on flashkda has checkpoint blocks; its metadata builder
+      (models/kimi_k3/nvidia/kda_metadata.py:582-605) writes the last B boundary
+      below the chunk end if the chunk does not end on the grid and the offset
+      from the chunk start is a multiple of 16 (FLASHKDA_CHUNK_SIZE).
+    """
+    if rule is InternalCheckpoint.ALIGNED_START:
+
+        def aligned_start(start: int, end: int) -> int:
+            position = end // grid * grid
+            if end % grid == 0 or not start < position or (position - start) % 16:
+                return -1
+            return position
+
+        return aligned_start
+    if rule is not InternalCheckpoint.OBSERVED:
+        return None
+    position_of: Callable[..., int] | None = getattr(stock, "__globals__", {}).get(
+        "get_mamba_prefill_checkpoint_position"
+    )
+    if position_of is None:
+        return None
+    helper = position_of
+    try:
+        parameters = inspect.signature(position_of).parameters
+    except (TypeError, ValueError):
+        return None
+    if "num_hash_lookahead_tokens" not in parameters or len(parameters) != 4:
+        return None  # a different helper than 0.33.0's: stop everywhere
+
+    def observed(start: int, end: int) -> int:
+        # vLLM's split: ckpt_block_size (scheduler.py:576-578 in 0.33.0).
+        block = (
+            scheduler.hash_block_size
+            if scheduler.mamba_partial_cache_hit
+            else scheduler.block_size
+        )
+        position: int = helper(
+            end,
+            block,
+            scheduler.use_eagle_block_drop,
+            num_hash_lookahead_tokens=scheduler.num_hash_lookahead_tokens,
+        )
+        return position
+
+    return observed
+
+
 def state_grid_split(
     scheduler: Any,
     stock: SplitFunction,
@@ -131,28 +200,39 @@ def state_grid_split(
     prefill_rule = body.prefill
     decisions = checkpoint_decisions
 
+    checkpoint_at = backend_checkpoint_rule(scheduler, stock, rule, grid)
+
     def stop(request: Any, start: int, num_tokens: int, taken_before: int) -> int:
         """vLLM's answer for a chunk of two or more tokens, stopped at the next
         boundary where the mode says so."""
         next_boundary = (start // grid + 1) * grid
-        if next_boundary >= start + num_tokens:
+        end = start + num_tokens
+        if next_boundary >= end:
             return num_tokens  # the chunk crosses no boundary: nothing to stop
         if not in_prefill(prefill_rule, request, start):
             return num_tokens  # not a prefill chunk
-        if observed and decisions.taken != taken_before:
-            return num_tokens  # vLLM checkpoints this chunk's interior itself
         if (
-            rule is InternalCheckpoint.ALIGNED_START
-            and scheduler.mamba_has_prefill_checkpoint_blocks
-            and start % grid == 0
+            checkpoint_at is not None
+            and (
+                decisions.taken != taken_before
+                if observed
+                else scheduler.mamba_has_prefill_checkpoint_blocks and start % grid == 0
+            )
+            and end >= max(request.num_prompt_tokens, request.num_tokens - 1)
+            and end < next_boundary + grid  # no state at a later boundary
+            and checkpoint_at(start, end) == next_boundary
         ):
-            return num_tokens  # 0.29.0: the backend saves the interior states
+            # vLLM checkpoints inside this chunk, which really ends the
+            # prefill, and the one state its backend writes is the chunk's
+            # only boundary (its end is not one: that state would come from
+            # a chunk two blocks long).
+            return num_tokens
         if stop_anywhere:
             return next_boundary - start
         # kept: stop only at a boundary whose state vLLM keeps; a step spent on
         # a boundary it drops would buy nothing.
         kept = first_kept_after(request, start)
-        if kept is None or kept >= start + num_tokens:
+        if kept is None or kept >= end:
             return num_tokens
         return kept - start
 

@@ -23,6 +23,7 @@ import functools
 import hashlib
 import inspect
 import json
+import math
 import os
 import tempfile
 from array import array
@@ -161,6 +162,30 @@ class Geometry:
     retention: int | str | None = "default"
     """Prefix-cache state retention: ``"default"`` (what vLLM's engine uses when
     the user sets nothing), None (dense: every state kept), 0 or R > 0."""
+    prefill_checkpoint: str | None = None
+    """A GPU backend that saves one prefill checkpoint state inside a chunk
+    (``MambaSpec.num_prefill_checkpoint_blocks = 1``, 0.29.0+), by its alignment
+    rule in :data:`CHECKPOINT_BACKENDS`; None: the CPU backend (no checkpoint)."""
+
+
+CHECKPOINT_BACKENDS = ("gdn-flashinfer", "mamba2", "flashkda")
+"""Backends whose in-chunk prefill checkpoint the worker model writes.
+
+0.33.0 (``MambaSpec.prefill_checkpoint_alignment``): GDN on FlashInfer
+lcm(hash block, 64), Mamba2 1, flashkda 16. 0.29.0 has no alignment field and
+only KDA on flashkda declares checkpoint blocks (models/kimi_k3/nvidia/kda.py:599),
+so there every backend is modelled by flashkda's rule (16)."""
+
+
+def checkpoint_alignment(backend: str, hash_block: int) -> int:
+    """The backend's ``prefill_checkpoint_alignment``."""
+    if backend == "gdn-flashinfer":
+        return math.lcm(hash_block, 64)
+    if backend == "mamba2":
+        return 1
+    if backend == "flashkda":
+        return 16
+    raise ValueError(f"unknown prefill checkpoint backend {backend!r}")
 
 
 def kv_cache_config(geometry: Geometry) -> Any:
@@ -172,12 +197,26 @@ def kv_cache_config(geometry: Geometry) -> Any:
         MambaSpec,
     )
 
+    checkpoint: dict[str, Any] = {}
+    if geometry.prefill_checkpoint is not None:
+        checkpoint["num_prefill_checkpoint_blocks"] = 1
+        if "prefill_checkpoint_alignment" in MambaSpec.__dataclass_fields__:
+            # 0.30.0+ (the scheduler's decision is False without it); the
+            # hash block the engine resolves, or vLLM's pick when None.
+            hash_block = geometry.hash_block or math.gcd(
+                geometry.cache_block, geometry.state_block
+            )
+            checkpoint["prefill_checkpoint_alignment"] = checkpoint_alignment(
+                geometry.prefill_checkpoint, hash_block
+            )
+
     def mamba(block: int) -> Any:
         return MambaSpec(
             block_size=block,
             shapes=((1,),),
             dtypes=(torch.float32,),
             mamba_cache_mode="align",
+            **checkpoint,
         )
 
     groups = [
@@ -444,6 +483,11 @@ class Simulation:
         canonical, and not the split's doing."""
         self.missing_kept: list[str] = []
         """Prompt boundaries vLLM keeps whose state was never materialized."""
+        self.checkpoint_now: dict[str, int] = {}
+        """Request -> position of the in-chunk checkpoint its backend wrote in
+        the last step."""
+        self.checkpoint_writes = 0
+        self._checkpoint_rule = self._backend_checkpoint_rule()
 
     # -- requests ---------------------------------------------------------------
     def add(self, request_id: str, tokens: Sequence[int], max_tokens: int = 1) -> Any:
@@ -532,6 +576,9 @@ class Simulation:
             self._check_reused_state(new.req_id, new.num_computed_tokens, written)
         for req_id, chunk in chunks.items():
             self._write_running_state(req_id, chunk.end)
+        self.checkpoint_now = {}
+        for req_id, chunk in chunks.items():
+            self._write_checkpoint_state(req_id, chunk)
         rule = self.prefill_rule
         self.prefill_now = {
             req_id
@@ -598,6 +645,91 @@ class Simulation:
         self.holds[block.block_id] = state_id(self._tokens(req_id), end)
         self.canonical[block.block_id] = NON_CANONICAL  # until a prefill chunk says so
 
+    def _backend_checkpoint_rule(
+        self,
+    ) -> Callable[[int, int], tuple[int, int] | None] | None:
+        """(query start, seq len) -> (checkpoint position, block-table column)
+        or None, as the installed vLLM's GPU backend computes it; None when
+        the geometry declares no prefill checkpoint blocks."""
+        backend = self.geometry.prefill_checkpoint
+        if backend is None:
+            return None
+        spec = self.mamba_manager.kv_cache_spec
+        grid = self.state_block
+        if hasattr(spec, "prefill_checkpoint_alignment"):
+            # 0.33.0: MambaPrefillCheckpointBuilder.build
+            # (model_executor/layers/mamba/checkpoint.py:113-142) calls
+            # compute_mamba_prefill_checkpoints (checkpoint.py:21-63) with the
+            # chunk end as seq_len: position = the checkpoint position below the
+            # chunk end on cache_hit_alignment_tokens (kv_cache_interface.py:1169),
+            # kept only if is_mamba_prefill_checkpoint_valid (:1189); column
+            # cdiv(seq_len, B) - 2; a null column is gathered as NULL_BLOCK_ID
+            # (checkpoint.py:66-71), i.e. nothing is written.
+            from vllm.model_executor.layers.mamba.checkpoint import (
+                compute_mamba_prefill_checkpoints,
+            )
+
+            hash_block = self.hash_block
+            alignment = spec.prefill_checkpoint_alignment
+            cache_hit = self.mamba_manager.cache_hit_alignment_tokens
+            lookahead = getattr(self.scheduler, "num_hash_lookahead_tokens", 0)
+
+            def rule(start: int, end: int) -> tuple[int, int] | None:
+                offsets, columns = compute_mamba_prefill_checkpoints(
+                    [end],
+                    [end - start],
+                    hash_block_size=hash_block,
+                    mamba_block_size=grid,
+                    checkpoint_alignment=alignment,
+                    drop_eagle_block=False,  # no speculative decoding here
+                    cache_hit_alignment_tokens=cache_hit,
+                    num_hash_lookahead_tokens=lookahead,
+                )
+                if not offsets[0]:
+                    return None
+                return start + offsets[0], columns[0]
+
+            return rule
+        if split_body_of(self.scheduler).internal_checkpoint is (
+            InternalCheckpoint.ALIGNED_START
+        ):
+            # 0.29.0: only KDA on flashkda declares checkpoint blocks
+            # (models/kimi_k3/nvidia/kda.py:599); its metadata builder
+            # (models/kimi_k3/nvidia/kda_metadata.py:582-605) checkpoints the
+            # last B boundary below the chunk end, if the chunk does not end on
+            # the grid, the boundary is inside the chunk and 16-aligned from its
+            # start (FLASHKDA_CHUNK_SIZE); column seq_len // B - 1; a null
+            # column is gathered as NULL_BLOCK_ID (nothing written).
+            def rule_0_29(start: int, end: int) -> tuple[int, int] | None:
+                position = end // grid * grid
+                offset = position - start
+                if end % grid == 0 or not 0 < offset < end - start or offset % 16:
+                    return None
+                return position, end // grid - 1
+
+            return rule_0_29
+        raise NotImplementedError(
+            "the in-chunk prefill checkpoint is modelled for vLLM 0.29.0 and 0.33.0"
+        )
+
+    def _write_checkpoint_state(self, req_id: str, chunk: Chunk) -> None:
+        """The backend's in-chunk checkpoint write (see _backend_checkpoint_rule)."""
+        rule = self._checkpoint_rule
+        if rule is None:
+            return
+        found = rule(chunk.start, chunk.end)
+        if found is None:
+            return
+        position, column = found
+        blocks = self._mamba_blocks(req_id)
+        if column >= len(blocks) or blocks[column].is_null:
+            return  # NULL_BLOCK_ID: the kernel skips the write
+        block_id = blocks[column].block_id
+        self.holds[block_id] = state_id(self._tokens(req_id), position)
+        self.canonical[block_id] = NON_CANONICAL  # until _track_kept_states says so
+        self.checkpoint_now[req_id] = position
+        self.checkpoint_writes += 1
+
     def _track_kept_states(self, req_id: str, chunk: Chunk) -> None:
         """Check the kept boundaries of one prefill chunk, and how it computed them.
 
@@ -628,6 +760,17 @@ class Simulation:
                     if right
                     else NON_CANONICAL
                 )
+        # The backend's in-chunk checkpoint: as canonical as the chunk's start
+        # when it is the chunk's first boundary, one B block from an aligned
+        # start (its kernel chunks from the query start, on the alignment).
+        checkpoint = self.checkpoint_now.get(req_id)
+        own_checkpoint = own and checkpoint is not None and checkpoint == start + grid
+        if checkpoint is not None:
+            column = -(-end // grid) - 2
+            first_block = start % grid == 0 and checkpoint == start + grid
+            self.canonical[self._mamba_blocks(req_id)[column].block_id] = (
+                provenance if first_block else NON_CANONICAL
+            )
         if not (start % grid == 0 and end - start == grid):
             own = False
             # Off the grid only around vLLM's partial-tail checkpoint: resumed
@@ -647,7 +790,7 @@ class Simulation:
         self._chains[req_id] = (end, own, provenance)
         self.canonical[self._running_block(req_id, end).block_id] = provenance
         for boundary in self.retention.kept_in(request, start, end):
-            if boundary < end:
+            if boundary < end and boundary != checkpoint:
                 self.missing_kept.append(f"{req_id}: {boundary} inside a chunk")
                 continue
             # Materialized in the slot vLLM publishes for it. (When partial hash
@@ -660,6 +803,14 @@ class Simulation:
                 self.missing_kept.append(f"{req_id}: {boundary} not written")
                 continue
             self.kept_writes += 1
+            if boundary == checkpoint:
+                self.noncanonical_kept_writes += not own_checkpoint
+                held = self.canonical.get(block.block_id, NON_CANONICAL)
+                if held == NON_CANONICAL:
+                    self.noncanonical_kept.append(f"{req_id}: state@{boundary}")
+                elif held == FROM_TAIL:
+                    self.tail_resumed_kept.append(f"{req_id}: state@{boundary}")
+                continue
             self.noncanonical_kept_writes += not own
             if provenance == NON_CANONICAL:
                 self.noncanonical_kept.append(f"{req_id}: state@{boundary}")
