@@ -585,8 +585,9 @@ class Simulation:
             for req_id, chunk in chunks.items()
             if req_id in before and in_prefill(rule, before[req_id], chunk.start)
         }
-        for req_id in self.prefill_now:
-            self._track_kept_states(req_id, chunks[req_id])
+        for req_id, chunk in chunks.items():  # in the scheduler's order
+            if req_id in self.prefill_now:
+                self._track_kept_states(req_id, chunk)
         self._check_published_hashes()
 
         sampled: list[list[int]] = []
