@@ -268,10 +268,18 @@ def check_audit_against_stock(workload: Workload) -> audit.AuditSnapshot:
     assert found.requests == len({r for r, _, _ in prefill})
     if any(e - s == 1 for _, s, e in prefill):
         event("a one-token prefill chunk")
-    assert found.poisoned_slots == stock.wrong_publications
     lost = [m for m in stock.missing_kept if "inside a chunk" in m]
-    assert found.poisoned_slots + found.skipped_boundaries == len(lost)
-    assert found.noncanonical_states == stock.noncanonical_kept_writes
+    if workload.geometry.prefill_checkpoint is None:
+        assert found.poisoned_slots == stock.wrong_publications
+        assert found.poisoned_slots + found.skipped_boundaries == len(lost)
+        assert found.noncanonical_states == stock.noncanonical_kept_writes
+    else:
+        # The audit does not model the backend's in-chunk checkpoint write (README,
+        # "Audit before you switch"): a boundary the backend writes inside a
+        # chunk is still counted, so the audit can only over-count there.
+        event("backend checkpoints: the audit's counts are upper bounds")
+        assert found.poisoned_slots >= stock.wrong_publications
+        assert found.poisoned_slots + found.skipped_boundaries >= len(lost)
     assert found.poisoned_slots >= len(stock.poisoned)
     if found.poisoned_slots > len(stock.poisoned):
         event("a (block, hash) pair was published wrong twice")
