@@ -6,9 +6,18 @@ when the request moves on. So a stop at a boundary pays a prefill step, and buys
 a reusable state only when the boundary is kept. vLLM's rule, per release:
 
 - before 0.27.1: no setting, every boundary is kept (dense);
-- 0.27.1-0.28.0: ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` (default dense);
+- 0.27.1-0.28.0: ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` (default dense), read
+  when the KV-cache coordinator is built; reachable positions are floored to the
+  scheduler block;
 - 0.29.0+: ``--prefix-cache-retention-interval``
-  (``CacheConfig.prefix_cache_retention_interval``), **default 0**.
+  (``CacheConfig.prefix_cache_retention_interval``), **default 0** (0.29.0 only:
+  dense for a hybrid model with an EAGLE drafter); the engine copies it into the
+  ``KVCacheConfig``; reachable positions are floored to the hit alignment;
+- 0.30.0+: with EAGLE, two replay positions on the scheduler block; 0.33.0 also
+  keeps the block below an EAGLE junction.
+
+The mask rule itself (``MambaManager.reachable_block_mask``) is the same in every
+release that has one (0.27.1-0.33.0).
 
 ``None`` keeps every boundary; ``0`` keeps only the *reachable* boundaries: the
 prompt's replay boundary (where a re-ask or a longer sibling resumes) and a
