@@ -42,7 +42,7 @@ from .server import (
     write_tokenizer,
 )
 from .test_engine import (
-    BUDGET,
+    COMMON,
     HETEROGENEOUS,
     HYBRID,
     PLUGIN,
@@ -55,13 +55,9 @@ from .test_engine import (
 # The engine settings of test_engine.py as CLI flags. On the command line
 # --prefix-cache-retention-interval takes the literal "None" (dense retention),
 # which vLLM's parser turns into Python's None, as the LLM tests pass it.
+# The tokenizer the test writes replaces skip_tokenizer_init (logprobs need it).
 SERVE_OPTIONS: dict[str, Any] = {
-    "dtype": "float32",
-    "seed": 0,
-    "enforce_eager": True,
-    "enable_prefix_caching": True,
-    "max_model_len": 4096,
-    "max_num_batched_tokens": BUDGET,
+    **{key: value for key, value in COMMON.items() if key != "skip_tokenizer_init"},
     **HYBRID,
     **HETEROGENEOUS,
     "enable_prompt_tokens_details": True,
