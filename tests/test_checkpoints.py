@@ -99,3 +99,25 @@ def test_the_boundary_the_backend_writes_needs_no_stop() -> None:
     assert sim.missing_kept == []
     assert 2304 in sim.materialized_boundaries("first")
     assert not sim.poisoned
+
+
+def test_full_aligns_a_chunk_that_vllm_leaves_to_the_backend() -> None:
+    """0.29.0 leaves any chunk that starts on the grid unaligned when checkpoint
+    blocks exist (it trusts the backend with the boundary inside). A chunk
+    squeezed by another request's token to 0 -> 319 (B = 320) crosses no
+    boundary: nothing is checkpointed, and 320 would be computed as 0 -> 319 ->
+    320, not one block per chunk. ``full`` waits for a whole block instead, as
+    vLLM itself does without checkpoint blocks."""
+    _backend()
+    geometry = Geometry(16, 320, 320, hash_block=16, prefill_checkpoint="flashkda")
+    with scheduler_mode("full"):
+        sim = Simulation(geometry)
+        assert sim.scheduler.mamba_has_prefill_checkpoint_blocks
+        sim.add("one-token", prompt(1, seed=1))
+        sim.add("long", prompt(1000, seed=2))
+        sim.run()
+    ends = sim.chunk_ends("long")
+    assert ends[:3] == [320, 640, 960]  # then vLLM's own stop at the hash tail
+    assert sim.noncanonical_kept == []
+    assert sim.missing_kept == []
+    assert not sim.poisoned

@@ -173,6 +173,17 @@ def backend_checkpoint_rule(
     return observed
 
 
+def _prefill_step_budget(scheduler: Any) -> int:
+    """The most prefill tokens one step gives a request, as vLLM's split computes
+    it (0 when unknown: then nothing is held back, so nothing can stall)."""
+    budget = getattr(scheduler, "max_num_scheduled_tokens", 0)
+    config = getattr(scheduler, "scheduler_config", None)
+    threshold = getattr(config, "long_prefill_token_threshold", 0)
+    if not isinstance(budget, int) or not isinstance(threshold, int):
+        return 0
+    return min(budget, threshold) if threshold > 0 else budget
+
+
 def state_grid_split(
     scheduler: Any,
     stock: SplitFunction,
@@ -201,6 +212,29 @@ def state_grid_split(
     decisions = checkpoint_decisions
 
     checkpoint_at = backend_checkpoint_rule(scheduler, stock, rule, grid)
+    # 0.29.0 leaves every chunk that starts on the grid unaligned once checkpoint
+    # blocks exist, trusting the backend with the boundary inside; a chunk that
+    # crosses none (squeezed by the step budget) then makes the next boundary's
+    # state a two-chunk one. Where boundary states must be canonical, wait for a
+    # whole block instead, as vLLM itself does without checkpoint blocks.
+    align_short_chunks = (
+        rule is InternalCheckpoint.ALIGNED_START
+        and stop_anywhere
+        and 0 < grid <= _prefill_step_budget(scheduler)
+    )
+
+    def falls_short(request: Any, start: int, num_new_tokens: int) -> bool:
+        """Whether vLLM without checkpoint blocks would schedule nothing: a
+        prefill chunk from a boundary that reaches neither the next one nor
+        the end of the prefill (the step budget squeezed it)."""
+        end = start + num_new_tokens
+        return (
+            start % grid == 0
+            and end < start + grid
+            and end < max(request.num_prompt_tokens, request.num_tokens - 1)
+            and scheduler.mamba_has_prefill_checkpoint_blocks
+            and in_prefill(prefill_rule, request, start)
+        )
 
     def stop(request: Any, start: int, num_tokens: int, taken_before: int) -> int:
         """vLLM's answer for a chunk of two or more tokens, stopped at the next
@@ -244,6 +278,14 @@ def state_grid_split(
         num_external_computed_tokens: int = 0,
     ) -> int:
         nonlocal view
+        if align_short_chunks and falls_short(
+            request,
+            request.num_computed_tokens
+            + num_new_local_computed_tokens
+            + num_external_computed_tokens,
+            num_new_tokens,
+        ):
+            return 0
         shared = scheduler.cache_config
         if view.shared is not shared:  # replaced since the scheduler started
             view = _StateGridCacheConfig(shared, grid)
@@ -277,6 +319,14 @@ def state_grid_split(
         num_uncached_common_prefix_tokens: int = 0,
     ) -> int:
         nonlocal view
+        if align_short_chunks and falls_short(
+            request,
+            request.num_computed_tokens
+            + num_new_local_computed_tokens
+            + num_external_computed_tokens,
+            num_new_tokens,
+        ):
+            return 0
         shared = scheduler.cache_config
         if view.shared is not shared:
             view = _StateGridCacheConfig(shared, grid)
