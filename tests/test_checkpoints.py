@@ -121,3 +121,52 @@ def test_full_aligns_a_chunk_that_vllm_leaves_to_the_backend() -> None:
     assert sim.noncanonical_kept == []
     assert sim.missing_kept == []
     assert not sim.poisoned
+
+
+@pytest.mark.parametrize("mode", ["grid", "kept", "full"])
+def test_no_hash_over_a_checkpoint_the_backend_never_writes(mode: str) -> None:
+    """0.29.0, flashkda, B = 24 (B % 16 == 8): a request resuming at vLLM's
+    partial-tail checkpoint (496) reaches 504, then vLLM lets 504 -> 544 through
+    as internally checkpointed. Its backend writes 16-aligned from the chunk
+    start only (528 - 504 = 24: nothing written) while the block of 528 is
+    published. Every mode ends that chunk on the grid at 528 instead."""
+    if installed_body().internal_checkpoint is not InternalCheckpoint.ALIGNED_START:
+        pytest.skip("0.29.0's flashkda rule only")
+    geometry = Geometry(8, 24, 8192, hash_block=8, prefill_checkpoint="flashkda")
+    with scheduler_mode(mode):
+        sim = Simulation(geometry)
+        base = prompt(500, seed=1)
+        sim.add("first", base)
+        sim.run()
+        sim.add("sibling", base[:300] + prompt(100, seed=2))
+        sim.run()
+        sim.add("longer", base + prompt(50, seed=3))
+        sim.run()
+    assert sim.reused("longer") == 496
+    assert 528 in sim.chunk_ends("longer")
+    assert not sim.poisoned, [str(p) for p in sim.poisoned.values()]
+    assert not sim.wrong_reuse
+
+
+def test_stock_publishes_the_checkpoint_its_backend_never_writes() -> None:
+    """The control: stock 0.29.0 in equal geometry (C = B = 24) publishes the
+    block of 528 over a slot that holds nothing (vLLM's defect)."""
+    if installed_body().internal_checkpoint is not InternalCheckpoint.ALIGNED_START:
+        pytest.skip("0.29.0's flashkda rule only")
+    geometry = Geometry(24, 24, 8192, hash_block=8, prefill_checkpoint="flashkda")
+    with scheduler_mode("off"):
+        sim = Simulation(geometry)
+        base = prompt(500, seed=1)
+        sim.add("first", base)
+        sim.run()
+        sim.add("longer", base + prompt(50, seed=3))
+        sim.run()
+    assert sim.reused("longer") == 496
+    assert (
+        [str(p) for p in sim.poisoned.values()]
+        == [
+            f"block {p.block_id} hashed as state@528 holds nothing"
+            for p in sim.poisoned.values()
+        ]
+        != []
+    )

@@ -219,6 +219,7 @@ def state_grid_split(
     # whole block instead, as vLLM itself does without checkpoint blocks.
     align_short_chunks = (
         rule is InternalCheckpoint.ALIGNED_START
+        and stop_at_boundaries
         and stop_anywhere
         and 0 < grid <= _prefill_step_budget(scheduler)
     )
@@ -236,6 +237,15 @@ def state_grid_split(
             and in_prefill(prefill_rule, request, start)
         )
 
+    # 0.29.0's flashkda backend writes its in-chunk state only 16-aligned from
+    # the chunk start, yet vLLM publishes the reserved checkpoint block either
+    # way: with B % 16 == 8 a chunk from a boundary across an odd number of
+    # blocks would publish a hash over a slot that holds nothing. Every active
+    # mode ends such a chunk on the grid instead (its end state is then written
+    # as any chunk end's is).
+    guard_unwritten = rule is InternalCheckpoint.ALIGNED_START and grid % 16 != 0
+    adjusts = stop_at_boundaries or guard_unwritten
+
     def stop(request: Any, start: int, num_tokens: int, taken_before: int) -> int:
         """vLLM's answer for a chunk of two or more tokens, stopped at the next
         boundary where the mode says so."""
@@ -245,6 +255,20 @@ def state_grid_split(
             return num_tokens  # the chunk crosses no boundary: nothing to stop
         if not in_prefill(prefill_rule, request, start):
             return num_tokens  # not a prefill chunk
+        if (
+            guard_unwritten
+            and end % grid
+            and start % grid == 0
+            and scheduler.mamba_has_prefill_checkpoint_blocks
+            and checkpoint_at is not None
+            and checkpoint_at(start, end) < 0
+        ):
+            end = end // grid * grid
+            num_tokens = end - start
+            if next_boundary == end:
+                return num_tokens
+        if not stop_at_boundaries:
+            return num_tokens
         if (
             checkpoint_at is not None
             and (
@@ -302,7 +326,7 @@ def state_grid_split(
             )
         finally:
             scheduler.cache_config = shared
-        if num_tokens <= 1 or not stop_at_boundaries:
+        if num_tokens <= 1 or not adjusts:
             return num_tokens
         start = (
             request.num_computed_tokens
@@ -343,7 +367,7 @@ def state_grid_split(
             )
         finally:
             scheduler.cache_config = shared
-        if num_tokens <= 1 or not stop_at_boundaries:
+        if num_tokens <= 1 or not adjusts:
             return num_tokens
         start = (
             request.num_computed_tokens

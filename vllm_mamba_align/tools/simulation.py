@@ -17,6 +17,7 @@ and a request that reuses a cached state reads the state of its own prefix.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import functools
@@ -166,6 +167,10 @@ class Geometry:
     """A GPU backend that saves one prefill checkpoint state inside a chunk
     (``MambaSpec.num_prefill_checkpoint_blocks = 1``, 0.29.0+), by its alignment
     rule in :data:`CHECKPOINT_BACKENDS`; None: the CPU backend (no checkpoint)."""
+    async_scheduling: bool = False
+    """``--async-scheduling``: vLLM's ``AsyncScheduler``, driven as its engine core
+    drives it (one step in flight: step N+1 is scheduled before step N's output
+    is processed)."""
 
 
 CHECKPOINT_BACKENDS = ("gdn-flashinfer", "mamba2", "flashkda")
@@ -313,6 +318,9 @@ def build_scheduler(geometry: Geometry) -> Any:
     """A real Scheduler, configured the way vLLM's engine core configures it."""
     from vllm.v1.core import kv_cache_utils
     from vllm.v1.core.sched.scheduler import Scheduler
+
+    if geometry.async_scheduling:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler as Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
     config = copy.deepcopy(base_vllm_config())
@@ -341,6 +349,8 @@ def build_scheduler(geometry: Geometry) -> Any:
         block_sizes = {"block_size": scheduler_block, "hash_block_size": hash_block}
     else:  # older engines pass cache_config.block_size (also the hash block)
         block_sizes = {"block_size": config.cache_config.block_size}
+    if geometry.async_scheduling:
+        sched.async_scheduling = True
     with retention_environment(geometry):
         return Scheduler(
             vllm_config=config,
@@ -488,6 +498,8 @@ class Simulation:
         the last step."""
         self.checkpoint_writes = 0
         self._checkpoint_rule = self._backend_checkpoint_rule()
+        self._in_flight: collections.deque[tuple[Any, Any]] = collections.deque()
+        """Async scheduling: scheduled steps whose output is not processed yet."""
 
     # -- requests ---------------------------------------------------------------
     def add(self, request_id: str, tokens: Sequence[int], max_tokens: int = 1) -> Any:
@@ -541,6 +553,11 @@ class Simulation:
     def step(self) -> dict[str, Chunk]:
         """One schedule(), the modeled forward pass, and update_from_output()."""
         from vllm.v1.outputs import ModelRunnerOutput
+
+        if self._in_flight and not self.scheduler.has_requests():
+            # Async scheduling, all requests done: drain the queued steps' outputs.
+            self.scheduler.update_from_output(*self._in_flight.pop())
+            return {}
 
         # Which chunks are prefill, by the installed body's own rule, judged on
         # each request as it is before this step.
@@ -605,6 +622,15 @@ class Simulation:
             req_id_to_index={req_id: i for i, req_id in enumerate(chunks)},
             sampled_token_ids=sampled,
         )
+        if self.geometry.async_scheduling:
+            # vLLM's engine core with a batch queue of two
+            # (EngineCore.step_with_batch_queue, v1/engine/core.py:708-790 in
+            # 0.33.0): a new step is queued, and the oldest one's output is
+            # processed only once the queue is full or nothing more was scheduled.
+            self._in_flight.appendleft((output, runner_output))
+            if len(self._in_flight) < 2 and (chunks or self.scheduler.has_requests()):
+                return chunks
+            output, runner_output = self._in_flight.pop()
         self.scheduler.update_from_output(output, runner_output)
         return chunks
 
@@ -618,7 +644,7 @@ class Simulation:
         ``after_step`` (e.g. a progress line) is called after every step.
         """
         idle = 0
-        while self.scheduler.has_requests():
+        while self.busy():
             if self.steps >= max_steps:
                 raise AssertionError(
                     f"requests still unfinished after {max_steps} steps"
@@ -629,6 +655,10 @@ class Simulation:
                 raise AssertionError("the scheduler stalled: nothing scheduled 4 times")
             if after_step is not None:
                 after_step(self)
+
+    def busy(self) -> bool:
+        """Requests left, or (async scheduling) steps whose output is pending."""
+        return bool(self._in_flight) or self.scheduler.has_requests()
 
     # -- the worker model and the oracle ----------------------------------------
     def _mamba_blocks(self, req_id: str) -> list[Any]:
