@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -157,10 +158,22 @@ def matrix_table(session: nox.Session) -> None:
     session.run("python3", "tools/matrix.py", "table")
 
 
+def _newest_release_per_body() -> list[str]:
+    """One release per distinct split body, from the package's release table."""
+    sys.path.insert(0, str(REPO))
+    try:
+        from vllm_mamba_align.releases import BODIES
+    finally:
+        sys.path.remove(str(REPO))
+    return [body.releases[-1] for body in BODIES]
+
+
 @nox.session
-@nox.parametrize("vllm", VLLM_RELEASES[-1:])
+@nox.parametrize("vllm", _newest_release_per_body())
 def property_long(session: nox.Session, vllm: str) -> None:
-    """The long property profile (about 10^5 real schedule() calls and more)."""
+    """The long property profile (about 10^5 real schedule() calls and more) on
+    one release per split body: ``nox -s property_long`` runs them all (up to an
+    hour each on 2 cores), ``nox -s "property_long(vllm='0.29.0')"`` one."""
     env = install_vllm(session, vllm)
     session.install(*TEST_TOOLS)
     install_plugin_wheel(session)
