@@ -19,7 +19,13 @@ from vllm_mamba_align.releases import (
     supports_hash_block,
     supports_retention_setting,
 )
-from vllm_mamba_align.tools.simulation import Geometry, Simulation, prompt
+from vllm_mamba_align.tools.simulation import (
+    CHECKPOINT_BACKENDS,
+    Geometry,
+    Simulation,
+    available_checkpoint_backends,
+    prompt,
+)
 
 B = 256
 HASH = 16
@@ -27,17 +33,26 @@ P = 2500
 BUDGET = 1500
 
 
-def _backend() -> str:
+def _backend(wanted: str | None = None) -> str:
+    """``wanted``, or GDN on FlashInfer where this vLLM has it (0.33.0+), else
+    the first backend with checkpoint blocks (flashkda, 0.29.0+)."""
     if installed_body().internal_checkpoint is InternalCheckpoint.NONE:
         pytest.skip("this vLLM has no backend prefill checkpoints (0.29.0+)")
     if not supports_hash_block():
         pytest.skip("needs the hash block to be chosen")
-    return "gdn-flashinfer"
+    backends = available_checkpoint_backends()
+    if wanted is not None:
+        if wanted not in backends:
+            pytest.skip(f"{wanted} declares no checkpoint blocks in this vLLM")
+        return wanted
+    return "gdn-flashinfer" if "gdn-flashinfer" in backends else backends[0]
 
 
-def _siblings(mode: str, retention: int | str | None, length: int = P) -> Simulation:
+def _siblings(
+    mode: str, retention: int | str | None, length: int = P, backend: str | None = None
+) -> Simulation:
     """A prompt, then siblings sharing 900 and 1,800 of its tokens."""
-    backend = _backend()
+    backend = _backend(backend)
     if retention != "default" and not supports_retention_setting():
         pytest.skip("this vLLM has no retention setting")
     geometry = Geometry(
@@ -88,12 +103,13 @@ def test_every_kept_boundary_of_an_internally_checkpointed_final_chunk(
     assert not sim.poisoned
 
 
-def test_the_boundary_the_backend_writes_needs_no_stop() -> None:
+@pytest.mark.parametrize("backend", CHECKPOINT_BACKENDS)
+def test_the_boundary_the_backend_writes_needs_no_stop(backend: str) -> None:
     """P = 2,312: from 2,048 the final chunk's checkpoint is 2,304, its only
     boundary, written by the backend: no extra step for it."""
     if installed_body().internal_checkpoint is not InternalCheckpoint.OBSERVED:
         pytest.skip("0.29.0 stops at the prompt's hash tail (2,304) itself")
-    sim = _siblings("full", None, length=2312)
+    sim = _siblings("full", None, length=2312, backend=backend)
     assert 2304 not in sim.chunk_ends("first")
     assert sim.checkpoint_writes
     assert sim.missing_kept == []

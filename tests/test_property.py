@@ -36,6 +36,7 @@ from vllm_mamba_align.tools.simulation import (
     MAX_MODEL_LEN,
     Geometry,
     Simulation,
+    available_checkpoint_backends,
     prompt,
 )
 
@@ -97,9 +98,9 @@ def workloads(draw: st.DrawFn, equal_geometry: bool = False) -> Workload:
     checkpoint = None
     checkpoint_rule = installed_body().internal_checkpoint
     if checkpoint_rule is not InternalCheckpoint.NONE and choose_hash:
-        backends: list[str | None] = [None, "flashkda"]
-        if checkpoint_rule is InternalCheckpoint.OBSERVED:
-            backends += ["gdn-flashinfer", "mamba2"]
+        # The backends with checkpoint blocks in this release (flashkda from
+        # 0.29.0, Mamba2 from 0.32.0, GDN from 0.33.0).
+        backends: list[str | None] = [None, *available_checkpoint_backends()]
         checkpoint = draw(st.sampled_from(backends))
         if (
             checkpoint_rule is InternalCheckpoint.ALIGNED_START
