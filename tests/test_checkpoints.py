@@ -15,6 +15,7 @@ import pytest
 from conftest import installed_body, scheduler_mode
 
 from vllm_mamba_align.releases import (
+    CheckpointGrid,
     InternalCheckpoint,
     supports_hash_block,
     supports_retention_setting,
@@ -137,3 +138,45 @@ def test_full_aligns_a_chunk_that_vllm_leaves_to_the_backend() -> None:
     assert sim.noncanonical_kept == []
     assert sim.missing_kept == []
     assert not sim.poisoned
+
+
+@pytest.mark.parametrize(
+    ("mode", "retention"), [("full", "default"), ("kept", "default"), ("kept", 512)]
+)
+def test_a_backend_off_the_managers_hash_grid_gets_no_internal_checkpoint(
+    mode: str, retention: int | str
+) -> None:
+    """0.30.0-0.31.0 with prefix_match_unit unset and C = 64 < B = 256: for a
+    chunk spanning two state blocks the manager reserves the checkpoint block
+    on the engine's hash grid (64) and keys it there (2,496 for the prompt's
+    final chunk), while the backend writes another state into it (2,304: its
+    grid is B). vLLM itself publishes that block wrong. The fix must not skip
+    its stop for the state the backend writes, and kept must stop at every
+    boundary too (with R = 512 its two-block chunks would be published as
+    state@448, 960, ... holding 256, 768, ...): then no chunk is checkpointed
+    internally."""
+    _backend()
+    if installed_body().checkpoint_grid is not CheckpointGrid.PREFIX_MATCH_UNIT:
+        pytest.skip("0.32.0+ backends use the engine's hash grid")
+    geometry = Geometry(
+        64, B, BUDGET, retention=retention, prefill_checkpoint="flashkda"
+    )
+    runs = {}
+    for run in ("stock", mode):
+        with scheduler_mode(run):
+            sim = runs[run] = Simulation(geometry)
+            assert sim.hash_block == 64
+            base = prompt(P, seed=1)
+            sim.add("first", base)
+            sim.run()
+            sim.add("sibling", base[:1800] + prompt(P - 1800, seed=2))
+            sim.run()
+    assert any(
+        p.claimed[0] == 2496 and p.held != p.claimed
+        for p in runs["stock"].poisoned.values()
+    ), "the control: stock publishes the backend's state@2,304 as 2,496"
+    fixed = runs[mode]
+    assert not fixed.poisoned, [str(p) for p in fixed.poisoned.values()]
+    assert fixed.checkpoint_writes == 0
+    assert fixed.missing_kept == []
+    assert not fixed.wrong_reuse

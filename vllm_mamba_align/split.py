@@ -112,6 +112,29 @@ CheckpointRule = Callable[[int, int], int]
 a chunk vLLM decided to checkpoint internally (-1: nowhere)."""
 
 
+def backend_off_manager_grid(scheduler: Any, body: SplitBody, grid: int) -> bool:
+    """Whether vLLM's backend puts its in-chunk state on another hash grid than
+    its Mamba manager reserves and publishes the block for.
+
+    0.30.0-0.31.0 (:attr:`CheckpointGrid.PREFIX_MATCH_UNIT`) with checkpoint
+    blocks, prefix_match_unit unset and an engine hash block other than B (the
+    GCD of the groups' blocks, so C < B): for a chunk that spans two state
+    blocks the manager reserves the checkpoint block at its own position
+    (single_type_kv_cache_manager.py:1775-1779 in 0.30.0, :1783-1787 in
+    0.31.0) and keys it there (``_cache_partial_tail_block``, :2047-2092 in
+    0.31.0), while the backend writes the state of another position into it:
+    vLLM publishes a wrong state by itself. No chunk of one block is
+    checkpointed internally, so the fix then stops at every boundary, in
+    ``kept`` mode too, and never counts on the backend's state.
+    """
+    if body.checkpoint_grid is not CheckpointGrid.PREFIX_MATCH_UNIT:
+        return False
+    if not getattr(scheduler, "mamba_has_prefill_checkpoint_blocks", False):
+        return False
+    backend = getattr(scheduler.cache_config, "prefix_match_unit", None) or grid
+    return bool(backend != scheduler.hash_block_size)
+
+
 def backend_checkpoint_rule(
     scheduler: Any, stock: SplitFunction, body: SplitBody, grid: int
 ) -> CheckpointRule | None:
@@ -171,11 +194,14 @@ def backend_checkpoint_rule(
     by_prefix_unit = body.checkpoint_grid is CheckpointGrid.PREFIX_MATCH_UNIT
     if by_prefix_unit and lookahead:
         return None  # 0.30.0/0.31.0's grid with 0.33.0's helper: unknown code
+    if backend_off_manager_grid(scheduler, body, grid):
+        return None
     helper, check = position_of, valid
 
     def observed(start: int, end: int) -> int:
         if by_prefix_unit:
-            # 0.30.0, 0.31.0: the backend's grid and hash block.
+            # 0.30.0, 0.31.0: the backend's grid and hash block (the same as
+            # the manager's: see backend_off_manager_grid).
             hash_block = scheduler.cache_config.prefix_match_unit or grid
             block = hash_block
         else:
@@ -247,8 +273,13 @@ def state_grid_split(
     """
     grid = state_block_size
     stop_at_boundaries = mode in (Mode.FULL, Mode.KEPT)
-    # Every boundary is worth a stop (full), or only those vLLM keeps (kept).
-    stop_anywhere = mode is Mode.FULL or retention.dense
+    # Every boundary is worth a stop (full), or only those vLLM keeps (kept);
+    # every one also where a longer chunk gets a wrongly published checkpoint.
+    stop_anywhere = (
+        mode is Mode.FULL
+        or retention.dense
+        or backend_off_manager_grid(scheduler, body, state_block_size)
+    )
     first_kept_after = retention.first_kept_after
     view = _StateGridCacheConfig(scheduler.cache_config, grid)
     rule = body.internal_checkpoint
