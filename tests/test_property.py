@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from vllm_mamba_align import MambaAlignError
 from vllm_mamba_align.releases import (
+    CheckpointGrid,
     InternalCheckpoint,
     PrefillRule,
     supports_hash_block,
@@ -51,7 +52,11 @@ class Workload:
 
 
 @st.composite
-def workloads(draw: st.DrawFn, equal_geometry: bool = False) -> Workload:
+def workloads(
+    draw: st.DrawFn, equal_geometry: bool = False, unset_hash_block: bool = False
+) -> Workload:
+    """``unset_hash_block``: flashkda's checkpoint blocks with prefix_match_unit
+    unset (vLLM picks the GCD of the groups' blocks as the hash block)."""
     hash_block = draw(st.sampled_from([8, 16, 32]))
     # Releases before 0.26.0 fix the hash block themselves (no prefix_match_unit).
     choose_hash = supports_hash_block()
@@ -102,6 +107,8 @@ def workloads(draw: st.DrawFn, equal_geometry: bool = False) -> Workload:
         # 0.29.0, Mamba2 from 0.32.0, GDN from 0.33.0).
         backends: list[str | None] = [None, *available_checkpoint_backends()]
         checkpoint = draw(st.sampled_from(backends))
+    if unset_hash_block:
+        checkpoint = "flashkda"
         if (
             checkpoint_rule is InternalCheckpoint.ALIGNED_START
             and state_block % 16 == 8
@@ -118,7 +125,7 @@ def workloads(draw: st.DrawFn, equal_geometry: bool = False) -> Workload:
         cache_block=cache_block,
         state_block=state_block,
         budget=budget,
-        hash_block=hash_block if choose_hash else None,
+        hash_block=hash_block if choose_hash and not unset_hash_block else None,
         long_prefill_threshold=threshold,
         max_num_seqs=draw(st.integers(1, 4)),
         # Scarce blocks force preemption: resumed requests replay their prefill.
@@ -230,6 +237,31 @@ def test_fixed_scheduler_never_poisons_and_always_finishes(workload: Workload) -
     if retention.dense:
         for req_id, record in runs["full"].records.items():
             assert runs["kept"].chunk_ends(req_id) == [c.end for c in record.chunks]
+
+
+@given(workloads(unset_hash_block=True))
+def test_full_and_kept_never_poison_with_a_backend_off_the_hash_grid(
+    workload: Workload,
+) -> None:
+    """0.30.0-0.31.0: with prefix_match_unit unset the backend checkpoints on
+    prefix_match_unit-or-B, the manager on the engine's hash block; where the
+    two differ (C < B) vLLM publishes wrong states itself (stock and grid).
+    ``full`` and ``kept`` stop at every boundary there and stay correct."""
+    if installed_body().checkpoint_grid is not CheckpointGrid.PREFIX_MATCH_UNIT:
+        pytest.skip("0.32.0+ backends checkpoint on the engine's hash grid")
+    for mode in ("full", "kept"):
+        sim = simulate(mode, workload)
+        assert not sim.poisoned, [str(p) for p in sim.poisoned.values()]
+        assert not sim.wrong_reuse
+        assert sim.missing_kept == [], f"{mode} lost states vLLM keeps"
+        for record in sim.records.values():
+            assert record.prefilled_at_step is not None
+        if mode == "full" and one_block_per_step(workload.geometry):
+            assert sim.noncanonical_kept == [], "full kept a non-canonical state"
+        off_grid = sim.hash_block != workload.geometry.state_block
+        event("backend off the hash grid" if off_grid else "hash block = B")
+        if sim.checkpoint_writes:
+            event(f"the backend wrote an in-chunk checkpoint ({mode})")
 
 
 @given(workloads(equal_geometry=True))
