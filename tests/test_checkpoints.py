@@ -180,3 +180,28 @@ def test_a_backend_off_the_managers_hash_grid_gets_no_internal_checkpoint(
     assert fixed.checkpoint_writes == 0
     assert fixed.missing_kept == []
     assert not fixed.wrong_reuse
+
+
+def test_grid_leaves_a_squeezed_chunk_as_vllm_schedules_it() -> None:
+    """The wait for a whole block is full's and kept's (canonical states), not
+    grid's: under dense retention, too, grid on 0.29.0 schedules the squeezed
+    chunk 0 -> 319 as stock does (C = B, nothing for grid to change). The
+    property found it (C = B = 112, a one-token request beside a long one)."""
+    _backend()
+    if installed_body().internal_checkpoint is not InternalCheckpoint.ALIGNED_START:
+        pytest.skip("only 0.29.0 leaves a chunk from the grid to its backend")
+    if not supports_retention_setting():
+        pytest.skip("this vLLM has no retention setting")
+    geometry = Geometry(
+        320, 320, 320, hash_block=16, retention=None, prefill_checkpoint="flashkda"
+    )
+    ends = {}
+    for mode in ("stock", "grid"):
+        with scheduler_mode(mode):
+            sim = Simulation(geometry)
+            sim.add("one-token", prompt(1, seed=1))
+            sim.add("long", prompt(1000, seed=2))
+            sim.run()
+        ends[mode] = sim.chunk_ends("long")
+    assert ends["stock"][0] == 319  # squeezed by the other request's token
+    assert ends["grid"] == ends["stock"]

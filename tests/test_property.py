@@ -107,8 +107,6 @@ def workloads(
         # 0.29.0, Mamba2 from 0.32.0, GDN from 0.33.0).
         backends: list[str | None] = [None, *available_checkpoint_backends()]
         checkpoint = draw(st.sampled_from(backends))
-    if unset_hash_block:
-        checkpoint = "flashkda"
         if (
             checkpoint_rule is InternalCheckpoint.ALIGNED_START
             and state_block % 16 == 8
@@ -116,6 +114,8 @@ def workloads(
             # 0.29.0's flashkda defect (vLLM's own, not the split's): the
             # manager reserves a checkpoint block the backend never writes.
             checkpoint = None
+    if unset_hash_block:
+        checkpoint = "flashkda"
     longest = max(len(p) + n for p, n in zip(prompts, max_tokens, strict=True))
     assert longest < MAX_MODEL_LEN  # at most 11 state blocks of at most 768 tokens
     # Blocks one request needs in both groups, so each request fits on its own

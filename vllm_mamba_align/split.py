@@ -291,10 +291,12 @@ def state_grid_split(
     # 0.29.0 leaves every chunk that starts on the grid unaligned once checkpoint
     # blocks exist, trusting the backend with the boundary inside; a chunk that
     # crosses none (squeezed by the step budget) then makes the next boundary's
-    # state a two-chunk one. Where boundary states must be canonical, wait for a
-    # whole block instead, as vLLM itself does without checkpoint blocks.
+    # state a two-chunk one. Where boundary states must be canonical (full, and
+    # kept under dense retention), wait for a whole block instead, as vLLM
+    # itself does without checkpoint blocks; grid leaves vLLM's chunk alone.
     align_short_chunks = (
         rule is InternalCheckpoint.ALIGNED_START
+        and stop_at_boundaries
         and stop_anywhere
         and 0 < grid <= _prefill_step_budget(scheduler)
     )
