@@ -15,11 +15,18 @@ import pytest
 from conftest import installed_body, scheduler_mode
 
 from vllm_mamba_align.releases import (
+    CheckpointGrid,
     InternalCheckpoint,
     supports_hash_block,
     supports_retention_setting,
 )
-from vllm_mamba_align.tools.simulation import Geometry, Simulation, prompt
+from vllm_mamba_align.tools.simulation import (
+    CHECKPOINT_BACKENDS,
+    Geometry,
+    Simulation,
+    available_checkpoint_backends,
+    prompt,
+)
 
 B = 256
 HASH = 16
@@ -27,17 +34,26 @@ P = 2500
 BUDGET = 1500
 
 
-def _backend() -> str:
+def _backend(wanted: str | None = None) -> str:
+    """``wanted``, or GDN on FlashInfer where this vLLM has it (0.33.0+), else
+    the first backend with checkpoint blocks (flashkda, 0.29.0+)."""
     if installed_body().internal_checkpoint is InternalCheckpoint.NONE:
         pytest.skip("this vLLM has no backend prefill checkpoints (0.29.0+)")
     if not supports_hash_block():
         pytest.skip("needs the hash block to be chosen")
-    return "gdn-flashinfer"
+    backends = available_checkpoint_backends()
+    if wanted is not None:
+        if wanted not in backends:
+            pytest.skip(f"{wanted} declares no checkpoint blocks in this vLLM")
+        return wanted
+    return "gdn-flashinfer" if "gdn-flashinfer" in backends else backends[0]
 
 
-def _siblings(mode: str, retention: int | str | None, length: int = P) -> Simulation:
+def _siblings(
+    mode: str, retention: int | str | None, length: int = P, backend: str | None = None
+) -> Simulation:
     """A prompt, then siblings sharing 900 and 1,800 of its tokens."""
-    backend = _backend()
+    backend = _backend(backend)
     if retention != "default" and not supports_retention_setting():
         pytest.skip("this vLLM has no retention setting")
     geometry = Geometry(
@@ -88,12 +104,13 @@ def test_every_kept_boundary_of_an_internally_checkpointed_final_chunk(
     assert not sim.poisoned
 
 
-def test_the_boundary_the_backend_writes_needs_no_stop() -> None:
+@pytest.mark.parametrize("backend", CHECKPOINT_BACKENDS)
+def test_the_boundary_the_backend_writes_needs_no_stop(backend: str) -> None:
     """P = 2,312: from 2,048 the final chunk's checkpoint is 2,304, its only
     boundary, written by the backend: no extra step for it."""
     if installed_body().internal_checkpoint is not InternalCheckpoint.OBSERVED:
         pytest.skip("0.29.0 stops at the prompt's hash tail (2,304) itself")
-    sim = _siblings("full", None, length=2312)
+    sim = _siblings("full", None, length=2312, backend=backend)
     assert 2304 not in sim.chunk_ends("first")
     assert sim.checkpoint_writes
     assert sim.missing_kept == []
@@ -170,3 +187,70 @@ def test_stock_publishes_the_checkpoint_its_backend_never_writes() -> None:
         ]
         != []
     )
+
+
+@pytest.mark.parametrize(
+    ("mode", "retention"), [("full", "default"), ("kept", "default"), ("kept", 512)]
+)
+def test_a_backend_off_the_managers_hash_grid_gets_no_internal_checkpoint(
+    mode: str, retention: int | str
+) -> None:
+    """0.30.0-0.31.0 with prefix_match_unit unset and C = 64 < B = 256: for a
+    chunk spanning two state blocks the manager reserves the checkpoint block
+    on the engine's hash grid (64) and keys it there (2,496 for the prompt's
+    final chunk), while the backend writes another state into it (2,304: its
+    grid is B). vLLM itself publishes that block wrong. The fix must not skip
+    its stop for the state the backend writes, and kept must stop at every
+    boundary too (with R = 512 its two-block chunks would be published as
+    state@448, 960, ... holding 256, 768, ...): then no chunk is checkpointed
+    internally."""
+    _backend()
+    if installed_body().checkpoint_grid is not CheckpointGrid.PREFIX_MATCH_UNIT:
+        pytest.skip("0.32.0+ backends use the engine's hash grid")
+    geometry = Geometry(
+        64, B, BUDGET, retention=retention, prefill_checkpoint="flashkda"
+    )
+    runs = {}
+    for run in ("stock", mode):
+        with scheduler_mode(run):
+            sim = runs[run] = Simulation(geometry)
+            assert sim.hash_block == 64
+            base = prompt(P, seed=1)
+            sim.add("first", base)
+            sim.run()
+            sim.add("sibling", base[:1800] + prompt(P - 1800, seed=2))
+            sim.run()
+    assert any(
+        p.claimed[0] == 2496 and p.held != p.claimed
+        for p in runs["stock"].poisoned.values()
+    ), "the control: stock publishes the backend's state@2,304 as 2,496"
+    fixed = runs[mode]
+    assert not fixed.poisoned, [str(p) for p in fixed.poisoned.values()]
+    assert fixed.checkpoint_writes == 0
+    assert fixed.missing_kept == []
+    assert not fixed.wrong_reuse
+
+
+def test_grid_leaves_a_squeezed_chunk_as_vllm_schedules_it() -> None:
+    """The wait for a whole block is full's and kept's (canonical states), not
+    grid's: under dense retention, too, grid on 0.29.0 schedules the squeezed
+    chunk 0 -> 319 as stock does (C = B, nothing for grid to change). The
+    property found it (C = B = 112, a one-token request beside a long one)."""
+    _backend()
+    if installed_body().internal_checkpoint is not InternalCheckpoint.ALIGNED_START:
+        pytest.skip("only 0.29.0 leaves a chunk from the grid to its backend")
+    if not supports_retention_setting():
+        pytest.skip("this vLLM has no retention setting")
+    geometry = Geometry(
+        320, 320, 320, hash_block=16, retention=None, prefill_checkpoint="flashkda"
+    )
+    ends = {}
+    for mode in ("stock", "grid"):
+        with scheduler_mode(mode):
+            sim = Simulation(geometry)
+            sim.add("one-token", prompt(1, seed=1))
+            sim.add("long", prompt(1000, seed=2))
+            sim.run()
+        ends[mode] = sim.chunk_ends("long")
+    assert ends["stock"][0] == 319  # squeezed by the other request's token
+    assert ends["grid"] == ends["stock"]

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from vllm_mamba_align import MambaAlignError
 from vllm_mamba_align.releases import (
+    CheckpointGrid,
     InternalCheckpoint,
     PrefillRule,
     supports_hash_block,
@@ -36,6 +37,7 @@ from vllm_mamba_align.tools.simulation import (
     MAX_MODEL_LEN,
     Geometry,
     Simulation,
+    available_checkpoint_backends,
     prompt,
 )
 
@@ -50,7 +52,11 @@ class Workload:
 
 
 @st.composite
-def workloads(draw: st.DrawFn, equal_geometry: bool = False) -> Workload:
+def workloads(
+    draw: st.DrawFn, equal_geometry: bool = False, unset_hash_block: bool = False
+) -> Workload:
+    """``unset_hash_block``: flashkda's checkpoint blocks with prefix_match_unit
+    unset (vLLM picks the GCD of the groups' blocks as the hash block)."""
     hash_block = draw(st.sampled_from([8, 16, 32]))
     # Releases before 0.26.0 fix the hash block themselves (no prefix_match_unit).
     choose_hash = supports_hash_block()
@@ -97,12 +103,14 @@ def workloads(draw: st.DrawFn, equal_geometry: bool = False) -> Workload:
     checkpoint = None
     checkpoint_rule = installed_body().internal_checkpoint
     if checkpoint_rule is not InternalCheckpoint.NONE and choose_hash:
-        backends: list[str | None] = [None, "flashkda"]
-        if checkpoint_rule is InternalCheckpoint.OBSERVED:
-            backends += ["gdn-flashinfer", "mamba2"]
-        # On 0.29.0 with B % 16 == 8 vLLM would publish a checkpoint block its
-        # flashkda backend never writes; the plugin routes around it.
+        # The backends with checkpoint blocks in this release (flashkda from
+        # 0.29.0, Mamba2 from 0.32.0, GDN from 0.33.0). On 0.29.0 with
+        # B % 16 == 8 vLLM would publish a flashkda checkpoint block its backend
+        # never writes; the plugin routes around it.
+        backends: list[str | None] = [None, *available_checkpoint_backends()]
         checkpoint = draw(st.sampled_from(backends))
+    if unset_hash_block:
+        checkpoint = "flashkda"
     longest = max(len(p) + n for p, n in zip(prompts, max_tokens, strict=True))
     assert longest < MAX_MODEL_LEN  # at most 11 state blocks of at most 768 tokens
     # Blocks one request needs in both groups, so each request fits on its own
@@ -112,7 +120,7 @@ def workloads(draw: st.DrawFn, equal_geometry: bool = False) -> Workload:
         cache_block=cache_block,
         state_block=state_block,
         budget=budget,
-        hash_block=hash_block if choose_hash else None,
+        hash_block=hash_block if choose_hash and not unset_hash_block else None,
         long_prefill_threshold=threshold,
         max_num_seqs=draw(st.integers(1, 4)),
         # Scarce blocks force preemption: resumed requests replay their prefill.
@@ -238,6 +246,31 @@ def test_fixed_scheduler_never_poisons_and_always_finishes(workload: Workload) -
     if retention.dense:
         for req_id, record in runs["full"].records.items():
             assert runs["kept"].chunk_ends(req_id) == [c.end for c in record.chunks]
+
+
+@given(workloads(unset_hash_block=True))
+def test_full_and_kept_never_poison_with_a_backend_off_the_hash_grid(
+    workload: Workload,
+) -> None:
+    """0.30.0-0.31.0: with prefix_match_unit unset the backend checkpoints on
+    prefix_match_unit-or-B, the manager on the engine's hash block; where the
+    two differ (C < B) vLLM publishes wrong states itself (stock and grid).
+    ``full`` and ``kept`` stop at every boundary there and stay correct."""
+    if installed_body().checkpoint_grid is not CheckpointGrid.PREFIX_MATCH_UNIT:
+        pytest.skip("0.32.0+ backends checkpoint on the engine's hash grid")
+    for mode in ("full", "kept"):
+        sim = simulate(mode, workload)
+        assert not sim.poisoned, [str(p) for p in sim.poisoned.values()]
+        assert not sim.wrong_reuse
+        assert sim.missing_kept == [], f"{mode} lost states vLLM keeps"
+        for record in sim.records.values():
+            assert record.prefilled_at_step is not None
+        if mode == "full" and one_block_per_step(workload.geometry):
+            assert sim.noncanonical_kept == [], "full kept a non-canonical state"
+        off_grid = sim.hash_block != workload.geometry.state_block
+        event("backend off the hash grid" if off_grid else "hash block = B")
+        if sim.checkpoint_writes:
+            event(f"the backend wrote an in-chunk checkpoint ({mode})")
 
 
 @given(workloads(equal_geometry=True))

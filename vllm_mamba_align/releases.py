@@ -69,6 +69,53 @@ class InternalCheckpoint(enum.Enum):
     """0.30.0+: watch the decision vLLM takes inside the split."""
 
 
+class CheckpointGrid(enum.Enum):
+    """Which hash grid the GPU backend puts its one in-chunk prefill state on
+    (bodies with :attr:`InternalCheckpoint.OBSERVED`).
+
+    The backend places it at ``get_mamba_prefill_checkpoint_position(chunk end,
+    grid)`` and writes it only if ``is_mamba_prefill_checkpoint_valid`` agrees
+    with the same hash block; the grid differs across releases.
+    """
+
+    PREFIX_MATCH_UNIT = "cache_config.prefix_match_unit, else the Mamba block"
+    """0.30.0, 0.31.0: the backend's own choice, grid and hash block alike
+    (models/kimi_k3/nvidia/kda_metadata.py:620-621 in 0.30.0,
+    model_executor/layers/mamba/checkpoint.py:86 in 0.31.0). With
+    prefix_match_unit unset it is not the engine's hash block."""
+    CACHE_HIT_ALIGNMENT = "the engine's cache-hit alignment and hash block"
+    """0.32.0+: ``cache_config.cache_hit_alignment_tokens`` (the hash block
+    under partial hash hits, else the scheduler block) and
+    ``cache_config.hash_block_size``, as resolved by the engine
+    (model_executor/layers/mamba/checkpoint.py:111-133 in 0.32.0)."""
+
+
+CHECKPOINT_BACKENDS_SINCE: dict[str, str] = {
+    "flashkda": "0.29.0",
+    "mamba2": "0.32.0",
+    "gdn-flashinfer": "0.33.0",
+}
+"""GPU backends that declare ``MambaSpec.num_prefill_checkpoint_blocks`` and
+the first release where they do: KDA on flashkda (models/kimi_k3/nvidia/kda.py:
+599 in 0.29.0, :805 in 0.30.0, :747 in 0.31.0, :835 in 0.32.0), Mamba2
+(model_executor/layers/mamba/mamba_mixer2.py:1107 in 0.32.0), GDN
+(model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py:748 in 0.33.0; 0.32.0
+builds the checkpoint metadata for GDN but its layer declares no block)."""
+
+
+def checkpoint_backends(version: str | None) -> tuple[str, ...]:
+    """The backends of :data:`CHECKPOINT_BACKENDS_SINCE` a release has."""
+    try:
+        release = Version(version or "").release
+    except InvalidVersion:
+        return ()
+    return tuple(
+        backend
+        for backend, since in CHECKPOINT_BACKENDS_SINCE.items()
+        if release >= Version(since).release
+    )
+
+
 @dataclass(frozen=True)
 class SplitBody:
     """One distinct body of ``_mamba_block_aligned_split`` and how to fix it."""
@@ -82,6 +129,9 @@ class SplitBody:
     (0.27.1+). Without it, such a geometry stalls prefill forever."""
     extra_parameter: str | None = None
     """The fifth parameter after ``self`` (0.24.0-0.25.1 only), passed through."""
+    checkpoint_grid: CheckpointGrid | None = None
+    """Where the backend's in-chunk state goes (OBSERVED bodies; None: unknown,
+    the fix then stops at every boundary)."""
 
     @property
     def name(self) -> str:
@@ -96,6 +146,7 @@ def _body(
     internal_checkpoint: InternalCheckpoint = InternalCheckpoint.NONE,
     wide_block_exemption: bool = False,
     extra_parameter: str | None = None,
+    checkpoint_grid: CheckpointGrid | None = None,
 ) -> SplitBody:
     return SplitBody(
         tuple(releases.split()),
@@ -104,6 +155,7 @@ def _body(
         internal_checkpoint,
         wide_block_exemption,
         extra_parameter,
+        checkpoint_grid,
     )
 
 
@@ -131,24 +183,28 @@ BODIES: tuple[SplitBody, ...] = (
         "750217f9574730c5",
         internal_checkpoint=InternalCheckpoint.OBSERVED,
         wide_block_exemption=True,
+        checkpoint_grid=CheckpointGrid.PREFIX_MATCH_UNIT,
     ),
     _body(
         "0.31.0",
         "b6ec618ee4fe28dd",
         internal_checkpoint=InternalCheckpoint.OBSERVED,
         wide_block_exemption=True,
+        checkpoint_grid=CheckpointGrid.PREFIX_MATCH_UNIT,
     ),
     _body(
         "0.32.0",
         "3fed017193dfee3c",
         internal_checkpoint=InternalCheckpoint.OBSERVED,
         wide_block_exemption=True,
+        checkpoint_grid=CheckpointGrid.CACHE_HIT_ALIGNMENT,
     ),
     _body(
         "0.33.0",
         "f3405419e904a2f8",
         internal_checkpoint=InternalCheckpoint.OBSERVED,
         wide_block_exemption=True,
+        checkpoint_grid=CheckpointGrid.CACHE_HIT_ALIGNMENT,
     ),
 )
 

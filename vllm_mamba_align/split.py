@@ -37,7 +37,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .releases import InternalCheckpoint, SplitBody, in_prefill
+from .releases import CheckpointGrid, InternalCheckpoint, SplitBody, in_prefill
 from .retention import Retention
 from .settings import Mode
 
@@ -112,8 +112,31 @@ CheckpointRule = Callable[[int, int], int]
 a chunk vLLM decided to checkpoint internally (-1: nowhere)."""
 
 
+def backend_off_manager_grid(scheduler: Any, body: SplitBody, grid: int) -> bool:
+    """Whether vLLM's backend puts its in-chunk state on another hash grid than
+    its Mamba manager reserves and publishes the block for.
+
+    0.30.0-0.31.0 (:attr:`CheckpointGrid.PREFIX_MATCH_UNIT`) with checkpoint
+    blocks, prefix_match_unit unset and an engine hash block other than B (the
+    GCD of the groups' blocks, so C < B): for a chunk that spans two state
+    blocks the manager reserves the checkpoint block at its own position
+    (single_type_kv_cache_manager.py:1775-1779 in 0.30.0, :1783-1787 in
+    0.31.0) and keys it there (``_cache_partial_tail_block``, :2047-2092 in
+    0.31.0), while the backend writes the state of another position into it:
+    vLLM publishes a wrong state by itself. No chunk of one block is
+    checkpointed internally, so the fix then stops at every boundary, in
+    ``kept`` mode too, and never counts on the backend's state.
+    """
+    if body.checkpoint_grid is not CheckpointGrid.PREFIX_MATCH_UNIT:
+        return False
+    if not getattr(scheduler, "mamba_has_prefill_checkpoint_blocks", False):
+        return False
+    backend = getattr(scheduler.cache_config, "prefix_match_unit", None) or grid
+    return bool(backend != scheduler.hash_block_size)
+
+
 def backend_checkpoint_rule(
-    scheduler: Any, stock: SplitFunction, rule: InternalCheckpoint, grid: int
+    scheduler: Any, stock: SplitFunction, body: SplitBody, grid: int
 ) -> CheckpointRule | None:
     """Where vLLM's GPU backend writes its one in-chunk prefill state.
 
@@ -121,16 +144,22 @@ def backend_checkpoint_rule(
     here (the fix then stops at every boundary, which is always safe: a cut
     chunk is no longer final and vLLM decides again for the next one).
 
-    - 0.30.0+: ``compute_mamba_prefill_checkpoints``
-      (model_executor/layers/mamba/checkpoint.py:21-63 in 0.33.0) puts the state
-      at ``get_mamba_prefill_checkpoint_position(chunk end, ...)`` into column
-      ``cdiv(end, B) - 2``; taken with vLLM's own function and the block the
-      scheduler's split passes it (scheduler.py:576-592).
+    - 0.30.0+ (:class:`CheckpointGrid`): the backend puts the state at
+      ``get_mamba_prefill_checkpoint_position(chunk end, grid)`` and writes it
+      (into column ``cdiv(end, B) - 2``) only where
+      ``is_mamba_prefill_checkpoint_valid`` holds for its hash block
+      (models/kimi_k3/nvidia/kda_metadata.py:630-652 in 0.30.0,
+      model_executor/layers/mamba/checkpoint.py:21-58 in 0.31.0 and 0.32.0,
+      :21-63 in 0.33.0); both taken with vLLM's own functions, as the
+      scheduler module imported them. The helper's parameters must be the
+      release's: three up to 0.32.0, a fourth (``num_hash_lookahead_tokens``)
+      in 0.33.0.
     - 0.29.0: only KDA on flashkda has checkpoint blocks; its metadata builder
       (models/kimi_k3/nvidia/kda_metadata.py:582-605) writes the last B boundary
       below the chunk end if the chunk does not end on the grid and the offset
       from the chunk start is a multiple of 16 (FLASHKDA_CHUNK_SIZE).
     """
+    rule = body.internal_checkpoint
     if rule is InternalCheckpoint.ALIGNED_START:
 
         def aligned_start(start: int, end: int) -> int:
@@ -140,37 +169,79 @@ def backend_checkpoint_rule(
             return position
 
         return aligned_start
-    if rule is not InternalCheckpoint.OBSERVED:
+    if rule is not InternalCheckpoint.OBSERVED or body.checkpoint_grid is None:
         return None
-    position_of: Callable[..., int] | None = getattr(stock, "__globals__", {}).get(
+    names = getattr(stock, "__globals__", {})
+    position_of: Callable[..., int] | None = names.get(
         "get_mamba_prefill_checkpoint_position"
     )
-    if position_of is None:
+    # The plugin counts the module's validity calls (observe_checkpoint_decision):
+    # ask the function it wraps, so these calls are not counted as decisions.
+    valid: Callable[..., bool] | None = names.get("is_mamba_prefill_checkpoint_valid")
+    valid = getattr(valid, "__wrapped__", valid)
+    if position_of is None or valid is None:
         return None
-    helper = position_of
     try:
-        parameters = inspect.signature(position_of).parameters
+        parameters = tuple(inspect.signature(position_of).parameters)
+        valid_parameters = set(inspect.signature(valid).parameters)
     except (TypeError, ValueError):
         return None
-    if "num_hash_lookahead_tokens" not in parameters or len(parameters) != 4:
-        return None  # a different helper than 0.33.0's: stop everywhere
+    lookahead = parameters == (*_POSITION_PARAMETERS, "num_hash_lookahead_tokens")
+    if not (lookahead or parameters == _POSITION_PARAMETERS):
+        return None  # a helper this module has not been checked against
+    if valid_parameters != _VALID_PARAMETERS:
+        return None
+    by_prefix_unit = body.checkpoint_grid is CheckpointGrid.PREFIX_MATCH_UNIT
+    if by_prefix_unit and lookahead:
+        return None  # 0.30.0/0.31.0's grid with 0.33.0's helper: unknown code
+    if backend_off_manager_grid(scheduler, body, grid):
+        return None
+    helper, check = position_of, valid
 
     def observed(start: int, end: int) -> int:
-        # vLLM's split: ckpt_block_size (scheduler.py:576-578 in 0.33.0).
-        block = (
-            scheduler.hash_block_size
-            if scheduler.mamba_partial_cache_hit
-            else scheduler.block_size
-        )
-        position: int = helper(
-            end,
-            block,
-            scheduler.use_eagle_block_drop,
-            num_hash_lookahead_tokens=scheduler.num_hash_lookahead_tokens,
-        )
+        if by_prefix_unit:
+            # 0.30.0, 0.31.0: the backend's grid and hash block (the same as
+            # the manager's: see backend_off_manager_grid).
+            hash_block = scheduler.cache_config.prefix_match_unit or grid
+            block = hash_block
+        else:
+            # 0.32.0+: cache_hit_alignment_tokens, which the scheduler's split
+            # reads as ckpt_block_size (scheduler.py:473-475 in 0.32.0,
+            # :576-578 in 0.33.0), and the engine's hash block.
+            hash_block = scheduler.hash_block_size
+            partial = scheduler.mamba_partial_cache_hit
+            block = hash_block if partial else scheduler.block_size
+        drop = scheduler.use_eagle_block_drop
+        if lookahead:
+            tokens = scheduler.num_hash_lookahead_tokens
+            position: int = helper(end, block, drop, num_hash_lookahead_tokens=tokens)
+        else:
+            position = helper(end, block, drop)
+        if not check(
+            query_start=start,
+            query_end=end,
+            checkpoint_position=position,
+            hash_block_size=hash_block,
+            mamba_block_size=grid,
+            checkpoint_alignment=scheduler.mamba_prefill_checkpoint_alignment,
+        ):
+            return -1  # the backend declines: nothing is written
         return position
 
     return observed
+
+
+_POSITION_PARAMETERS = ("num_tokens", "hash_block_size", "drop_eagle_block")
+"""``get_mamba_prefill_checkpoint_position``'s parameters, 0.30.0-0.32.0."""
+_VALID_PARAMETERS = {
+    "query_start",
+    "query_end",
+    "checkpoint_position",
+    "hash_block_size",
+    "mamba_block_size",
+    "checkpoint_alignment",
+}
+"""``is_mamba_prefill_checkpoint_valid``'s parameters, 0.30.0-0.33.0."""
 
 
 def _prefill_step_budget(scheduler: Any) -> int:
@@ -202,8 +273,13 @@ def state_grid_split(
     """
     grid = state_block_size
     stop_at_boundaries = mode in (Mode.FULL, Mode.KEPT)
-    # Every boundary is worth a stop (full), or only those vLLM keeps (kept).
-    stop_anywhere = mode is Mode.FULL or retention.dense
+    # Every boundary is worth a stop (full), or only those vLLM keeps (kept);
+    # every one also where a longer chunk gets a wrongly published checkpoint.
+    stop_anywhere = (
+        mode is Mode.FULL
+        or retention.dense
+        or backend_off_manager_grid(scheduler, body, state_block_size)
+    )
     first_kept_after = retention.first_kept_after
     view = _StateGridCacheConfig(scheduler.cache_config, grid)
     rule = body.internal_checkpoint
@@ -211,12 +287,13 @@ def state_grid_split(
     prefill_rule = body.prefill
     decisions = checkpoint_decisions
 
-    checkpoint_at = backend_checkpoint_rule(scheduler, stock, rule, grid)
+    checkpoint_at = backend_checkpoint_rule(scheduler, stock, body, grid)
     # 0.29.0 leaves every chunk that starts on the grid unaligned once checkpoint
     # blocks exist, trusting the backend with the boundary inside; a chunk that
     # crosses none (squeezed by the step budget) then makes the next boundary's
-    # state a two-chunk one. Where boundary states must be canonical, wait for a
-    # whole block instead, as vLLM itself does without checkpoint blocks.
+    # state a two-chunk one. Where boundary states must be canonical (full, and
+    # kept under dense retention), wait for a whole block instead, as vLLM
+    # itself does without checkpoint blocks; grid leaves vLLM's chunk alone.
     align_short_chunks = (
         rule is InternalCheckpoint.ALIGNED_START
         and stop_at_boundaries

@@ -15,11 +15,13 @@ from vllm_mamba_align.releases import (
     SEED_BODIES,
     SUPPORTED_RELEASES,
     CacheBlockRule,
+    CheckpointGrid,
     InternalCheckpoint,
     PrefillRule,
     SeedSite,
     body_for,
     cache_block_rule,
+    checkpoint_backends,
     classify_seed,
     expected_body,
     in_prefill,
@@ -70,6 +72,22 @@ def test_rules_change_where_the_domain_notes_say() -> None:
         checkpoint[r] is InternalCheckpoint.OBSERVED
         for r in ("0.30.0", "0.31.0", "0.32.0", "0.33.0")
     )
+    # Only OBSERVED bodies say where the backend writes its state.
+    grids = {r: b.checkpoint_grid for r, b in by_release.items()}
+    assert {r for r, g in grids.items() if g} == {
+        r for r, c in checkpoint.items() if c is InternalCheckpoint.OBSERVED
+    }
+    assert grids["0.30.0"] is grids["0.31.0"] is CheckpointGrid.PREFIX_MATCH_UNIT
+    assert grids["0.32.0"] is grids["0.33.0"] is CheckpointGrid.CACHE_HIT_ALIGNMENT
+
+
+def test_checkpoint_backends_by_release() -> None:
+    assert checkpoint_backends("0.28.0") == ()
+    assert checkpoint_backends("0.29.0") == ("flashkda",)
+    assert checkpoint_backends("0.31.0") == ("flashkda",)
+    assert checkpoint_backends("0.32.0") == ("flashkda", "mamba2")
+    assert checkpoint_backends("0.33.0") == ("flashkda", "mamba2", "gdn-flashinfer")
+    assert checkpoint_backends(None) == checkpoint_backends("not a version") == ()
 
 
 def test_worker_seed_table() -> None:

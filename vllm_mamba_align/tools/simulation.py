@@ -36,11 +36,14 @@ from typing import Any
 from ..activation import SPLIT_METHOD
 from ..fingerprint import analyse_function
 from ..releases import (
+    CHECKPOINT_BACKENDS_SINCE,
     InternalCheckpoint,
     PrefillRule,
     SplitBody,
     body_for,
+    checkpoint_backends,
     in_prefill,
+    installed_version,
     requests_need_eos_token_id,
     retention_in_kv_config,
 )
@@ -173,13 +176,16 @@ class Geometry:
     is processed)."""
 
 
-CHECKPOINT_BACKENDS = ("gdn-flashinfer", "mamba2", "flashkda")
-"""Backends whose in-chunk prefill checkpoint the worker model writes.
+CHECKPOINT_BACKENDS = tuple(CHECKPOINT_BACKENDS_SINCE)
+"""Backends whose in-chunk prefill checkpoint the worker model writes, each from
+the release where it declares checkpoint blocks (releases.CHECKPOINT_BACKENDS_SINCE):
+flashkda 0.29.0+, Mamba2 0.32.0+, GDN on FlashInfer 0.33.0+. 0.29.0 has no
+alignment field (flashkda's rule is 16 there)."""
 
-0.33.0 (``MambaSpec.prefill_checkpoint_alignment``): GDN on FlashInfer
-lcm(hash block, 64), Mamba2 1, flashkda 16. 0.29.0 has no alignment field and
-only KDA on flashkda declares checkpoint blocks (models/kimi_k3/nvidia/kda.py:599),
-so there every backend is modelled by flashkda's rule (16)."""
+
+def available_checkpoint_backends() -> tuple[str, ...]:
+    """The backends of :data:`CHECKPOINT_BACKENDS` the installed vLLM has."""
+    return checkpoint_backends(installed_version())
 
 
 def checkpoint_alignment(backend: str, hash_block: int) -> int:
@@ -204,6 +210,11 @@ def kv_cache_config(geometry: Geometry) -> Any:
 
     checkpoint: dict[str, Any] = {}
     if geometry.prefill_checkpoint is not None:
+        if geometry.prefill_checkpoint not in available_checkpoint_backends():
+            raise ValueError(
+                f"{geometry.prefill_checkpoint!r} declares no prefill checkpoint "
+                f"blocks in vLLM {installed_version()}"
+            )
         checkpoint["num_prefill_checkpoint_blocks"] = 1
         if "prefill_checkpoint_alignment" in MambaSpec.__dataclass_fields__:
             # 0.30.0+ (the scheduler's decision is False without it); the
@@ -359,6 +370,18 @@ def build_scheduler(geometry: Geometry) -> Any:
             **block_sizes,
             log_stats=True,
         )
+
+
+def _compute_checkpoints() -> Callable[..., tuple[list[int], list[int]]] | None:
+    """vLLM's ``compute_mamba_prefill_checkpoints`` (0.31.0+), else None."""
+    try:
+        from vllm.model_executor.layers.mamba import checkpoint
+    except ImportError:
+        return None
+    compute: Callable[..., tuple[list[int], list[int]]] | None = getattr(
+        checkpoint, "compute_mamba_prefill_checkpoints", None
+    )
+    return compute
 
 
 def split_body_of(scheduler: Any) -> SplitBody:
@@ -687,40 +710,83 @@ class Simulation:
             return None
         spec = self.mamba_manager.kv_cache_spec
         grid = self.state_block
-        if hasattr(spec, "prefill_checkpoint_alignment"):
-            # 0.33.0: MambaPrefillCheckpointBuilder.build
-            # (model_executor/layers/mamba/checkpoint.py:113-142) calls
-            # compute_mamba_prefill_checkpoints (checkpoint.py:21-63) with the
-            # chunk end as seq_len: position = the checkpoint position below the
-            # chunk end on cache_hit_alignment_tokens (kv_cache_interface.py:1169),
-            # kept only if is_mamba_prefill_checkpoint_valid (:1189); column
-            # cdiv(seq_len, B) - 2; a null column is gathered as NULL_BLOCK_ID
-            # (checkpoint.py:66-71), i.e. nothing is written.
-            from vllm.model_executor.layers.mamba.checkpoint import (
-                compute_mamba_prefill_checkpoints,
-            )
-
-            hash_block = self.hash_block
+        compute = _compute_checkpoints()
+        if compute is not None:
+            # 0.31.0+: MambaPrefillCheckpointBuilder.build calls vLLM's
+            # compute_mamba_prefill_checkpoints with the chunk end as seq_len:
+            # position = the checkpoint position below the chunk end, kept only
+            # if is_mamba_prefill_checkpoint_valid; column cdiv(seq_len, B) - 2;
+            # a null column is gathered as NULL_BLOCK_ID, i.e. nothing is
+            # written (model_executor/layers/mamba/checkpoint.py:21-58 and
+            # :67-123 in 0.31.0, :21-67 and :94-155 in 0.32.0, :21-71 and
+            # :113-142 in 0.33.0). Its grid and hash block per release:
+            parameters = inspect.signature(compute).parameters
+            options: dict[str, Any] = {}
+            if "cache_hit_alignment_tokens" in parameters:
+                # 0.32.0+: the engine's resolved cache_config.hash_block_size
+                # and cache_hit_alignment_tokens (checkpoint.py:111-112 in
+                # 0.32.0; the worker copies them from the KV-cache config,
+                # v1/worker/gpu_worker.py:864-866), which the managers hold.
+                hash_block = self.hash_block
+                options["cache_hit_alignment_tokens"] = (
+                    self.mamba_manager.cache_hit_alignment_tokens
+                )
+                if "num_hash_lookahead_tokens" in parameters:  # 0.33.0
+                    options["num_hash_lookahead_tokens"] = getattr(
+                        self.scheduler, "num_hash_lookahead_tokens", 0
+                    )
+            else:
+                # 0.31.0: prefix_match_unit, else the Mamba block
+                # (checkpoint.py:86), whatever hash block the engine resolved.
+                hash_block = self._prefix_match_unit() or grid
             alignment = spec.prefill_checkpoint_alignment
-            cache_hit = self.mamba_manager.cache_hit_alignment_tokens
-            lookahead = getattr(self.scheduler, "num_hash_lookahead_tokens", 0)
 
             def rule(start: int, end: int) -> tuple[int, int] | None:
-                offsets, columns = compute_mamba_prefill_checkpoints(
+                offsets, columns = compute(
                     [end],
                     [end - start],
                     hash_block_size=hash_block,
                     mamba_block_size=grid,
                     checkpoint_alignment=alignment,
                     drop_eagle_block=False,  # no speculative decoding here
-                    cache_hit_alignment_tokens=cache_hit,
-                    num_hash_lookahead_tokens=lookahead,
+                    **options,
                 )
                 if not offsets[0]:
                     return None
                 return start + offsets[0], columns[0]
 
             return rule
+        if hasattr(spec, "prefill_checkpoint_alignment"):
+            # 0.30.0: only KDA's metadata builder writes a checkpoint; it runs
+            # vLLM's position helper and validity check on the chunk end, with
+            # prefix_match_unit, else the Mamba block, as hash block and grid
+            # (models/kimi_k3/nvidia/kda_metadata.py:604-675): the state at
+            # that position, column cdiv(seq_len, B) - 2, NULL_BLOCK_ID (no
+            # write) for a null column.
+            from vllm.v1.kv_cache_interface import (
+                get_mamba_prefill_checkpoint_position,
+                is_mamba_prefill_checkpoint_valid,
+            )
+
+            kda_hash_block = self._prefix_match_unit() or grid
+            kda_alignment = spec.prefill_checkpoint_alignment
+
+            def rule_0_30(start: int, end: int) -> tuple[int, int] | None:
+                position = get_mamba_prefill_checkpoint_position(
+                    end, kda_hash_block, drop_eagle_block=False
+                )
+                if not is_mamba_prefill_checkpoint_valid(
+                    query_start=start,
+                    query_end=end,
+                    checkpoint_position=position,
+                    hash_block_size=kda_hash_block,
+                    mamba_block_size=grid,
+                    checkpoint_alignment=kda_alignment,
+                ):
+                    return None
+                return position, -(-end // grid) - 2
+
+            return rule_0_30
         if split_body_of(self.scheduler).internal_checkpoint is (
             InternalCheckpoint.ALIGNED_START
         ):
@@ -740,8 +806,13 @@ class Simulation:
 
             return rule_0_29
         raise NotImplementedError(
-            "the in-chunk prefill checkpoint is modelled for vLLM 0.29.0 and 0.33.0"
+            "the in-chunk prefill checkpoint is modelled for vLLM 0.29.0-0.33.0"
         )
+
+    def _prefix_match_unit(self) -> int | None:
+        """The configured prefix_match_unit (None: unset), as the worker reads it."""
+        unit: int | None = self.scheduler.vllm_config.cache_config.prefix_match_unit
+        return unit
 
     def _write_checkpoint_state(self, req_id: str, chunk: Chunk) -> None:
         """The backend's in-chunk checkpoint write (see _backend_checkpoint_rule)."""
