@@ -160,3 +160,28 @@ def installed_body() -> SplitBody:
     body = recognize(module.Scheduler).body
     assert body is not None, "the tests run on verified releases"
     return body
+
+
+@functools.cache
+def async_republishes_partial_tail() -> bool:
+    """Whether stock vLLM's async scheduling publishes a prompt's partial-tail
+    state a second time, on the block its first decode step then overwrites.
+
+    vLLM's own defect, measured here rather than listed (seen on 0.27.1 and
+    0.29.0, not on 0.33.0): with a token in flight, the decode step caches the
+    request up to ``request.num_tokens`` (the prompt, its sampled token not yet
+    appended), which registers the prompt's partial-tail block again on the
+    running slot after the previous step's copy-on-write moved it away. Needs a
+    prompt ending on a hash block inside a state block, and async scheduling.
+    """
+    from vllm_mamba_align.releases import supports_hash_block
+    from vllm_mamba_align.tools.simulation import Geometry, Simulation, prompt
+
+    if not supports_hash_block():
+        return False  # no partial-tail checkpoint (before 0.26.0)
+    geometry = Geometry(64, 64, hash_block=16, retention=None, async_scheduling=True)
+    with scheduler_mode("stock"):
+        sim = Simulation(geometry)
+        sim.add("probe", prompt(96, seed=1), max_tokens=3)
+        sim.run()
+    return any(p.claimed[0] == 96 for p in sim.poisoned.values())

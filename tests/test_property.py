@@ -21,7 +21,13 @@ import math
 from dataclasses import dataclass
 
 import pytest
-from conftest import geometry_rule, installed_body, scheduler_mode, vllm_refuses
+from conftest import (
+    async_republishes_partial_tail,
+    geometry_rule,
+    installed_body,
+    scheduler_mode,
+    vllm_refuses,
+)
 from hypothesis import event, find, given, reject, settings
 from hypothesis import strategies as st
 
@@ -128,8 +134,10 @@ def workloads(
         reserve_full_input=draw(st.booleans()),
         retention=retention,
         prefill_checkpoint=checkpoint,
-        # --async-scheduling: one step in flight, output placeholders.
-        async_scheduling=draw(st.sampled_from([False, False, False, True])),
+        # --async-scheduling: one step in flight, output placeholders (not
+        # where vLLM's async scheduling publishes wrong states by itself).
+        async_scheduling=not async_republishes_partial_tail()
+        and draw(st.sampled_from([False, False, False, True])),
     )
     return Workload(
         geometry=geometry,
