@@ -121,3 +121,27 @@ def test_full_aligns_a_chunk_that_vllm_leaves_to_the_backend() -> None:
     assert sim.noncanonical_kept == []
     assert sim.missing_kept == []
     assert not sim.poisoned
+
+
+def test_grid_keeps_the_stop_after_a_partial_hit_that_vllm_checkpoints() -> None:
+    """C = B = 128, Mamba2 (alignment 1), dense retention. A 1,350-token prompt
+    resumes from the 1,072-token partial-tail hit of its 1,076-token prefix;
+    0.30.0+ checkpoints 1,072 -> 1,350 internally and drops its stop at 1,152.
+    The hit's copy in the block of 1,152 still holds state@1,072 when vLLM
+    publishes it as state@1,152: stock does, grid did before the fix (found by
+    the KV-connector sweep; a store hit off the grid is the same case)."""
+    if installed_body().internal_checkpoint is not InternalCheckpoint.OBSERVED:
+        pytest.skip("0.29.0 checkpoints only chunks that start on the grid")
+    geometry = Geometry(
+        128, 128, 1000, hash_block=16, retention=None, prefill_checkpoint="mamba2"
+    )
+    base = prompt(1350, seed=90)
+    with scheduler_mode("grid"):
+        sim = Simulation(geometry)
+        sim.add("prefix", base[:1076])
+        sim.run()
+        sim.add("longer", base)
+        sim.run()
+    assert sim.reused("longer") == 1072
+    assert sim.chunk_ends("longer")[0] == 1152
+    assert not sim.poisoned, [str(p) for p in sim.poisoned.values()]

@@ -233,10 +233,18 @@ def test_fixed_scheduler_never_poisons_and_always_finishes(workload: Workload) -
 
 @given(workloads(equal_geometry=True))
 def test_grid_mode_is_stock_in_equal_geometry(workload: Workload) -> None:
+    """Except where stock publishes a wrong state: 0.30.0+ drops its stop after
+    a mid-block start for a chunk it checkpoints internally, grid keeps it."""
     grid = simulate("grid", workload)
     stock = simulate("stock", workload)
-    for req_id, record in stock.records.items():
-        assert grid.chunk_ends(req_id) == [c.end for c in record.chunks]
+    same = all(
+        grid.chunk_ends(req_id) == [c.end for c in record.chunks]
+        for req_id, record in stock.records.items()
+    )
+    if not same:
+        event("equal geometry: grid kept a stop that stock dropped")
+        assert workload.geometry.prefill_checkpoint is not None
+        assert stock.poisoned
 
 
 def test_the_property_catches_stock_vllm() -> None:
