@@ -620,7 +620,7 @@ class Simulation:
                 copy_op.src_block_id, NON_CANONICAL
             )
         finished_loads = self._load_external_states(starts)
-        written = {self._running_block(r, c.end).block_id for r, c in chunks.items()}
+        written = {self._running_block(r, c.end).block_id: r for r, c in chunks.items()}
         for new in output.scheduled_new_reqs:
             self._check_reused_state(new.req_id, new.num_computed_tokens, written)
         for req_id, chunk in chunks.items():
@@ -977,7 +977,7 @@ class Simulation:
         return self._mamba_blocks(req_id)[-(-end // self.state_block) - 1]
 
     def _check_reused_state(
-        self, req_id: str, num_computed: int, written: set[int]
+        self, req_id: str, num_computed: int, written: dict[int, str]
     ) -> None:
         record = self.records[req_id]
         if record.reused_tokens is None:
@@ -988,7 +988,9 @@ class Simulation:
         block = self._mamba_blocks(req_id)[column]
         wanted = state_id(self._tokens(req_id), num_computed)
         held = None if block.is_null else self.holds.get(block.block_id)
-        if held != wanted and block.block_id in written:
+        # Its own running block (a partial hit's copy, a connector's load) is
+        # no other request's same-step write: it must hold the state already.
+        if held != wanted and written.get(block.block_id, req_id) != req_id:
             # vLLM before the same-step deferral (0.15.1-0.16.0 seen) lets a request
             # hit a block another request of this very step is still writing.
             self.same_step_reuse.append(f"{req_id} hit block {block.block_id}")
