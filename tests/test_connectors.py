@@ -175,7 +175,7 @@ def test_a_hit_off_the_grid_is_stopped_at_its_boundary_also_when_checkpointed(
     """A store hit ending at 13,008 (16-aligned, off the B grid) and a backend
     that checkpoints prefill states (Mamba2, alignment 1): 0.30.0+ decides to
     checkpoint the final chunk 13,008 -> 16,764 internally and drops its own
-    stop at the boundary after a mid-block start (scheduler.py:637-641 in
+    stop at the boundary after a mid-block start (scheduler.py:645-649 in
     0.33.0). The block of 13,184 holds the loaded state@13,008 and is
     published (dense retention keeps it) as state@13,184, and handed to the
     store: stock and, before the fix, ``grid`` did exactly that. The backend

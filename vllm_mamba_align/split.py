@@ -283,7 +283,7 @@ def state_grid_split(
         """grid: vLLM's answer, with its own stop at the boundary after a chunk
         that starts mid-block kept when vLLM checkpoints the chunk internally.
 
-        vLLM 0.30.0+ drops that stop for such a chunk (scheduler.py:637-641 in
+        vLLM 0.30.0+ drops that stop for such a chunk (scheduler.py:645-649 in
         0.33.0) although its backend writes one state, and only into the start's
         block when it is that boundary's. Otherwise the start's block (a partial
         hash hit's copy, a KV connector's loaded state: e.g. a store hit ending

@@ -84,7 +84,7 @@ class PrefixStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mis
 
         At most ``num_tokens - 1`` tokens in all: vLLM computes at least the
         last one itself (it needs its logits), as NIXL's decode side does
-        (nixl/base_scheduler.py:401-409 in 0.33.0).
+        (nixl/base_scheduler.py:402-409 in 0.33.0).
         """
         tokens = tuple(request.prompt_token_ids)
         held = max((len(p) for p in self.prefixes if tokens[: len(p)] == p), default=0)
