@@ -327,8 +327,14 @@ def test_audit_counts_each_publication_under_preemption(workload: Workload) -> N
 @settings(max_examples=40)
 @given(workloads(equal_geometry=True))
 def test_audit_finds_no_poisoning_in_equal_geometry(workload: Workload) -> None:
+    """Except with backend prefill checkpoints: 0.30.0+ drops its stop after a
+    mid-block start (a partial-tail hit) for a chunk it checkpoints internally,
+    and stock then publishes a wrong state with C = B too (found here: B = 32,
+    a resume at 16 checkpointed 16 -> 102, the block of 32 holding state@16);
+    the audit must count it like the oracle (checked above)."""
     found = check_audit_against_stock(workload)
-    assert found.poisoned_slots == 0
+    if workload.geometry.prefill_checkpoint is None:
+        assert found.poisoned_slots == 0
 
 
 def test_the_audit_property_finds_poisoning() -> None:

@@ -254,3 +254,27 @@ def test_grid_leaves_a_squeezed_chunk_as_vllm_schedules_it() -> None:
         ends[mode] = sim.chunk_ends("long")
     assert ends["stock"][0] == 319  # squeezed by the other request's token
     assert ends["grid"] == ends["stock"]
+
+
+def test_grid_keeps_the_stop_after_a_partial_hit_that_vllm_checkpoints() -> None:
+    """C = B = 128, Mamba2 (alignment 1), dense retention. A 1,350-token prompt
+    resumes from the 1,072-token partial-tail hit of its 1,076-token prefix;
+    0.30.0+ checkpoints 1,072 -> 1,350 internally and drops its stop at 1,152.
+    The hit's copy in the block of 1,152 still holds state@1,072 when vLLM
+    publishes it as state@1,152: stock does, grid did before the fix (found by
+    the KV-connector sweep; a store hit off the grid is the same case)."""
+    if "mamba2" not in available_checkpoint_backends():
+        pytest.skip("Mamba2 declares prefill checkpoint blocks from vLLM 0.32.0")
+    geometry = Geometry(
+        128, 128, 1000, hash_block=16, retention=None, prefill_checkpoint="mamba2"
+    )
+    base = prompt(1350, seed=90)
+    with scheduler_mode("grid"):
+        sim = Simulation(geometry)
+        sim.add("prefix", base[:1076])
+        sim.run()
+        sim.add("longer", base)
+        sim.run()
+    assert sim.reused("longer") == 1072
+    assert sim.chunk_ends("longer")[0] == 1152
+    assert not sim.poisoned, [str(p) for p in sim.poisoned.values()]

@@ -18,7 +18,9 @@ Backport of vLLM PR #54076 (never merged). Two defects of
    returned chunk really ends the prefill and its only boundary is that state
    (:func:`backend_checkpoint_rule`).
    ``kept`` mode stops only where vLLM's state retention keeps the boundary's
-   state (retention.py); ``grid`` mode never adds a stop.
+   state (retention.py); ``grid`` mode adds no stop of its own, but keeps
+   vLLM's stop after a mid-block start (a partial hit, a KV connector's hit)
+   where 0.30.0+ drops it for a chunk it checkpoints internally.
 
 The split runs for every running request at every step (decodes included), so the
 fix is a plain closure bound to one scheduler: no wrapper layers, no argument
@@ -283,7 +285,19 @@ def state_grid_split(
     first_kept_after = retention.first_kept_after
     view = _StateGridCacheConfig(scheduler.cache_config, grid)
     rule = body.internal_checkpoint
-    observed = rule is InternalCheckpoint.OBSERVED and stop_at_boundaries
+    # grid: 0.30.0+ drops its own stop at the boundary after a mid-block start
+    # when it checkpoints the chunk internally; grid puts it back (see
+    # keep_mid_block_stop).
+    mid_block_stop = mode is Mode.GRID and rule is InternalCheckpoint.OBSERVED
+    # 0.29.0's flashkda backend writes its in-chunk state only 16-aligned from
+    # the chunk start, yet vLLM publishes the reserved checkpoint block either
+    # way: with B % 16 == 8 a chunk from a boundary across an odd number of
+    # blocks would publish a hash over a slot that holds nothing. Every active
+    # mode ends such a chunk on the grid instead (its end state is then written
+    # as any chunk end's is; see stop()).
+    guard_unwritten = rule is InternalCheckpoint.ALIGNED_START and grid % 16 != 0
+    any_stop = stop_at_boundaries or mid_block_stop or guard_unwritten
+    observed = rule is InternalCheckpoint.OBSERVED and any_stop
     prefill_rule = body.prefill
     decisions = checkpoint_decisions
 
@@ -313,15 +327,6 @@ def state_grid_split(
             and scheduler.mamba_has_prefill_checkpoint_blocks
             and in_prefill(prefill_rule, request, start)
         )
-
-    # 0.29.0's flashkda backend writes its in-chunk state only 16-aligned from
-    # the chunk start, yet vLLM publishes the reserved checkpoint block either
-    # way: with B % 16 == 8 a chunk from a boundary across an odd number of
-    # blocks would publish a hash over a slot that holds nothing. Every active
-    # mode ends such a chunk on the grid instead (its end state is then written
-    # as any chunk end's is).
-    guard_unwritten = rule is InternalCheckpoint.ALIGNED_START and grid % 16 != 0
-    adjusts = stop_at_boundaries or guard_unwritten
 
     def stop(request: Any, start: int, num_tokens: int, taken_before: int) -> int:
         """vLLM's answer for a chunk of two or more tokens, stopped at the next
@@ -371,6 +376,43 @@ def state_grid_split(
             return num_tokens
         return kept - start
 
+    def keep_mid_block_stop(
+        request: Any, start: int, num_tokens: int, taken_before: int
+    ) -> int:
+        """grid: vLLM's answer, with its own stop at the boundary after a chunk
+        that starts mid-block kept when vLLM checkpoints the chunk internally.
+
+        vLLM 0.30.0+ drops that stop for such a chunk (scheduler.py:645-649 in
+        0.33.0) although its backend writes one state, and only into the start's
+        block when it is that boundary's. Otherwise the start's block (a partial
+        hash hit's copy, a KV connector's loaded state: e.g. a store hit ending
+        at 13,008 with B = 1,648) fills up without ever holding the boundary's
+        state, and vLLM publishes it as that state (and hands it to a
+        connector's store) once the chunk passes the boundary, if its state
+        retention keeps that boundary (else the block is freed unpublished and
+        no stop is needed).
+        """
+        next_boundary = (start // grid + 1) * grid
+        end = start + num_tokens
+        if (
+            start % grid == 0
+            or next_boundary >= end
+            or decisions.taken == taken_before  # vLLM kept its stop
+        ):
+            return num_tokens
+        if (
+            checkpoint_at is not None
+            and end >= max(request.num_prompt_tokens, request.num_tokens - 1)
+            and end <= next_boundary + grid  # the checkpoint's column is the start's
+            and checkpoint_at(start, end) == next_boundary
+        ):
+            return num_tokens  # the backend writes the boundary's state there
+        if not retention.keeps(request, next_boundary):
+            return num_tokens
+        return next_boundary - start
+
+    boundary_stop = keep_mid_block_stop if mid_block_stop else stop
+
     # The two variants differ only in vLLM's optional fifth parameter.
     def split(
         request: Any,
@@ -403,14 +445,14 @@ def state_grid_split(
             )
         finally:
             scheduler.cache_config = shared
-        if num_tokens <= 1 or not adjusts:
+        if num_tokens <= 1 or not any_stop:
             return num_tokens
         start = (
             request.num_computed_tokens
             + num_new_local_computed_tokens
             + num_external_computed_tokens
         )
-        return stop(request, start, num_tokens, taken_before)
+        return boundary_stop(request, start, num_tokens, taken_before)
 
     def split_with_prefix_tokens(
         request: Any,
@@ -444,14 +486,14 @@ def state_grid_split(
             )
         finally:
             scheduler.cache_config = shared
-        if num_tokens <= 1 or not adjusts:
+        if num_tokens <= 1 or not any_stop:
             return num_tokens
         start = (
             request.num_computed_tokens
             + num_new_local_computed_tokens
             + num_external_computed_tokens
         )
-        return stop(request, start, num_tokens, taken_before)
+        return boundary_stop(request, start, num_tokens, taken_before)
 
     route = split if body.extra_parameter is None else split_with_prefix_tokens
     return present_as(route, stock)

@@ -93,18 +93,40 @@ def model_dir() -> str:
 
 
 @functools.cache
-def base_vllm_config() -> Any:
-    """One real VllmConfig per process (building it inspects the model: seconds)."""
+def base_vllm_config(
+    kv_connector: str | None = None,
+    kv_connector_config: tuple[tuple[str, Any], ...] = (),
+) -> Any:
+    """One real VllmConfig per process and connector (building it inspects the
+    model: seconds).
+
+    ``kv_connector`` (``"module.path:ClassName"``) goes in as users configure a
+    third-party connector (``--kv-transfer-config`` with
+    ``kv_connector_module_path``, role ``kv_both``), so vLLM's own config checks
+    see it (e.g. that the connector supports the hybrid KV-cache manager).
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from vllm.engine.arg_utils import EngineArgs
 
+    transfer: dict[str, Any] = {}
+    if kv_connector is not None:
+        from vllm.config import KVTransferConfig
+
+        module_path, _, name = kv_connector.partition(":")
+        transfer["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=name,
+            kv_connector_module_path=module_path,
+            kv_role="kv_both",
+            kv_connector_extra_config=dict(kv_connector_config),
+        )
     args = EngineArgs(
         model=model_dir(),
         skip_tokenizer_init=True,
         enable_prefix_caching=True,
         max_num_batched_tokens=8192,
         max_model_len=MAX_MODEL_LEN,
+        **transfer,
     )
     config = _without_amx(args.create_engine_config)
     assert config.cache_config.mamba_cache_mode == "align", (
@@ -174,6 +196,13 @@ class Geometry:
     """``--async-scheduling``: vLLM's ``AsyncScheduler``, driven as its engine core
     drives it (one step in flight: step N+1 is scheduled before step N's output
     is processed)."""
+    kv_connector: str | None = None
+    """A KV connector the scheduler is built with, ``"module.path:ClassName"``
+    (loaded by vLLM from that module, as a third-party connector); None: no KV
+    transfer. Its hits start chunks wherever they end; the worker model loads
+    the state after a hit's last token into the request's running slot."""
+    kv_connector_config: tuple[tuple[str, Any], ...] = ()
+    """The connector's ``kv_connector_extra_config``, as (key, value) pairs."""
 
 
 CHECKPOINT_BACKENDS = tuple(CHECKPOINT_BACKENDS_SINCE)
@@ -334,7 +363,9 @@ def build_scheduler(geometry: Geometry) -> Any:
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler as Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
-    config = copy.deepcopy(base_vllm_config())
+    config = copy.deepcopy(
+        base_vllm_config(geometry.kv_connector, geometry.kv_connector_config)
+    )
     kv_config = kv_cache_config(geometry)
     # The engine core sets cache_config.block_size to the smallest group block.
     config.cache_config.block_size = min(
@@ -408,6 +439,7 @@ def _body_of_function(function: Any) -> SplitBody:
 
 CANONICAL = "canonical"
 FROM_TAIL = "computed around vLLM's partial-tail checkpoint (off the grid)"
+FROM_STORE = "continued from a state a KV connector loaded"
 NON_CANONICAL = "non-canonical"
 
 StateId = tuple[int, bytes]
@@ -499,7 +531,8 @@ class Simulation:
         """Block id -> how its state was computed, through every writer, cache
         hits included: CANONICAL (one B block per chunk from token 0),
         FROM_TAIL (canonically, but continued from vLLM's partial-tail
-        checkpoint off the grid) or NON_CANONICAL."""
+        checkpoint off the grid), FROM_STORE (likewise, but continued from a
+        state a KV connector loaded) or NON_CANONICAL."""
         self._chains: dict[str, tuple[int, bool, str]] = {}
         """Request -> (end of its last prefill chunk, own chunks canonical so far,
         provenance of its state)."""
@@ -523,6 +556,21 @@ class Simulation:
         self._checkpoint_rule = self._backend_checkpoint_rule()
         self._in_flight: collections.deque[tuple[Any, Any]] = collections.deque()
         """Async scheduling: scheduled steps whose output is not processed yet."""
+        self.store_loads: list[tuple[str, int]] = []
+        """(request, hit end) for every state a KV connector loaded."""
+        self.store_resumed_kept: list[str] = []
+        """Kept states computed from a connector-loaded state (its provenance
+        is the store's, not this instance's)."""
+        self.wrong_offloads: list[str] = []
+        """Boundary states vLLM handed the KV connector to save (0.29.0+'s
+        ``boundary_state_offloads``) whose block held another state: a store
+        would spread them to every instance that loads that prefix."""
+        self.offloads = 0
+        """Boundary states handed to the connector to save."""
+        self._pending_loads: set[str] = set()
+        self._loaded_at: dict[str, int] = {}
+        self._offloads_now: dict[str, list[tuple[int, int, int]]] = {}
+        self._watch_connector()
 
     # -- requests ---------------------------------------------------------------
     def add(self, request_id: str, tokens: Sequence[int], max_tokens: int = 1) -> Any:
@@ -611,7 +659,8 @@ class Simulation:
             self.canonical[copy_op.dst_block_id] = self.canonical.get(
                 copy_op.src_block_id, NON_CANONICAL
             )
-        written = {self._running_block(r, c.end).block_id for r, c in chunks.items()}
+        finished_loads = self._load_external_states(starts)
+        written = {self._running_block(r, c.end).block_id: r for r, c in chunks.items()}
         for new in output.scheduled_new_reqs:
             self._check_reused_state(new.req_id, new.num_computed_tokens, written)
         for req_id, chunk in chunks.items():
@@ -629,6 +678,7 @@ class Simulation:
             if req_id in self.prefill_now:
                 self._track_kept_states(req_id, chunk)
         self._check_published_hashes()
+        self._check_offloaded_states()
 
         sampled: list[list[int]] = []
         for req_id, chunk in chunks.items():
@@ -640,10 +690,18 @@ class Simulation:
             if done and record.prefilled_at_step is None:
                 record.prefilled_at_step = self.steps
             sampled.append([7] if done else [])
+        extra: dict[str, Any] = {}
+        if finished_loads:
+            from vllm.v1.outputs import KVConnectorOutput
+
+            extra["kv_connector_output"] = KVConnectorOutput(
+                finished_recving=finished_loads
+            )
         runner_output = ModelRunnerOutput(
             req_ids=list(chunks),
             req_id_to_index={req_id: i for i, req_id in enumerate(chunks)},
             sampled_token_ids=sampled,
+            **extra,
         )
         if self.geometry.async_scheduling:
             # vLLM's engine core with a batch queue of two
@@ -698,6 +756,95 @@ class Simulation:
         assert not block.is_null, f"{req_id}: running slot {column} is the null block"
         self.holds[block.block_id] = state_id(self._tokens(req_id), end)
         self.canonical[block.block_id] = NON_CANONICAL  # until a prefill chunk says so
+
+    def _watch_connector(self) -> None:
+        """Watch the scheduler's KV connector, whatever its class, where vLLM
+        talks to it: which requests it must load (``update_state_after_alloc``
+        with external tokens, scheduler.py:1482-1486 in 0.33.0) and which
+        boundary states it is handed to save (the block state its
+        ``build_connector_meta`` sees, scheduler.py:1681-1697; vLLM clears it
+        from the output right after, :1775)."""
+        connector = getattr(self.scheduler, "connector", None)
+        if connector is None:
+            return
+        allocated = connector.update_state_after_alloc
+        build_meta = connector.build_connector_meta
+        pending = self._pending_loads
+
+        def update_state_after_alloc(
+            request: Any, blocks: Any, num_external_tokens: int
+        ) -> Any:
+            if num_external_tokens > 0:
+                pending.add(request.request_id)
+            return allocated(request, blocks, num_external_tokens)
+
+        def build_connector_meta(scheduler_output: Any) -> Any:
+            state = getattr(scheduler_output, "kv_connector_block_state", None)
+            offloads = getattr(state, "boundary_state_offloads", None) or {}
+            self._offloads_now = {r: list(o) for r, o in offloads.items()}
+            return build_meta(scheduler_output)
+
+        connector.update_state_after_alloc = update_state_after_alloc
+        connector.build_connector_meta = build_connector_meta
+
+    def _load_external_states(self, starts: dict[str, int]) -> set[str]:
+        """The connector's worker side loading this step's external hits.
+
+        A hit ending at ``e`` (local plus external tokens) leaves the state
+        after exactly ``e`` tokens in the request's running slot, block-table
+        column ``ceil(e / B) - 1``: the Mamba group gives the external range
+        exactly that one real block (``allocate_external_computed_blocks``
+        after ``add_local_computed_blocks`` padded the skipped columns with
+        the null block, single_type_kv_cache_manager.py:268-362 in 0.33.0).
+        The state is right for the prefix: that is the connector's contract.
+        A synchronous load lands before the request's first forward pass (its
+        chunk starts at ``e``); an asynchronous one while the request waits
+        in WAITING_FOR_REMOTE_KVS with ``num_computed_tokens = e``
+        (scheduler.py:1514-1545), and is reported finished in this step's
+        output, as a worker reports ``finished_recving``.
+        Returns the requests whose asynchronous load finished.
+        """
+        from vllm.v1.request import RequestStatus
+
+        finished: set[str] = set()
+        for req_id in sorted(self._pending_loads):
+            request = self.records[req_id].request
+            if req_id in starts:
+                end = starts[req_id]
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                end = request.num_computed_tokens
+                finished.add(req_id)
+            else:
+                continue
+            self._pending_loads.discard(req_id)
+            column = (end - 1) // self.state_block
+            block = self._mamba_blocks(req_id)[column]
+            assert not block.is_null, f"{req_id}: loaded into the null block"
+            self.holds[block.block_id] = state_id(self._tokens(req_id), end)
+            self.canonical[block.block_id] = FROM_STORE
+            self.store_loads.append((req_id, end))
+            self._loaded_at[req_id] = end
+        return finished
+
+    def _check_offloaded_states(self) -> None:
+        """Each boundary state handed to the connector this step must be held
+        by its block once the step's forward pass ran (a store saves it then)."""
+        offloads, self._offloads_now = self._offloads_now, {}
+        for req_id, entries in offloads.items():
+            if req_id not in self.records:
+                continue
+            tokens = self._tokens(req_id)
+            for group, block_id, boundary in entries:
+                if group != self.mamba_group:
+                    continue
+                self.offloads += 1
+                held = self.holds.get(block_id)
+                if held != state_id(tokens, boundary):
+                    got = "nothing" if held is None else f"state@{held[0]}"
+                    self.wrong_offloads.append(
+                        f"{req_id}: block {block_id} saved as state@{boundary} "
+                        f"holds {got}"
+                    )
 
     def _backend_checkpoint_rule(
         self,
@@ -852,7 +999,9 @@ class Simulation:
         else:  # a new start: the first chunk, a cache hit, a resumption
             own = start % grid == 0
             provenance = CANONICAL if start == 0 else FROM_TAIL
-            if start and own:
+            if start and self._loaded_at.get(req_id) == start:
+                provenance = FROM_STORE  # a connector's state, on or off the grid
+            if start and own and provenance != FROM_STORE:
                 hit = self._mamba_blocks(req_id)[start // grid - 1]
                 right = not hit.is_null and self.holds.get(hit.block_id) == state_id(
                     tokens, start
@@ -887,7 +1036,9 @@ class Simulation:
             )
             if at_tail and provenance == CANONICAL:
                 provenance = FROM_TAIL
-            elif not (provenance == FROM_TAIL and (to_boundary or at_tail)):
+            elif not (
+                provenance in (FROM_TAIL, FROM_STORE) and (to_boundary or at_tail)
+            ):
                 provenance = NON_CANONICAL
         self._chains[req_id] = (end, own, provenance)
         self.canonical[self._running_block(req_id, end).block_id] = provenance
@@ -912,18 +1063,22 @@ class Simulation:
                     self.noncanonical_kept.append(f"{req_id}: state@{boundary}")
                 elif held == FROM_TAIL:
                     self.tail_resumed_kept.append(f"{req_id}: state@{boundary}")
+                elif held == FROM_STORE:
+                    self.store_resumed_kept.append(f"{req_id}: state@{boundary}")
                 continue
             self.noncanonical_kept_writes += not own
             if provenance == NON_CANONICAL:
                 self.noncanonical_kept.append(f"{req_id}: state@{boundary}")
             elif provenance == FROM_TAIL:
                 self.tail_resumed_kept.append(f"{req_id}: state@{boundary}")
+            elif provenance == FROM_STORE:
+                self.store_resumed_kept.append(f"{req_id}: state@{boundary}")
 
     def _running_block(self, req_id: str, end: int) -> Any:
         return self._mamba_blocks(req_id)[-(-end // self.state_block) - 1]
 
     def _check_reused_state(
-        self, req_id: str, num_computed: int, written: set[int]
+        self, req_id: str, num_computed: int, written: dict[int, str]
     ) -> None:
         record = self.records[req_id]
         if record.reused_tokens is None:
@@ -934,7 +1089,9 @@ class Simulation:
         block = self._mamba_blocks(req_id)[column]
         wanted = state_id(self._tokens(req_id), num_computed)
         held = None if block.is_null else self.holds.get(block.block_id)
-        if held != wanted and block.block_id in written:
+        # Its own running block (a partial hit's copy, a connector's load) is
+        # no other request's same-step write: it must hold the state already.
+        if held != wanted and written.get(block.block_id, req_id) != req_id:
             # vLLM before the same-step deferral (0.15.1-0.16.0 seen) lets a request
             # hit a block another request of this very step is still writing.
             self.same_step_reuse.append(f"{req_id} hit block {block.block_id}")
