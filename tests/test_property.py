@@ -18,6 +18,7 @@ Profiles: ``ci`` (default, quick) and ``long`` (HYPOTHESIS_PROFILE=long, about
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -30,6 +31,7 @@ from vllm_mamba_align.releases import (
     InternalCheckpoint,
     PrefillRule,
     supports_hash_block,
+    supports_lookahead_hashes,
     supports_retention_setting,
 )
 from vllm_mamba_align.tools.simulation import (
@@ -47,6 +49,10 @@ class Workload:
     max_tokens: list[int]
     arrivals: list[int]
     """Step at which each request is added (later arrivals hit the cache)."""
+
+
+DRAFTER_ODDS = int(os.environ.get("MAMBA_ALIGN_TEST_DRAFTER_ODDS", "4"))
+"""One drawn case in this many configures a drafter (1: every case)."""
 
 
 @st.composite
@@ -108,11 +114,22 @@ def workloads(draw: st.DrawFn, equal_geometry: bool = False) -> Workload:
             # 0.29.0's flashkda defect (vLLM's own, not the split's): the
             # manager reserves a checkpoint block the backend never writes.
             checkpoint = None
+    # A drafter (MTP or EAGLE-3, k tokens per step), sparingly: each one builds
+    # its own VllmConfig. On 0.33.0 also with vLLM's EAGLE last-block drop
+    # (lookahead hashes off, as with a KV connector).
+    speculative: tuple[str, int] | None = None
+    block_drop = False
+    if draw(st.integers(1, DRAFTER_ODDS)) == 1:
+        speculative = (draw(st.sampled_from(["mtp", "eagle"])), draw(st.integers(1, 3)))
+        block_drop = supports_lookahead_hashes() and draw(st.booleans())
+    drafts = speculative[1] if speculative else 0
     longest = max(len(p) + n for p, n in zip(prompts, max_tokens, strict=True))
     assert longest < MAX_MODEL_LEN  # at most 11 state blocks of at most 768 tokens
     # Blocks one request needs in both groups, so each request fits on its own
-    # (vLLM cannot serve one that does not); scarce pools force preemption.
-    need = -(-longest // cache_block) + -(-longest // state_block) + 4
+    # (vLLM cannot serve one that does not); scarce pools force preemption. A
+    # drafter adds k lookahead slots and k speculative state blocks.
+    need = -(-(longest + drafts) // cache_block) + -(-longest // state_block) + 4
+    need += drafts
     geometry = Geometry(
         cache_block=cache_block,
         state_block=state_block,
@@ -125,6 +142,8 @@ def workloads(draw: st.DrawFn, equal_geometry: bool = False) -> Workload:
         reserve_full_input=draw(st.booleans()),
         retention=retention,
         prefill_checkpoint=checkpoint,
+        speculative=speculative,
+        eagle_block_drop=block_drop,
     )
     return Workload(
         geometry=geometry,
@@ -212,6 +231,12 @@ def test_fixed_scheduler_never_poisons_and_always_finishes(workload: Workload) -
         event("full: a request resumed from vLLM's partial-tail checkpoint")
     retention = runs["kept"].retention
     event(f"retention {'dense' if retention.dense else retention.interval}")
+    if workload.geometry.speculative is not None:
+        method = workload.geometry.speculative[0]
+        drop = " with EAGLE block drop" if runs["full"].scheduler_drops_eagle else ""
+        event(f"drafter ({method}){drop}")
+        if runs["full"].accepted_drafts:
+            event("drafts were verified in decode")
     checkpointed = workload.geometry.prefill_checkpoint is not None
     if checkpointed:
         event(f"prefill checkpoints ({workload.geometry.prefill_checkpoint})")

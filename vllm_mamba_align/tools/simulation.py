@@ -433,6 +433,11 @@ def build_scheduler(geometry: Geometry) -> Any:
         config.cache_config.prefix_match_unit = geometry.hash_block
     sched = config.scheduler_config
     sched.max_num_batched_tokens = geometry.budget
+    if getattr(sched, "max_num_scheduled_tokens", None) is not None:
+        # With a drafter the config derives the scheduler's own budget from
+        # max_num_batched_tokens (0.33.0 config/vllm.py:2341-2348, 0.29.0
+        # :1901-1912): derive it from the geometry's.
+        sched.max_num_scheduled_tokens = geometry.budget
     sched.max_num_seqs = geometry.max_num_seqs
     sched.long_prefill_token_threshold = geometry.long_prefill_threshold
     if hasattr(sched, "scheduler_reserve_full_isl"):
@@ -599,6 +604,13 @@ class Simulation:
         """Tokens the drafter proposes per decode step (0: none)."""
         self.accepted_drafts = 0
         self.rejected_drafts = 0
+        self.scheduler_drops_eagle = bool(
+            getattr(self.scheduler, "use_eagle_block_drop", None)
+            if hasattr(self.scheduler, "use_eagle_block_drop")  # 0.30.0+
+            else getattr(self.scheduler, "use_eagle", False)  # 0.29.0 and older
+        )
+        """Whether vLLM's scheduler drops EAGLE's last block (and backs its
+        last cacheable position off one block)."""
 
     # -- requests ---------------------------------------------------------------
     def add(self, request_id: str, tokens: Sequence[int], max_tokens: int = 1) -> Any:
@@ -719,6 +731,18 @@ class Simulation:
         self.checkpoint_now = {}
         for req_id, chunk in chunks.items():
             self._write_checkpoint_state(req_id, chunk)
+        # The target model verifies the drafts (the sampler's acceptance) in
+        # this forward pass, which also moves their states (postprocess).
+        accepted: dict[str, int] = {}
+        for req_id, chunk in chunks.items():
+            drafts = spec_tokens.get(req_id, [])
+            if not drafts:
+                continue
+            request = self.records[req_id].request
+            accepted[req_id] = self._accepted(req_id, request, drafts)
+            self._write_verified_states(
+                req_id, chunk, drafts, accepted[req_id]
+            )
         rule = self.prefill_rule
         self.prefill_now = {
             req_id
@@ -731,7 +755,6 @@ class Simulation:
         self._check_published_hashes()
 
         sampled: list[list[int]] = []
-        verified: list[tuple[str, list[Any], Chunk, int, int]] = []
         for req_id, chunk in chunks.items():
             record = self.records[req_id]
             request = record.request
@@ -741,21 +764,14 @@ class Simulation:
             if done and record.prefilled_at_step is None:
                 record.prefilled_at_step = self.steps
             drafts = spec_tokens.get(req_id, [])
-            accepted = self._accepted(req_id, request, drafts) if done else 0
-            if drafts:
-                # The blocks as this step's forward pass sees them (a request
-                # that finishes frees them in update_from_output).
-                blocks = self._mamba_blocks(req_id)
-                verified.append((req_id, blocks, chunk, len(drafts), accepted))
-            sampled.append([*drafts[:accepted], 7] if done else [])
+            verified = drafts[: accepted.get(req_id, 0)]
+            sampled.append([*verified, 7] if done else [])
         runner_output = ModelRunnerOutput(
             req_ids=list(chunks),
             req_id_to_index={req_id: i for i, req_id in enumerate(chunks)},
             sampled_token_ids=sampled,
         )
         self.scheduler.update_from_output(output, runner_output)
-        for req_id, blocks, chunk, drafts, accepted in verified:
-            self._write_verified_states(req_id, blocks, chunk, drafts, accepted)
         for req_id in chunks:
             self._name_new_hashes(self.records[req_id].request)
         if self.drafts:
@@ -792,7 +808,7 @@ class Simulation:
             )
 
     def _write_verified_states(
-        self, req_id: str, blocks: list[Any], chunk: Chunk, drafts: int, accepted: int
+        self, req_id: str, chunk: Chunk, drafts: Sequence[int], accepted: int
     ) -> None:
         """What a verify step leaves in the Mamba slots besides the running one.
 
@@ -805,10 +821,12 @@ class Simulation:
         copied into the boundary's own column.
         """
         grid = self.state_block
-        tokens = self._tokens(req_id)  # now with the accepted drafts
+        blocks = self._mamba_blocks(req_id)
+        # The request's tokens as they will be once the accepted drafts join.
+        tokens = [*self._tokens(req_id), *drafts[:accepted]]
         column = -(-chunk.end // grid) - 1
-        running = chunk.end - drafts
-        for j in range(1, drafts + 1):
+        running = chunk.end - len(drafts)
+        for j in range(1, len(drafts) + 1):
             if column + j >= len(blocks) or blocks[column + j].is_null:
                 continue
             block_id = blocks[column + j].block_id
