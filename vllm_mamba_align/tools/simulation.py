@@ -106,9 +106,20 @@ TINY_EAGLE3_DRAFT = {
     "rope_theta": 10000.0,
 }
 
-SPECULATIVE_METHODS = ("mtp", "eagle")
-"""Drafters a geometry can configure: Qwen3-Next's own MTP module, or an EAGLE-3
-draft model (vLLM method ``eagle3``)."""
+SPECULATIVE_METHODS = ("mtp", "multi-mtp", "eagle")
+"""Drafters a geometry can configure: Qwen3-Next's own MTP module, k MTP modules
+(a checkpoint with ``num_nextn_predict_layers`` >= k, as Nemotron-H or DeepSeek
+ship: vLLM then reads k prefill tokens ahead), or an EAGLE-3 draft model (vLLM
+method ``eagle3``)."""
+
+
+@functools.cache
+def multi_mtp_model_dir(modules: int) -> str:
+    """The tiny hybrid with ``modules`` MTP modules."""
+    path = tempfile.mkdtemp(prefix="tiny-qwen3-next-mtp-")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**TINY_QWEN3_NEXT, "num_nextn_predict_layers": modules}, f)
+    return path
 
 
 @functools.cache
@@ -126,7 +137,7 @@ def speculative_config(
     if speculative is None:
         return None
     method, k = speculative
-    if method == "mtp":
+    if method in ("mtp", "multi-mtp"):
         config: dict[str, Any] = {"method": "mtp", "num_speculative_tokens": k}
     elif method == "eagle":
         config = {
@@ -157,8 +168,11 @@ def base_vllm_config(
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from vllm.engine.arg_utils import EngineArgs
 
+    model = model_dir()
+    if speculative is not None and speculative[0] == "multi-mtp":
+        model = multi_mtp_model_dir(speculative[1])
     args = EngineArgs(
-        model=model_dir(),
+        model=model,
         skip_tokenizer_init=True,
         enable_prefix_caching=True,
         max_num_batched_tokens=8192,
@@ -231,8 +245,9 @@ class Geometry:
     rule in :data:`CHECKPOINT_BACKENDS`; None: the CPU backend (no checkpoint)."""
     speculative: tuple[str, int] | None = None
     """A drafter proposing k tokens per step: ``("mtp", k)`` (Qwen3-Next's MTP
-    module) or ``("eagle", k)`` (an EAGLE-3 draft model), configured through
-    vLLM's own SpeculativeConfig; None: no speculative decoding."""
+    module), ``("multi-mtp", k)`` (k MTP modules) or ``("eagle", k)`` (an
+    EAGLE-3 draft model), configured through vLLM's own SpeculativeConfig
+    (:data:`SPECULATIVE_METHODS`); None: no speculative decoding."""
     eagle_block_drop: bool = False
     """0.33.0: turn vLLM's lookahead block hashes off
     (``disable_lookahead_block_hashes``, which every KV connector gets too), so
@@ -1033,7 +1048,11 @@ class Simulation:
             at_tail = (
                 start % grid == 0
                 and end % grid
-                and (prompt_end - 1) // grid * grid < end < prompt_end
+                and end < prompt_end
+                and (
+                    (prompt_end - 1) // grid * grid < end
+                    or end == self._partial_tail(prompt_end)
+                )
             )
             if at_tail and provenance == CANONICAL:
                 provenance = FROM_TAIL
@@ -1068,6 +1087,33 @@ class Simulation:
                 self.noncanonical_kept.append(f"{req_id}: state@{boundary}")
             elif provenance == FROM_TAIL:
                 self.tail_resumed_kept.append(f"{req_id}: state@{boundary}")
+
+    def _partial_tail(self, prompt_end: int) -> int:
+        """vLLM's partial-tail checkpoint of a prompt, where its split stops
+        (0.30.0+, with partial hash hits; 0 elsewhere). With EAGLE's block
+        drop it lies one hash block lower (floor(P / hash) * hash - hash,
+        kv_cache_interface.py:1169-1186 in 0.33.0), so it can fall in the
+        block before the prompt's last one."""
+        if not getattr(self.scheduler, "mamba_partial_cache_hit", False):
+            return 0
+        try:
+            from vllm.v1.kv_cache_interface import (
+                get_mamba_prefill_checkpoint_position as position_of,
+            )
+        except ImportError:
+            return 0
+        try:
+            tail: int = position_of(
+                prompt_end,
+                self.hash_block,
+                self.scheduler_drops_eagle,
+                num_hash_lookahead_tokens=getattr(
+                    self.scheduler, "num_hash_lookahead_tokens", 0
+                ),
+            )
+        except TypeError:  # an older helper without lookahead hashes
+            return 0
+        return tail
 
     def _running_block(self, req_id: str, end: int) -> Any:
         return self._mamba_blocks(req_id)[-(-end // self.state_block) - 1]
