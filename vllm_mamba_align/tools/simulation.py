@@ -755,9 +755,7 @@ class Simulation:
                 continue
             request = self.records[req_id].request
             accepted[req_id] = self._accepted(req_id, request, drafts)
-            self._write_verified_states(
-                req_id, chunk, drafts, accepted[req_id]
-            )
+            self._write_verified_states(req_id, chunk, drafts, accepted[req_id])
         rule = self.prefill_rule
         self.prefill_now = {
             req_id
