@@ -741,8 +741,8 @@ class Simulation:
         for new in output.scheduled_new_reqs:
             self._check_reused_state(new.req_id, new.num_computed_tokens, written)
         for req_id, chunk in chunks.items():
-            drafts = len(spec_tokens.get(req_id, ()))
-            self._write_running_state(req_id, chunk.end, drafts)
+            num_drafts = len(spec_tokens.get(req_id, ()))
+            self._write_running_state(req_id, chunk.end, num_drafts)
         self.checkpoint_now = {}
         for req_id, chunk in chunks.items():
             self._write_checkpoint_state(req_id, chunk)
@@ -750,12 +750,12 @@ class Simulation:
         # this forward pass, which also moves their states (postprocess).
         accepted: dict[str, int] = {}
         for req_id, chunk in chunks.items():
-            drafts = spec_tokens.get(req_id, [])
-            if not drafts:
+            proposed = spec_tokens.get(req_id, [])
+            if not proposed:
                 continue
             request = self.records[req_id].request
-            accepted[req_id] = self._accepted(req_id, request, drafts)
-            self._write_verified_states(req_id, chunk, drafts, accepted[req_id])
+            accepted[req_id] = self._accepted(req_id, request, proposed)
+            self._write_verified_states(req_id, chunk, proposed, accepted[req_id])
         rule = self.prefill_rule
         self.prefill_now = {
             req_id
@@ -776,8 +776,7 @@ class Simulation:
             done = chunk.end >= request.num_tokens
             if done and record.prefilled_at_step is None:
                 record.prefilled_at_step = self.steps
-            drafts = spec_tokens.get(req_id, [])
-            verified = drafts[: accepted.get(req_id, 0)]
+            verified = spec_tokens.get(req_id, [])[: accepted.get(req_id, 0)]
             sampled.append([*verified, 7] if done else [])
         runner_output = ModelRunnerOutput(
             req_ids=list(chunks),
@@ -801,7 +800,7 @@ class Simulation:
         if not drafts:
             return 0
         real = next((i for i, t in enumerate(drafts) if t < 0), len(drafts))
-        room = request.max_tokens - request.num_output_tokens - 1
+        room: int = request.max_tokens - request.num_output_tokens - 1
         pick = random.Random(f"{req_id}/{self.steps}").randint(0, len(drafts))
         accepted = max(0, min(pick, real, room))
         self.accepted_drafts += accepted
