@@ -207,7 +207,9 @@ def state_grid_split(
     first_kept_after = retention.first_kept_after
     view = _StateGridCacheConfig(scheduler.cache_config, grid)
     rule = body.internal_checkpoint
-    observed = rule is InternalCheckpoint.OBSERVED and stop_at_boundaries
+    # Watched in every mode: grid and kept need vLLM's decision too, for a
+    # chunk that starts mid-block (see stop()).
+    observed = rule is InternalCheckpoint.OBSERVED
     prefill_rule = body.prefill
     decisions = checkpoint_decisions
 
@@ -261,7 +263,14 @@ def state_grid_split(
             # only boundary (its end is not one: that state would come from
             # a chunk two blocks long).
             return num_tokens
-        if stop_anywhere:
+        if stop_anywhere or start % grid:
+            # A chunk from mid-block must stop at the next boundary in every
+            # mode: vLLM drops that stop when it checkpoints internally
+            # (0.30.0+), but the block the chunk resumes in is the boundary's
+            # own slot, and it would be published for the boundary while
+            # holding the state at the chunk's start (found by the property
+            # test: a partial hit at 8, B = 16, chunk 8 -> 33 checkpointed at
+            # 32, slot 0 published as state@16 holding state@8).
             return next_boundary - start
         # kept: stop only at a boundary whose state vLLM keeps; a step spent on
         # a boundary it drops would buy nothing.
@@ -302,13 +311,15 @@ def state_grid_split(
             )
         finally:
             scheduler.cache_config = shared
-        if num_tokens <= 1 or not stop_at_boundaries:
+        if num_tokens <= 1:
             return num_tokens
         start = (
             request.num_computed_tokens
             + num_new_local_computed_tokens
             + num_external_computed_tokens
         )
+        if not stop_at_boundaries and start % grid == 0:
+            return num_tokens  # grid: only a chunk from mid-block is stopped
         return stop(request, start, num_tokens, taken_before)
 
     def split_with_prefix_tokens(
@@ -343,13 +354,15 @@ def state_grid_split(
             )
         finally:
             scheduler.cache_config = shared
-        if num_tokens <= 1 or not stop_at_boundaries:
+        if num_tokens <= 1:
             return num_tokens
         start = (
             request.num_computed_tokens
             + num_new_local_computed_tokens
             + num_external_computed_tokens
         )
+        if not stop_at_boundaries and start % grid == 0:
+            return num_tokens  # grid: only a chunk from mid-block is stopped
         return stop(request, start, num_tokens, taken_before)
 
     route = split if body.extra_parameter is None else split_with_prefix_tokens
