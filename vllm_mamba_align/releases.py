@@ -411,16 +411,33 @@ def retention_in_kv_config() -> bool:
     )
 
 
-def supports_retention_setting() -> bool:
-    """Whether this vLLM has a state retention setting (0.27.1+: an environment
-    variable until 0.28.0, the cache config from 0.29.0)."""
+MAMBA_RETENTION_SINCE = Version("0.27.1")
+"""The first release whose retention setting reaches Mamba states. 0.23.0-0.26.0
+already read ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``, for sliding-window groups
+only: there vLLM refuses the variable for a model without one (e.g. a GDN
+hybrid), and every Mamba state is kept (kv_cache_coordinator.py:46 in 0.23.0)."""
+
+
+def retention_variable_reaches_mamba() -> bool:
+    """Whether the installed vLLM's retention environment variable (0.27.1,
+    0.28.0; still read later) decides which Mamba states are kept."""
     import vllm.envs
 
     from .retention import RETENTION_VARIABLE
 
-    return retention_in_kv_config() or RETENTION_VARIABLE in getattr(
-        vllm.envs, "environment_variables", {}
-    )
+    if RETENTION_VARIABLE not in getattr(vllm.envs, "environment_variables", {}):
+        return False
+    version = installed_version()
+    try:
+        return version is not None and Version(version) >= MAMBA_RETENTION_SINCE
+    except InvalidVersion:
+        return False
+
+
+def supports_retention_setting() -> bool:
+    """Whether this vLLM has a state retention setting for Mamba states (0.27.1+:
+    an environment variable until 0.28.0, the cache config from 0.29.0)."""
+    return retention_in_kv_config() or retention_variable_reaches_mamba()
 
 
 def supports_hash_block() -> bool:

@@ -260,9 +260,9 @@ def installed_setting() -> tuple[bool, int | None, str]:
     default = _default_interval()
     if default is not _NO_FIELD:  # 0.29.0+
         return True, default, "--prefix-cache-retention-interval"
-    import vllm.envs
+    from .releases import retention_variable_reaches_mamba
 
-    if RETENTION_VARIABLE in getattr(vllm.envs, "environment_variables", {}):
+    if retention_variable_reaches_mamba():
         raw = os.environ.get(RETENTION_VARIABLE, "").strip()
         return True, int(raw) if raw else None, RETENTION_VARIABLE
     return False, None, "no retention setting in this vLLM"

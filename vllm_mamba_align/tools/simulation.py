@@ -82,6 +82,8 @@ TINY_QWEN3_NEXT = {
 }
 
 MAX_MODEL_LEN = 131072
+SAMPLED_TOKEN = 7
+"""The token the modelled worker samples (and its drafter proposes), always."""
 
 
 @functools.cache
@@ -869,7 +871,7 @@ class Simulation:
             if done and record.prefilled_at_step is None:
                 record.prefilled_at_step = self.steps
             verified = spec_tokens.get(req_id, [])[: accepted.get(req_id, 0)]
-            sampled.append([*verified, 7] if done else [])
+            sampled.append([*verified, SAMPLED_TOKEN] if done else [])
         extra: dict[str, Any] = {}
         if finished_loads:
             from vllm.v1.outputs import KVConnectorOutput
@@ -925,7 +927,7 @@ class Simulation:
         live = [r for r in chunks if r in self.scheduler.requests]
         if live:
             self.scheduler.update_draft_token_ids(
-                DraftTokenIds(live, [[7] * self.drafts for _ in live])
+                DraftTokenIds(live, [[SAMPLED_TOKEN] * self.drafts for _ in live])
             )
 
     def _write_verified_states(
@@ -1002,7 +1004,13 @@ class Simulation:
         return list(self.mamba_manager.req_to_blocks.get(req_id, ()))
 
     def _tokens(self, req_id: str) -> Sequence[int]:
-        tokens: Sequence[int] = self.records[req_id].request.all_token_ids
+        request = self.records[req_id].request
+        tokens: Sequence[int] = request.all_token_ids
+        in_flight = getattr(request, "num_output_placeholders", 0)
+        if self.geometry.async_scheduling and in_flight > 0:
+            # Async scheduling: a step may compute tokens whose values arrive
+            # with a later update; they are the ones this model samples.
+            return [*tokens, *[SAMPLED_TOKEN] * in_flight]
         return tokens
 
     def _write_running_state(self, req_id: str, end: int, drafts: int = 0) -> None:
