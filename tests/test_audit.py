@@ -27,7 +27,7 @@ import pytest
 from conftest import cache_block_for, geometry_rule, scheduler_mode
 from hypothesis import event, find, given, reject, settings
 from hypothesis import strategies as st
-from test_property import Workload, drive, workloads
+from test_property import Workload, drive, unwritten_checkpoints_possible, workloads
 
 from vllm_mamba_align import audit
 from vllm_mamba_align.tools.simulation import (
@@ -269,6 +269,12 @@ def check_audit_against_stock(workload: Workload) -> audit.AuditSnapshot:
     if any(e - s == 1 for _, s, e in prefill):
         event("a one-token prefill chunk")
     lost = [m for m in stock.missing_kept if "inside a chunk" in m]
+    if unwritten_checkpoints_possible(workload.geometry):
+        # vLLM 0.29.0's own flashkda defect (B % 16 == 8) publishes checkpoint
+        # blocks its backend never writes: wrong states the split does not
+        # cause and the audit does not count (the plugin routes around them).
+        event("0.29.0 flashkda, B % 16 == 8: vLLM's own wrong publications")
+        return found
     if workload.geometry.prefill_checkpoint is None:
         assert found.poisoned_slots == stock.wrong_publications
         assert found.poisoned_slots + found.skipped_boundaries == len(lost)
