@@ -134,6 +134,15 @@ class SplitBody:
     the fix then stops at every boundary)."""
 
     @property
+    def stops_after_mid_block_start(self) -> bool:
+        """Whether vLLM's own split stops a chunk that starts mid-block at the
+        next boundary (0.26.0+; False for unverified code)."""
+        try:
+            return Version(self.releases[0]) >= Version("0.26.0")
+        except InvalidVersion:
+            return False
+
+    @property
     def name(self) -> str:
         first, last = self.releases[0], self.releases[-1]
         return first if first == last else f"{first}-{last}"

@@ -296,7 +296,17 @@ def state_grid_split(
     # mode ends such a chunk on the grid instead (its end state is then written
     # as any chunk end's is; see stop()).
     guard_unwritten = rule is InternalCheckpoint.ALIGNED_START and grid % 16 != 0
-    any_stop = stop_at_boundaries or mid_block_stop or guard_unwritten
+    # grid before 0.26.0: vLLM has no stop at the boundary after a chunk that
+    # starts mid-block (a KV connector's hit off the grid), so the start's block,
+    # holding the loaded state, would be published as the boundary's. grid adds
+    # the stop 0.26.0+ make themselves (there it changes nothing).
+    mid_block_stop_missing = mode is Mode.GRID and not body.stops_after_mid_block_start
+    any_stop = (
+        stop_at_boundaries
+        or mid_block_stop
+        or guard_unwritten
+        or mid_block_stop_missing
+    )
     observed = rule is InternalCheckpoint.OBSERVED and any_stop
     prefill_rule = body.prefill
     decisions = checkpoint_decisions
@@ -350,6 +360,8 @@ def state_grid_split(
             if next_boundary == end:
                 return num_tokens
         if not stop_at_boundaries:
+            if mid_block_stop_missing and start % grid:
+                return next_boundary - start
             return num_tokens
         if (
             checkpoint_at is not None
