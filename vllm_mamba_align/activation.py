@@ -17,7 +17,7 @@ from .geometry import state_block_size
 from .releases import SUPPORTED_RELEASES, SplitBody, describe_version, expected_body
 from .retention import Retention, read_retention
 from .settings import Mode
-from .split import SplitFunction, state_grid_split
+from .split import SplitFunction, state_grid_split, step_budget
 
 # The attribute upstream's fix (PR #54076) adds; if vLLM set it itself, the fix landed.
 STATE_BLOCK_ATTRIBUTE = "mamba_state_block_size"
@@ -83,16 +83,6 @@ def _refuse_unknown_code(recognition: Recognition) -> MambaAlignError:
         f"{settings.ALLOW_UNVERIFIED_VARIABLE}=1; or install a verified vLLM "
         "release; or leave the plugin out of VLLM_PLUGINS to run stock vLLM."
     )
-
-
-def step_budget(scheduler: Any) -> tuple[int, str]:
-    """The most prefill tokens one request may get in a step, and what sets it."""
-    budget = int(scheduler.max_num_scheduled_tokens)
-    source = f"--max-num-batched-tokens={budget}"
-    threshold = int(scheduler.scheduler_config.long_prefill_token_threshold or 0)
-    if 0 < threshold < budget:
-        budget, source = threshold, f"--long-prefill-token-threshold={threshold}"
-    return budget, source
 
 
 def _refuse_stall(scheduler: Any, body: SplitBody, state_grid: int) -> None:

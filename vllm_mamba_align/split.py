@@ -246,15 +246,15 @@ _VALID_PARAMETERS = {
 """``is_mamba_prefill_checkpoint_valid``'s parameters, 0.30.0-0.33.0."""
 
 
-def _prefill_step_budget(scheduler: Any) -> int:
-    """The most prefill tokens one step gives a request, as vLLM's split computes
-    it (0 when unknown: then nothing is held back, so nothing can stall)."""
-    budget = getattr(scheduler, "max_num_scheduled_tokens", 0)
-    config = getattr(scheduler, "scheduler_config", None)
-    threshold = getattr(config, "long_prefill_token_threshold", 0)
-    if not isinstance(budget, int) or not isinstance(threshold, int):
-        return 0
-    return min(budget, threshold) if threshold > 0 else budget
+def step_budget(scheduler: Any) -> tuple[int, str]:
+    """The most prefill tokens one request may get in a step, and what sets it
+    (vLLM's split computes the same bound)."""
+    budget = int(scheduler.max_num_scheduled_tokens)
+    source = f"--max-num-batched-tokens={budget}"
+    threshold = int(scheduler.scheduler_config.long_prefill_token_threshold or 0)
+    if 0 < threshold < budget:
+        budget, source = threshold, f"--long-prefill-token-threshold={threshold}"
+    return budget, source
 
 
 def state_grid_split(
@@ -322,7 +322,7 @@ def state_grid_split(
         rule is InternalCheckpoint.ALIGNED_START
         and stop_at_boundaries
         and stop_anywhere
-        and 0 < grid <= _prefill_step_budget(scheduler)
+        and 0 < grid <= step_budget(scheduler)[0]
     )
 
     def falls_short(request: Any, start: int, num_new_tokens: int) -> bool:
