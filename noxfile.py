@@ -168,25 +168,32 @@ def _newest_release_per_body() -> list[str]:
     return [body.releases[-1] for body in BODIES]
 
 
+SWEEP_WORKLOADS = 100_000
+SWEEP_RESULTS = REPO / "benchmarks" / "sweep"
+
+
 @nox.session
 @nox.parametrize("vllm", _newest_release_per_body())
 def property_long(session: nox.Session, vllm: str) -> None:
-    """The long property profile (about 10^5 real schedule() calls and more) on
-    one release per split body: ``nox -s property_long`` runs them all (up to an
-    hour each on 2 cores), ``nox -s "property_long(vllm='0.29.0')"`` one."""
+    """The long profile, one release per split body: the random sweep's 100,000
+    workloads on both cores (tests/test_sweep.py; about 45 min per body on 2
+    cores), its counts and shares written to benchmarks/sweep/<release>.json.
+    ``nox -s property_long`` runs every body, ``nox -s "property_long(vllm='0.29.0')"``
+    one. HYPOTHESIS_PROFILE=long (passed through) runs the property tests'
+    long profile instead."""
     env = install_vllm(session, vllm)
     session.install(*TEST_TOOLS)
     install_plugin_wheel(session)
-    env["HYPOTHESIS_PROFILE"] = "long"
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        "tests/test_property.py",
-        "--hypothesis-show-statistics",
-        *session.posargs,
-        env=env,
-    )
+    if os.environ.get("HYPOTHESIS_PROFILE") == "long":
+        env["HYPOTHESIS_PROFILE"] = "long"
+        tests = ["tests/test_property.py", "--hypothesis-show-statistics"]
+    else:
+        SWEEP_RESULTS.mkdir(exist_ok=True)
+        env["MAMBA_ALIGN_SWEEP_WORKLOADS"] = str(SWEEP_WORKLOADS)
+        env["MAMBA_ALIGN_SWEEP_PROCESSES"] = str(os.cpu_count() or 1)
+        env["MAMBA_ALIGN_SWEEP_REPORT"] = str(SWEEP_RESULTS / f"{vllm}.json")
+        tests = ["tests/test_sweep.py"]
+    session.run("python", "-m", "pytest", *tests, *session.posargs, env=env)
 
 
 @nox.session

@@ -1410,13 +1410,28 @@ class Simulation:
         """(block, hash key, state the hash names) for every published Mamba block."""
         from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
 
-        for block in self.block_pool.blocks:
+        for block in self._hashed_blocks():
             key = block.block_hash
             if key is None or get_group_id(key) != self.mamba_group:
                 continue
             claimed = self.hash_names.get(bytes(get_block_hash(key)))
             if claimed is not None:
                 yield block, bytes(key), claimed
+
+    def _hashed_blocks(self) -> Iterator[Any]:
+        """Every block of the pool that carries a hash: those in the pool's
+        hash map (every release 0.15.1+ keeps one, ``BlockHashToBlockMap``), a
+        few dozen, rather than a scan of all blocks each step."""
+        cache = getattr(self.block_pool.cached_block_hash_to_block, "_cache", None)
+        if cache is None:
+            yield from self.block_pool.blocks
+            return
+        seen: set[int] = set()
+        for entry in list(cache.values()):
+            for block in entry.values() if isinstance(entry, dict) else (entry,):
+                if block.block_id not in seen:
+                    seen.add(block.block_id)
+                    yield block
 
     def _check_published_hashes(self) -> None:
         for block, key, claimed in self.published_mamba_blocks():
