@@ -85,3 +85,24 @@ def test_vllm_own_async_defect_is_the_only_wrong_publication(mode: str) -> None:
     if mode == "full":
         assert wrong <= {(8000, 8001), (4000, 4001), (12000, 12001)}, wrong
     assert {(8000, 8001), (4000, 4001)} <= wrong
+
+
+def test_a_boundary_reached_by_a_sampled_token_is_no_prompt_state() -> None:
+    """A 1,343-token prompt, C = B = 448, two output tokens. The block ending at
+    1,344 holds the prompt plus the first sampled token; under async scheduling
+    it is published once the decode step in flight computed it. On 0.15.1-0.16.0
+    that step still counts as prefill (no output processed yet), so the oracle
+    sees a kept state computed by a one-token chunk. It is right (not wrong,
+    not missing), and no chunking of the prompt could make it canonical:
+    ``full``'s canonical promise covers prompt states only (found by the
+    release matrix on 0.16.0)."""
+    geometry = Geometry(448, 448, 448, max_num_seqs=1, async_scheduling=True)
+    with scheduler_mode("full"):
+        sim = Simulation(geometry)
+        sim.add("r0", prompt(1343, seed=100), max_tokens=2)
+        sim.add("r1", prompt(1, seed=101))
+        sim.run()
+    assert sim.chunk_ends("r0") == [448, 896, 1343]
+    assert not sim.poisoned, [str(p) for p in sim.poisoned.values()]
+    assert sim.missing_kept == []
+    assert sim.noncanonical_kept == []

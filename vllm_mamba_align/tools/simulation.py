@@ -1333,6 +1333,13 @@ class Simulation:
                 self.missing_kept.append(f"{req_id}: {boundary} not written")
                 continue
             self.kept_writes += 1
+            if boundary > request.num_prompt_tokens:
+                # Past the prompt: the state holds a generated token, computed
+                # by a decode step that 0.15.1-0.16.0's predicate calls prefill
+                # while async scheduling keeps the sampled token in flight. No
+                # chunking makes it canonical; it is no prompt state.
+                self.noncanonical_kept_writes += not own
+                continue
             if boundary == checkpoint:
                 self.noncanonical_kept_writes += not own_checkpoint
                 held = self.canonical.get(block.block_id, NON_CANONICAL)
