@@ -189,6 +189,43 @@ def test_stock_publishes_the_checkpoint_its_backend_never_writes() -> None:
     )
 
 
+@pytest.mark.parametrize("mode", ["off", "grid", "kept", "full"])
+def test_a_drafter_keeps_the_unwritten_checkpoint_block(mode: str) -> None:
+    """0.29.0 with a drafter (MTP, one token): the scheduler turns its own
+    ``mamba_has_prefill_checkpoint_blocks`` off, but the Mamba spec keeps
+    flashkda's checkpoint block, so the manager still reserves and publishes
+    it, and the backend still writes 16-aligned from the chunk start only.
+    C = B = 24, a 40-token prompt, dense retention: stock runs 0 -> 40 and
+    publishes the block of 24 holding nothing (vLLM's defect); every mode ends
+    the chunk at 24 instead. Before the fix the guard read the scheduler's
+    flag and ``grid`` published it too (the case the property tests had left
+    out, found again by the sweep)."""
+    if installed_body().internal_checkpoint is not InternalCheckpoint.ALIGNED_START:
+        pytest.skip("0.29.0's flashkda rule only")
+    geometry = Geometry(
+        24,
+        24,
+        8192,
+        hash_block=8,
+        retention=None,
+        prefill_checkpoint="flashkda",
+        speculative=("mtp", 1),
+    )
+    with scheduler_mode(mode):
+        sim = Simulation(geometry)
+        assert not sim.scheduler.mamba_has_prefill_checkpoint_blocks
+        sim.add("first", prompt(40, seed=1), max_tokens=3)
+        sim.run()
+    wrong = [str(p) for p in sim.poisoned.values()]
+    if mode == "off":
+        assert sim.chunk_ends("first")[0] == 40
+        assert any(w.endswith("hashed as state@24 holds nothing") for w in wrong)
+        return
+    assert sim.chunk_ends("first")[:2] == [24, 40]
+    assert wrong == []
+    assert sim.missing_kept == []
+
+
 @pytest.mark.parametrize(
     ("mode", "retention"), [("full", "default"), ("kept", "default"), ("kept", 512)]
 )

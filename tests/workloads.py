@@ -214,16 +214,6 @@ def draw_workload(
         speculative = (d.choice(["mtp", "eagle"]), d.integer(1, 3))
         block_drop = supports_lookahead_hashes() and d.choice([True, False])
     drafts = speculative[1] if speculative else 0
-    if (
-        speculative
-        and checkpoint_rule is InternalCheckpoint.ALIGNED_START
-        and state_block % 16 == 8
-    ):
-        # 0.29.0 with a drafter turns backend checkpoints off in the scheduler
-        # but not in the Mamba spec the simulation builds; with B % 16 == 8 a
-        # drafted run once saw a decode-time boundary published unwritten
-        # (not reproduced in isolation, not analysed): not drawn for now.
-        checkpoint = None
     # A KV connector whose store holds states of prefixes of the shared base,
     # ending wherever they end (off both grids, mostly): not combined with a
     # drafter or async scheduling (not modelled together).

@@ -137,6 +137,16 @@ def backend_off_manager_grid(scheduler: Any, body: SplitBody, grid: int) -> bool
     return bool(backend != scheduler.hash_block_size)
 
 
+def spec_reserves_checkpoints(scheduler: Any) -> bool:
+    """Whether a Mamba group's spec declares prefill checkpoint blocks, which
+    its manager reserves for a chunk that starts on the grid and ends off it,
+    whatever the scheduler's own ``mamba_has_prefill_checkpoint_blocks`` says."""
+    return any(
+        getattr(group.kv_cache_spec, "num_prefill_checkpoint_blocks", 0) > 0
+        for group in scheduler.kv_cache_config.kv_cache_groups
+    )
+
+
 def backend_checkpoint_rule(
     scheduler: Any, stock: SplitFunction, body: SplitBody, grid: int
 ) -> CheckpointRule | None:
@@ -295,7 +305,16 @@ def state_grid_split(
     # blocks would publish a hash over a slot that holds nothing. Every active
     # mode ends such a chunk on the grid instead (its end state is then written
     # as any chunk end's is; see stop()).
-    guard_unwritten = rule is InternalCheckpoint.ALIGNED_START and grid % 16 != 0
+    # The manager reserves (and publishes) that block by the Mamba spec, which
+    # keeps its checkpoint blocks with a drafter, while the scheduler's own
+    # flag turns off there (scheduler.py:329-338 and
+    # single_type_kv_cache_manager.py:1565-1580 in 0.29.0): the guard goes by
+    # the spec.
+    guard_unwritten = (
+        rule is InternalCheckpoint.ALIGNED_START
+        and grid % 16 != 0
+        and spec_reserves_checkpoints(scheduler)
+    )
     # grid before 0.26.0: vLLM has no stop at the boundary after a chunk that
     # starts mid-block (a KV connector's hit off the grid), so the start's block,
     # holding the loaded state, would be published as the boundary's. grid adds
@@ -351,7 +370,6 @@ def state_grid_split(
             guard_unwritten
             and end % grid
             and start % grid == 0
-            and scheduler.mamba_has_prefill_checkpoint_blocks
             and checkpoint_at is not None
             and checkpoint_at(start, end) < 0
         ):
