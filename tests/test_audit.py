@@ -27,7 +27,8 @@ import pytest
 from conftest import cache_block_for, geometry_rule, scheduler_mode
 from hypothesis import event, find, given, reject, settings
 from hypothesis import strategies as st
-from test_property import Workload, drive, unwritten_checkpoints_possible, workloads
+from random_workloads import Workload, drive, unwritten_checkpoints_possible
+from test_property import workloads
 
 from vllm_mamba_align import audit
 from vllm_mamba_align.tools.simulation import (

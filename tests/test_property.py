@@ -23,7 +23,7 @@ import pytest
 from conftest import geometry_rule, installed_body
 from hypothesis import event, find, given, reject, settings
 from hypothesis import strategies as st
-from workloads import (
+from random_workloads import (
     HypothesisDraw,
     Unrunnable,
     Workload,
@@ -32,7 +32,7 @@ from workloads import (
     draw_workload,
     unwritten_checkpoints_possible,
 )
-from workloads import simulate as run_case
+from random_workloads import simulate as run_case
 
 from vllm_mamba_align.releases import CheckpointGrid
 from vllm_mamba_align.tools.simulation import Simulation

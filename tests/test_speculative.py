@@ -21,7 +21,7 @@ boundary up to 16480, then vLLM's partial tail (16752, or 16736 with the drop).
 from __future__ import annotations
 
 import pytest
-from conftest import geometry_rule, installed_body, scheduler_mode
+from conftest import built_or_skipped, geometry_rule, installed_body, scheduler_mode
 
 from vllm_mamba_align.releases import (
     InternalCheckpoint,
@@ -290,3 +290,36 @@ def test_the_plugin_predicts_the_states_vllm_keeps_with_a_drafter(
     }
     assert published == predicted
     _assert_sound(sim, "full")
+
+
+@pytest.mark.parametrize("mode", ["grid", "full"])
+def test_a_squeezed_chunk_before_the_last_boundary_waits_in_full(mode: str) -> None:
+    """Before 0.27.1 vLLM's split backs the last cacheable position off one
+    block for an EAGLE/MTP drafter and leaves every chunk after it unaligned,
+    boundaries inside included. B = 104, budget 104, MTP: a 318-token prompt,
+    then in one step a 103-token request and a sibling hitting 208 of the
+    prompt's tokens. The first takes 103 tokens, leaving one: vLLM's split on
+    the B grid (``grid``) gives the sibling 208 -> 209, and its state@312 is
+    computed in two chunks, unlike the prompt's (found by the sweep on 0.18.1;
+    stock, on the C grid, has worse troubles). ``full`` waits for a whole
+    block, as vLLM does for any other squeezed chunk."""
+    cache_block = {"any": 8, "divisor": 8}.get(geometry_rule(), 104)
+    geometry = Geometry(cache_block, 104, 104, speculative=("mtp", 1))
+    base = prompt(318, seed=1)
+    with scheduler_mode(mode), built_or_skipped():
+        sim = Simulation(geometry)
+        sim.add("first", base, max_tokens=2)
+        sim.run()
+        sim.add("other", prompt(103, seed=2), max_tokens=2)
+        sim.add("sibling", base[:228] + prompt(90, seed=3), max_tokens=2)
+        sim.run()
+    assert sim.reused("sibling") == 208
+    ends = sim.chunk_ends("sibling")
+    if mode == "grid":
+        if ends[0] != 209:
+            pytest.skip("this vLLM aligns the squeezed chunk itself (0.27.1+)")
+        assert sim.noncanonical_kept == ["sibling: state@312"]
+        return
+    assert ends[:2] == [312, 318], ends
+    assert sim.noncanonical_kept == []
+    assert not sim.poisoned, [str(p) for p in sim.poisoned.values()]

@@ -2,9 +2,9 @@
 
 The property tests (``test_property.py``) compare modes on the same case and
 shrink failures, at about two cases a second. This sweep draws from the same
-generator (``workloads.py``) through a seeded RNG, runs each case in one mode
+generator (``random_workloads.py``) through a seeded RNG, runs each case in one mode
 (``full``, ``kept`` or ``grid``, drawn too) and checks what that mode holds on
-its own (``workloads.check_mode``): cheap enough for the 100,000 workloads per
+its own (``random_workloads.check_mode``): cheap enough for the 100,000 workloads per
 split body of ``nox -s property_long``. CI runs a quick few hundred.
 
 Every case is reproducible from its index: ``MAMBA_ALIGN_SWEEP_ONLY=<index>``
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from workloads import (
+from random_workloads import (
     RandomDraw,
     Unrunnable,
     Workload,

@@ -331,30 +331,32 @@ def state_grid_split(
     decisions = checkpoint_decisions
 
     checkpoint_at = backend_checkpoint_rule(scheduler, stock, body, grid)
-    # 0.29.0 leaves every chunk that starts on the grid unaligned once checkpoint
-    # blocks exist, trusting the backend with the boundary inside; a chunk that
-    # crosses none (squeezed by the step budget) then makes the next boundary's
-    # state a two-chunk one. Where boundary states must be canonical (full, and
-    # kept under dense retention), wait for a whole block instead, as vLLM
-    # itself does without checkpoint blocks; grid leaves vLLM's chunk alone.
-    align_short_chunks = (
-        rule is InternalCheckpoint.ALIGNED_START
-        and stop_at_boundaries
-        and stop_anywhere
-        and 0 < grid <= step_budget(scheduler)[0]
-    )
+    # A prefill chunk from a boundary that the step budget squeezes short of the
+    # next one would make that boundary's state a two-chunk one. vLLM's split
+    # waits for a whole block itself, except where it leaves such a chunk
+    # unaligned: 0.29.0 once checkpoint blocks exist (trusting the backend with
+    # the boundary inside), and bodies before 0.27.1 with an EAGLE/MTP drafter
+    # in the last block but one (its "prefill the last few tokens" branch once
+    # it backs the last cacheable position off one block). Where boundary
+    # states must be canonical (full, and kept under dense retention) the fix
+    # waits there too; grid leaves vLLM's chunk alone.
+    align_short_chunks = stop_at_boundaries and stop_anywhere
+    align_short_chunks = align_short_chunks and 0 < grid <= step_budget(scheduler)[0]
+    checkpoint_blocks_unalign = rule is InternalCheckpoint.ALIGNED_START
 
     def falls_short(request: Any, start: int, num_new_tokens: int) -> bool:
-        """Whether vLLM without checkpoint blocks would schedule nothing: a
-        prefill chunk from a boundary that reaches neither the next one nor
-        the end of the prefill (the step budget squeezed it)."""
+        """Whether a prefill chunk from a boundary reaches neither the next
+        boundary nor the end of the prefill, where vLLM may leave it unaligned:
+        before a boundary inside the prefill, or (0.29.0 with checkpoint
+        blocks) anywhere short of the prefill end."""
         end = start + num_new_tokens
-        return (
-            start % grid == 0
-            and end < start + grid
-            and end < max(request.num_prompt_tokens, request.num_tokens - 1)
-            and scheduler.mamba_has_prefill_checkpoint_blocks
-            and in_prefill(prefill_rule, request, start)
+        if start % grid or end >= start + grid:
+            return False
+        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+        if end >= prefill_end or not in_prefill(prefill_rule, request, start):
+            return False
+        return start + grid <= prefill_end or (
+            checkpoint_blocks_unalign and scheduler.mamba_has_prefill_checkpoint_blocks
         )
 
     def stop(request: Any, start: int, num_tokens: int, taken_before: int) -> int:
