@@ -394,6 +394,12 @@ def one_block_per_step(geometry: Geometry) -> bool:
     return geometry.state_block <= budget
 
 
+def drafter_tail_unaligned(geometry: Geometry) -> bool:
+    """A drafter on a release whose split leaves the last blocks unaligned
+    (before 0.27.1: releases.SplitBody.aligns_drafter_tail)."""
+    return geometry.speculative is not None and not installed_body().aligns_drafter_tail
+
+
 def unwritten_checkpoints_possible(geometry: Geometry) -> bool:
     """0.29.0's flashkda backend skips a checkpoint 16-misaligned from the chunk
     start, which only a state block B with B % 16 != 0 allows."""

@@ -27,7 +27,12 @@ import pytest
 from conftest import cache_block_for, geometry_rule, scheduler_mode
 from hypothesis import event, find, given, reject, settings
 from hypothesis import strategies as st
-from random_workloads import Workload, drive, unwritten_checkpoints_possible
+from random_workloads import (
+    Workload,
+    drafter_tail_unaligned,
+    drive,
+    unwritten_checkpoints_possible,
+)
 from test_property import workloads
 
 from vllm_mamba_align import audit
@@ -340,6 +345,10 @@ def test_audit_finds_no_poisoning_in_equal_geometry(workload: Workload) -> None:
     a resume at 16 checkpointed 16 -> 102, the block of 32 holding state@16);
     the audit must count it like the oracle (checked above)."""
     found = check_audit_against_stock(workload)
+    if drafter_tail_unaligned(workload.geometry):
+        # Before 0.27.1 stock publishes wrong states with a drafter even with
+        # C = B (test_property: grid mode vs stock); counted like the oracle.
+        return
     if workload.geometry.prefill_checkpoint is None:
         assert found.poisoned_slots == 0
 

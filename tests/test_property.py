@@ -29,6 +29,7 @@ from random_workloads import (
     Workload,
     check_mode,
     dimensions,
+    drafter_tail_unaligned,
     draw_workload,
     unwritten_checkpoints_possible,
 )
@@ -99,7 +100,10 @@ def test_full_and_kept_never_poison_with_a_backend_off_the_hash_grid(
 @given(workloads(equal_geometry=True))
 def test_grid_mode_is_stock_in_equal_geometry(workload: Workload) -> None:
     """Except where stock publishes a wrong state: 0.30.0+ drops its stop after
-    a mid-block start for a chunk it checkpoints internally, grid keeps it."""
+    a mid-block start for a chunk it checkpoints internally, grid keeps it;
+    before 0.27.1 a drafter's unaligned last blocks run across a boundary from
+    mid-block (grid stops there; vLLM's own defect, measured on 0.18.1: 4 of
+    400 drafted equal-geometry cases, each with stock publishing wrong)."""
     grid = simulate("grid", workload)
     if unwritten_checkpoints_possible(workload.geometry):
         # The one intended difference: grid ends a chunk on the grid where
@@ -114,7 +118,9 @@ def test_grid_mode_is_stock_in_equal_geometry(workload: Workload) -> None:
     )
     if not same:
         event("equal geometry: grid kept a stop that stock dropped")
-        assert workload.geometry.prefill_checkpoint is not None
+        assert workload.geometry.prefill_checkpoint is not None or (
+            drafter_tail_unaligned(workload.geometry)
+        )
         assert stock.poisoned
 
 

@@ -143,6 +143,18 @@ class SplitBody:
             return False
 
     @property
+    def aligns_drafter_tail(self) -> bool:
+        """Whether vLLM's split aligns every non-final chunk with an EAGLE/MTP
+        drafter (0.27.1+). Before, once it backs the last cacheable position
+        off one block for the drafter, every chunk after it runs unaligned
+        across the prompt's last boundary, and stock publishes wrong states
+        there even with C = B (False for unverified code)."""
+        try:
+            return Version(self.releases[0]) >= Version("0.27.1")
+        except InvalidVersion:
+            return False
+
+    @property
     def name(self) -> str:
         first, last = self.releases[0], self.releases[-1]
         return first if first == last else f"{first}-{last}"
