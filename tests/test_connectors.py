@@ -188,7 +188,8 @@ def test_stock_with_equal_blocks_stops_at_the_boundary_after_an_external_hit() -
         return
     assert stock.chunk_ends("first")[0] == 6592
     assert not stock.poisoned
-    assert stock.wrong_reuse == []
+    if not _vllm_resumes_from_null_blocks():
+        assert stock.wrong_reuse == []
     assert stock.wrong_offloads == []
     assert stock.missing_kept != []
     fixed = _run("full", OFF_BOTH_GRIDS, cache_block=B, retention=None)
