@@ -306,6 +306,8 @@ def test_a_squeezed_chunk_before_the_last_boundary_waits_in_full(mode: str) -> N
     block, as vLLM does for any other squeezed chunk."""
     if not drafters_build():
         pytest.skip("this vLLM refuses speculative decoding in align mode")
+    if installed_body().aligns_drafter_tail:
+        pytest.skip("0.27.1+ align every non-final chunk with a drafter themselves")
     cache_block = {"any": 8, "divisor": 8}.get(geometry_rule(), 104)
     geometry = Geometry(cache_block, 104, 104, speculative=("mtp", 1))
     base = prompt(318, seed=1)
