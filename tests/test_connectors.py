@@ -107,7 +107,8 @@ def _run(
 def _vllm_resumes_from_null_blocks() -> bool:
     """vLLM's own connector defect on this release (0.24.0):
     random_workloads.connector_hits_resume_from_null_blocks."""
-    return connector_hits_resume_from_null_blocks(_connector())
+    with built_or_skipped():  # before 0.20.2 vLLM asserts on any external hit
+        return connector_hits_resume_from_null_blocks(_connector())
 
 
 def _next_boundary(position: int) -> int:
