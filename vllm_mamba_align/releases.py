@@ -137,10 +137,7 @@ class SplitBody:
     def stops_after_mid_block_start(self) -> bool:
         """Whether vLLM's own split stops a chunk that starts mid-block at the
         next boundary (0.26.0+; False for unverified code)."""
-        try:
-            return Version(self.releases[0]) >= Version("0.26.0")
-        except InvalidVersion:
-            return False
+        return self._first_release_since("0.26.0")
 
     @property
     def aligns_drafter_tail(self) -> bool:
@@ -149,8 +146,13 @@ class SplitBody:
         off one block for the drafter, every chunk after it runs unaligned
         across the prompt's last boundary, and stock publishes wrong states
         there even with C = B (False for unverified code)."""
+        return self._first_release_since("0.27.1")
+
+    def _first_release_since(self, release: str) -> bool:
+        """Whether this body's first release is ``release`` or later (False for
+        unverified code, whose release string need not parse)."""
         try:
-            return Version(self.releases[0]) >= Version("0.27.1")
+            return Version(self.releases[0]) >= Version(release)
         except InvalidVersion:
             return False
 

@@ -340,8 +340,9 @@ def state_grid_split(
     # it backs the last cacheable position off one block). Where boundary
     # states must be canonical (full, and kept under dense retention) the fix
     # waits there too; grid leaves vLLM's chunk alone.
-    align_short_chunks = stop_at_boundaries and stop_anywhere
-    align_short_chunks = align_short_chunks and 0 < grid <= step_budget(scheduler)[0]
+    align_short_chunks = (
+        stop_at_boundaries and stop_anywhere and 0 < grid <= step_budget(scheduler)[0]
+    )
     checkpoint_blocks_unalign = rule is InternalCheckpoint.ALIGNED_START
 
     def falls_short(request: Any, start: int, num_new_tokens: int) -> bool:
