@@ -30,7 +30,12 @@ from vllm_mamba_align.releases import (
     supports_lookahead_hashes,
     supports_retention_setting,
 )
-from vllm_mamba_align.tools.simulation import Geometry, Simulation, prompt
+from vllm_mamba_align.tools.simulation import (
+    Geometry,
+    Simulation,
+    available_checkpoint_backends,
+    prompt,
+)
 
 C, B, P, BUDGET, HASH = 816, 1648, 16764, 8192, 16
 Drafter = tuple[tuple[str, int], bool]
@@ -148,13 +153,14 @@ def _checkpointed(
 ) -> Simulation:
     """test_checkpoints' workload (a prompt, siblings sharing 900 and 1,800 of
     its tokens) with a backend saving a checkpoint in-chunk: GDN on FlashInfer
-    (0.30.0+), KDA on flashkda (0.29.0, whose scheduler ignores the checkpoint
-    blocks with a drafter, scheduler.py:330-338, while its backend still writes
-    inside an unaligned chunk)."""
+    (0.33.0+), else KDA on flashkda (0.29.0+; 0.29.0's scheduler ignores the
+    checkpoint blocks with a drafter, scheduler.py:330-338, while its backend
+    still writes inside an unaligned chunk)."""
     rule = installed_body().internal_checkpoint
     if rule is InternalCheckpoint.NONE:
         pytest.skip("this vLLM has no backend prefill checkpoints (0.29.0+)")
-    backend = "flashkda" if rule is InternalCheckpoint.ALIGNED_START else None
+    backends = available_checkpoint_backends()
+    backend = "gdn-flashinfer" if "gdn-flashinfer" in backends else "flashkda"
     _skip_unless_supported(drafter)
     speculative, drop = drafter
     geometry = Geometry(
@@ -163,13 +169,15 @@ def _checkpointed(
         CBUDGET,
         hash_block=HASH,
         retention=retention,
-        prefill_checkpoint=backend or "gdn-flashinfer",
+        prefill_checkpoint=backend,
         speculative=speculative,
         eagle_block_drop=drop,
     )
     with scheduler_mode(mode):
         sim = Simulation(geometry)
-        assert sim.scheduler.mamba_has_prefill_checkpoint_blocks == (not backend)
+        assert sim.scheduler.mamba_has_prefill_checkpoint_blocks == (
+            rule is InternalCheckpoint.OBSERVED
+        )
         base = prompt(length, seed=1)
         sim.add("first", base, max_tokens=6)
         sim.run()
@@ -206,6 +214,25 @@ def test_the_checkpoint_the_backend_writes_with_eagles_drop_needs_no_stop() -> N
     assert sim.checkpoint_writes
     assert 2304 in sim.materialized_boundaries("first")
     _assert_sound(sim, "full")
+
+
+@pytest.mark.parametrize("mode", ["off", "kept", "grid"])
+def test_scratch_blocks_in_a_checkpointed_chunk(mode: str) -> None:
+    """vLLM's own defect on 0.30.0-0.31.0, recorded: in a step it checkpoints
+    internally, its Mamba manager leaves a running request's speculative
+    scratch blocks in the columns of the chunk's interior boundaries and
+    publishes them as those states (B = 256, dense retention, EAGLE-3: stock's
+    second chunk 1,280 -> 2,500 publishes the scratch blocks as state@1,536
+    and on, holding nothing, and a sibling reuses one). 0.32.0 moves them
+    (stock clean there). Every mode cuts such a chunk at its first boundary."""
+    if installed_body().internal_checkpoint is not InternalCheckpoint.OBSERVED:
+        pytest.skip("vLLM decides internal checkpoints in the split from 0.30.0")
+    sim = _checkpointed(mode, None, (("eagle", 3), True))
+    if mode == "off" and not installed_body().relocates_scratch_in_checkpoint_steps:
+        assert any(p.held is None for p in sim.poisoned.values())
+        assert sim.wrong_reuse
+        return
+    _assert_sound(sim, mode)
 
 
 # -- multi-module MTP: vLLM's own stall -------------------------------------------

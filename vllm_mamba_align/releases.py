@@ -148,6 +148,18 @@ class SplitBody:
         there even with C = B (False for unverified code)."""
         return self._first_release_since("0.27.1")
 
+    @property
+    def relocates_scratch_in_checkpoint_steps(self) -> bool:
+        """Whether vLLM's Mamba manager moves a running request's speculative
+        scratch blocks out of the way in a step it checkpoints internally
+        (0.32.0+). 0.30.0-0.31.0 skip the move in such a step
+        (single_type_kv_cache_manager.py:1873 in 0.30.0, :1882 in 0.31.0): a
+        chunk crossing two boundaries past its start then leaves the scratch
+        blocks in interior boundary columns, and vLLM publishes them as those
+        boundaries' states, which they do not hold (False for unverified
+        code)."""
+        return self._first_release_since("0.32.0")
+
     def _first_release_since(self, release: str) -> bool:
         """Whether this body's first release is ``release`` or later (False for
         unverified code, whose release string need not parse)."""

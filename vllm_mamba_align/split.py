@@ -147,6 +147,18 @@ def spec_reserves_checkpoints(scheduler: Any) -> bool:
     )
 
 
+def speculative_blocks(scheduler: Any) -> int:
+    """The most speculative scratch blocks a Mamba group's spec reserves per
+    request (an EAGLE/MTP drafter's; 0 without one)."""
+    return max(
+        (
+            getattr(group.kv_cache_spec, "num_speculative_blocks", 0)
+            for group in scheduler.kv_cache_config.kv_cache_groups
+        ),
+        default=0,
+    )
+
+
 def backend_checkpoint_rule(
     scheduler: Any, stock: SplitFunction, body: SplitBody, grid: int
 ) -> CheckpointRule | None:
@@ -320,11 +332,25 @@ def state_grid_split(
     # holding the loaded state, would be published as the boundary's. grid adds
     # the stop 0.26.0+ make themselves (there it changes nothing).
     mid_block_stop_missing = mode is Mode.GRID and not body.stops_after_mid_block_start
+    # 0.30.0-0.31.0 with a drafter: in a step it checkpoints internally,
+    # vLLM's manager leaves a running request's speculative scratch blocks
+    # where they stood, in the columns of the chunk's interior boundaries, and
+    # publishes them as those states (stock does; see
+    # SplitBody.relocates_scratch_in_checkpoint_steps). Every mode cuts such a
+    # chunk at its first boundary: that step checkpoints nothing, so vLLM moves
+    # the scratch blocks as in any other step.
+    guard_scratch = (
+        rule is InternalCheckpoint.OBSERVED
+        and not body.relocates_scratch_in_checkpoint_steps
+        and spec_reserves_checkpoints(scheduler)
+        and speculative_blocks(scheduler) > 0
+    )
     any_stop = (
         stop_at_boundaries
         or mid_block_stop
         or guard_unwritten
         or mid_block_stop_missing
+        or guard_scratch
     )
     observed = rule is InternalCheckpoint.OBSERVED and any_stop
     prefill_rule = body.prefill
@@ -444,7 +470,34 @@ def state_grid_split(
             return num_tokens
         return next_boundary - start
 
-    boundary_stop = keep_mid_block_stop if mid_block_stop else stop
+    def scratch_safe(request: Any, start: int, num_tokens: int) -> int:
+        """``num_tokens``, or up to the next boundary where vLLM 0.30.0-0.31.0
+        would leave a running request's scratch blocks inside the chunk.
+
+        Their columns start at ``cdiv(start, B)`` (the blocks after the running
+        state; later if the request holds more), the checkpoint's is
+        ``cdiv(end, B) - 2``: a scratch block stands in an interior
+        boundary's column when the first is below the second, in a step the
+        backend checkpoints (conservatively: any, when the rule is unknown).
+        A fresh request (no blocks yet) gets its scratch blocks after the
+        chunk's."""
+        end = start + num_tokens
+        if (
+            request.num_computed_tokens == 0
+            or -(-start // grid) >= -(-end // grid) - 2
+            or not in_prefill(prefill_rule, request, start)
+            or (checkpoint_at is not None and checkpoint_at(start, end) < 0)
+        ):
+            return num_tokens
+        return (start // grid + 1) * grid - start
+
+    def mode_stop(request: Any, start: int, num_tokens: int, taken_before: int) -> int:
+        return scratch_safe(
+            request, start, mode_stop_only(request, start, num_tokens, taken_before)
+        )
+
+    mode_stop_only = keep_mid_block_stop if mid_block_stop else stop
+    boundary_stop = mode_stop if guard_scratch else mode_stop_only
 
     # The two variants differ only in vLLM's optional fifth parameter.
     def split(

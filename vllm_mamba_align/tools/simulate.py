@@ -11,6 +11,7 @@ re-ask and a sibling reuse, and how many prefill steps it took.
 from __future__ import annotations
 
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -260,7 +261,7 @@ def render(s: Scenario, results: list[ModeResult]) -> str:
         f"{s.hash_block}, budget {s.budget}:",
         f"{s.requests} prompt(s) of {s.prompt} tokens, then a re-ask of the first "
         f"and a sibling sharing its first {s.share} tokens.",
-        f"vLLM's {results[0].retention}." if results else "",
+        *(textwrap.wrap(f"vLLM's {results[0].retention}.", 100) if results else [""]),
         "",
         *picture(s, results),
         "",

@@ -1182,7 +1182,9 @@ class Simulation:
             # prefix_match_unit, else the Mamba block, as hash block and grid
             # (models/kimi_k3/nvidia/kda_metadata.py:604-675): the state at
             # that position, column cdiv(seq_len, B) - 2, NULL_BLOCK_ID (no
-            # write) for a null column.
+            # write) for a null column. It drops EAGLE's block as the
+            # speculative config says (use_eagle_block_drop(), :624-627), which
+            # the scheduler holds (scheduler.py:287 in 0.30.0).
             from vllm.v1.kv_cache_interface import (
                 get_mamba_prefill_checkpoint_position,
                 is_mamba_prefill_checkpoint_valid,
@@ -1190,10 +1192,11 @@ class Simulation:
 
             kda_hash_block = self._prefix_match_unit() or grid
             kda_alignment = spec.prefill_checkpoint_alignment
+            kda_drops = bool(self.scheduler.use_eagle_block_drop)
 
             def rule_0_30(start: int, end: int) -> tuple[int, int] | None:
                 position = get_mamba_prefill_checkpoint_position(
-                    end, kda_hash_block, drop_eagle_block=False
+                    end, kda_hash_block, drop_eagle_block=kda_drops
                 )
                 if not is_mamba_prefill_checkpoint_valid(
                     query_start=start,
