@@ -1375,17 +1375,15 @@ class Simulation:
             )
         except ImportError:
             return 0
-        try:
-            tail: int = position_of(
-                prompt_end,
-                self.hash_block,
-                self.scheduler_drops_eagle,
-                num_hash_lookahead_tokens=getattr(
-                    self.scheduler, "num_hash_lookahead_tokens", 0
-                ),
+        options: dict[str, int] = {}
+        if "num_hash_lookahead_tokens" in inspect.signature(position_of).parameters:
+            # 0.33.0's helper; 0.30.0-0.32.0's has no lookahead hashes.
+            options["num_hash_lookahead_tokens"] = getattr(
+                self.scheduler, "num_hash_lookahead_tokens", 0
             )
-        except TypeError:  # an older helper without lookahead hashes
-            return 0
+        tail: int = position_of(
+            prompt_end, self.hash_block, self.scheduler_drops_eagle, **options
+        )
         return tail
 
     def _running_block(self, req_id: str, end: int) -> Any:
