@@ -182,15 +182,6 @@ def drafters_build() -> bool:
     return True
 
 
-def drafters_analysed() -> bool:
-    """Not on the 0.26.0 body: the release matrix (2026-11-30, commit
-    197f114) found one drafted case there publishing a wrong state (C = B =
-    168, hash 8, budget 168, MTP k = 1: "block 2 hashed as state@168 holds
-    state@167"), not yet analysed (plugin or vLLM): issue 11's notes. Until
-    then drafted cases are not drawn there, openly."""
-    return installed_body().name != "0.26.0"
-
-
 def draw_workload(
     d: Draw, equal_geometry: bool = False, unset_hash_block: bool = False
 ) -> Workload:
@@ -250,7 +241,7 @@ def draw_workload(
     # (lookahead hashes off, as with a KV connector).
     speculative: tuple[str, int] | None = None
     block_drop = False
-    if drafters_build() and drafters_analysed() and d.integer(1, DRAFTER_ODDS) == 1:
+    if drafters_build() and d.integer(1, DRAFTER_ODDS) == 1:
         speculative = (d.choice(["mtp", "eagle"]), d.integer(1, 3))
         block_drop = supports_lookahead_hashes() and d.choice([True, False])
     drafts = speculative[1] if speculative else 0

@@ -320,6 +320,36 @@ def test_the_plugin_predicts_the_states_vllm_keeps_with_a_drafter(
     _assert_sound(sim, "full")
 
 
+@pytest.mark.parametrize("mode", ["off", "grid", "kept", "full"])
+def test_the_unaligned_drafter_tail_stops_at_the_boundary(mode: str) -> None:
+    """Before 0.27.1 vLLM leaves the chunks of a drafted prompt's last blocks
+    unaligned, and a chunk starting mid-block there runs past the next boundary
+    (even on 0.26.0, which stops such a chunk elsewhere). C = B = 168, budget
+    168, MTP: a one-token request decodes (two tokens with its draft) while a
+    176-token prompt arrives: stock runs it 0 -> 166 -> 176 and publishes the
+    block of 168 holding state@166 (found by the release matrix on 0.26.0).
+    Every mode stops at 168; grid did not on 0.26.0 before the fix."""
+    if not drafters_build():
+        pytest.skip("this vLLM refuses speculative decoding in align mode")
+    if installed_body().aligns_drafter_tail:
+        pytest.skip("0.27.1+ align every non-final chunk with a drafter themselves")
+    with scheduler_mode(mode), built_or_skipped():
+        sim = Simulation(Geometry(168, 168, 168, speculative=("mtp", 1)))
+        sim.add("short", prompt(1, seed=2), max_tokens=4)
+        sim.step()
+        sim.add("long", prompt(176, seed=1), max_tokens=1)
+        sim.run()
+    if mode == "off":  # recorded: vLLM's own
+        assert sim.chunk_ends("long") == [166, 176]
+        assert [str(p) for p in sim.poisoned.values()] == [
+            f"block {next(iter(sim.poisoned.values())).block_id} hashed as "
+            "state@168 holds state@166"
+        ]
+        return
+    assert 168 in sim.chunk_ends("long")
+    _assert_sound(sim, mode)
+
+
 @pytest.mark.parametrize("mode", ["grid", "full"])
 def test_a_squeezed_chunk_before_the_last_boundary_waits_in_full(mode: str) -> None:
     """Before 0.27.1 vLLM's split backs the last cacheable position off one

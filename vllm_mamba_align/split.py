@@ -330,8 +330,14 @@ def state_grid_split(
     # grid before 0.26.0: vLLM has no stop at the boundary after a chunk that
     # starts mid-block (a KV connector's hit off the grid), so the start's block,
     # holding the loaded state, would be published as the boundary's. grid adds
-    # the stop 0.26.0+ make themselves (there it changes nothing).
-    mid_block_stop_missing = mode is Mode.GRID and not body.stops_after_mid_block_start
+    # the stop 0.26.0+ make themselves (there it changes nothing). 0.26.0 still
+    # lacks it in its drafter tail (unaligned before 0.27.1): with MTP, C = B =
+    # 168 and a 176-token prompt stock runs 0 -> 167 -> 176, and publishes the
+    # block of 168 holding state@167.
+    mid_block_stop_missing = mode is Mode.GRID and not (
+        body.stops_after_mid_block_start
+        and (body.aligns_drafter_tail or speculative_blocks(scheduler) == 0)
+    )
     # 0.30.0-0.31.0 with a drafter: in a step it checkpoints internally,
     # vLLM's manager leaves a running request's speculative scratch blocks
     # where they stood, in the columns of the chunk's interior boundaries, and
