@@ -429,3 +429,17 @@ def unwritten_checkpoints_possible(geometry: Geometry) -> bool:
         and installed_body().internal_checkpoint is InternalCheckpoint.ALIGNED_START
         and geometry.state_block % 16 != 0
     )
+
+
+def scratch_blocks_published_possible(geometry: Geometry) -> bool:
+    """0.30.0-0.31.0 with a drafter and backend checkpoints: vLLM leaves a
+    running request's speculative scratch blocks inside a chunk it checkpoints
+    internally and publishes them (releases.SplitBody.
+    relocates_scratch_in_checkpoint_steps)."""
+    body = installed_body()
+    return (
+        geometry.prefill_checkpoint is not None
+        and geometry.speculative is not None
+        and body.internal_checkpoint is InternalCheckpoint.OBSERVED
+        and not body.relocates_scratch_in_checkpoint_steps
+    )
