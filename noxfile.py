@@ -28,10 +28,12 @@ VLLM_RELEASES = sorted(
     (p.stem.removeprefix("vllm-") for p in ENVS.glob("vllm-*.txt")),
     key=lambda v: tuple(int(x) for x in v.split(".")),
 )
-# What CI runs (its 90 minutes fit these comfortably): the newest release, the
-# internal-checkpoint rule of 0.29.0, the first wide-block body (0.27.1) and one
-# release from before 0.20 (C must divide B there).
-CI_RELEASES = ["0.33.0", "0.29.0", "0.27.1", "0.18.1"]
+# What CI runs (its 90 minutes fit these comfortably): the newest release,
+# 0.31.0 (the backend's own checkpoint grid, and vLLM's scratch-block defect the
+# plugin routes around), the internal-checkpoint rule of 0.29.0, the first
+# wide-block body (0.27.1) and one release from before 0.20 (C must divide B
+# there).
+CI_RELEASES = ["0.33.0", "0.31.0", "0.29.0", "0.27.1", "0.18.1"]
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100"]
 PLATFORM_PLUGIN = REPO / "tests" / "support" / "cpu_platform_plugin"
 # End to end: vLLM's CPU build with its model runner, and a test-only plugin
