@@ -13,7 +13,8 @@ positions of the prefill chunks it actually schedules:
   request that hits that hash continues from the wrong state. A chunk that ends
   exactly on ``nb`` is fine: the same slot receives the state at ``nb``.
 - **skipped state boundaries**: the other boundaries strictly inside a chunk that
-  vLLM's retention would keep. The allocator gives such slots the null block, so
+  vLLM's retention would keep (except the one a GPU backend with prefill
+  checkpoint blocks writes into its own slot inside the chunk). The allocator gives such slots the null block, so
   those states never exist and no request can reuse them (lost prefix reuse, not
   wrong outputs). Boundaries vLLM would drop anyway are not counted.
 - **non-canonical kept states**: states vLLM keeps (a chunk ends on a kept
@@ -56,7 +57,12 @@ from . import settings
 from .errors import MambaAlignError
 from .releases import PrefillRule, SplitBody, in_prefill
 from .retention import Retention
-from .split import SplitFunction, present_as
+from .split import (
+    SplitFunction,
+    backend_checkpoint_rule,
+    present_as,
+    spec_reserves_checkpoints,
+)
 
 # Where the audit lives on a scheduler instance (next to SPLIT_ATTRIBUTE's fix).
 AUDIT_ATTRIBUTE = "_vllm_mamba_align_audit"
@@ -162,6 +168,7 @@ class Audit:
         "_reporter",
         "_started",
         "_warned_poison",
+        "backend_checkpoint",
         "cache_block",
         "clock",
         "export",
@@ -194,8 +201,14 @@ class Audit:
         log: Callable[[str], None] = _vllm_log,
         warn: Callable[[str], None] = _vllm_warn,
         export: Callable[[AuditSnapshot], None] | None = None,
+        backend_checkpoint: Callable[[Any, int, int], int] | None = None,
     ) -> None:
         self.state_block = state_block
+        self.backend_checkpoint = backend_checkpoint
+        """The B boundary inside a request's chunk ``(start, end)`` whose state
+        the GPU backend writes into that boundary's own slot (0: none), where
+        the Mamba spec reserves checkpoint blocks (:func:`_backend_write`);
+        None: no in-chunk state is counted as written (upper bounds)."""
         self.cache_block = cache_block
         self.prefill_rule = prefill_rule
         self.retention = retention or Retention(None, state_block, state_block, "dense")
@@ -291,6 +304,15 @@ class Audit:
             kept = retention.count_kept_between(request, start, end)
             first = (start // grid + 1) * grid
             poisoned = 1 if start % grid and retention.keeps(request, first) else 0
+            backend = self.backend_checkpoint
+            written = backend(request, start, end) if backend is not None else 0
+            if written and retention.keeps(request, written):
+                # The backend writes that boundary's state into its own slot:
+                # neither skipped nor (the start's block, when it is that slot)
+                # poisoned.
+                kept -= 1
+                if written == first:
+                    poisoned = 0
             self.poisoned_slots += poisoned
             self.skipped_boundaries += kept - poisoned
             if kept:
@@ -489,6 +511,51 @@ def _observe_split(
     return present_as(route, stock)
 
 
+def _backend_write(
+    scheduler: Any, stock_split: SplitFunction, body: SplitBody, grid: int
+) -> Callable[[Any, int, int], int] | None:
+    """Which boundary inside a chunk the GPU backend writes into its own slot,
+    read off vLLM's rule and the request's block table; None where the Mamba
+    spec reserves no checkpoint block or the backend's position is unknown.
+
+    The backend writes its state (position: :func:`split.backend_checkpoint_rule`)
+    into column ``cdiv(end, B) - 2``, and nothing when vLLM left that column
+    null (e.g. 0.29.0 with a drafter moves a speculative scratch block out of
+    it). The column is
+    that boundary's own slot only when the position is the last boundary before
+    the chunk's end block; any other write makes no boundary exist.
+    """
+    if not spec_reserves_checkpoints(scheduler):
+        return None
+    position_of = backend_checkpoint_rule(scheduler, stock_split, body, grid)
+    if position_of is None:
+        return None
+    try:
+        groups = scheduler.kv_cache_config.kv_cache_groups
+        managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+        blocks_of = next(
+            manager.req_to_blocks
+            for group, manager in zip(groups, managers, strict=True)
+            if getattr(group.kv_cache_spec, "num_prefill_checkpoint_blocks", 0) > 0
+        )
+    except (AttributeError, StopIteration, TypeError, ValueError):
+        return None
+
+    def written(request: Any, start: int, end: int) -> int:
+        position = position_of(start, end)
+        if not start < position < end or position % grid:
+            return 0
+        column = -(-end // grid) - 2
+        if position // grid - 1 != column:
+            return 0
+        blocks = blocks_of.get(request.request_id)
+        if not blocks or column >= len(blocks) or blocks[column].is_null:
+            return 0
+        return position
+
+    return written
+
+
 def _vllm_method(scheduler: Any, name: str) -> Any:
     """vLLM's own method, bound to ``scheduler``."""
     for klass in type(scheduler).__mro__:
@@ -517,6 +584,10 @@ def install(
 
     options.setdefault("interval", settings.audit_interval())
     options.setdefault("export", metrics.audit_exporter(scheduler))
+    options.setdefault(
+        "backend_checkpoint",
+        _backend_write(scheduler, stock_split, body, state_block),
+    )
     audit = Audit(
         state_block,
         int(scheduler.cache_config.block_size),

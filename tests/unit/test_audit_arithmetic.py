@@ -159,6 +159,25 @@ def test_only_boundaries_the_retention_keeps_are_counted() -> None:
     assert (found.poisoned_slots, found.skipped_boundaries) == (1, 0)
 
 
+def test_the_boundary_the_backend_writes_counts_as_written() -> None:
+    """A GPU backend with checkpoint blocks writes one state inside a chunk; the
+    audit is told which boundary goes into its own slot (``backend_checkpoint``,
+    from vLLM's rule and the block table): neither skipped nor poisoned."""
+    writes = {(0, 8160): 6592, (8160, 16320): 8240, (16320, 16752): 0}
+    found = audit.Audit(
+        B,
+        C,
+        log=lambda line: None,
+        backend_checkpoint=lambda request, start, end: writes[start, end],
+    )
+    found.count_chunk(SimpleNamespace(), 0, 8160)  # 4 inside, 6,592 written
+    assert (found.poisoned_slots, found.skipped_boundaries) == (0, 3)
+    found.count_chunk(SimpleNamespace(), 8160, 16320)  # 8,240 is the start's slot
+    assert (found.poisoned_slots, found.skipped_boundaries) == (0, 7)
+    found.count_chunk(SimpleNamespace(), 16320, 16752)  # nothing written
+    assert (found.poisoned_slots, found.skipped_boundaries) == (1, 7)
+
+
 class Output:
     """The parts of vLLM's SchedulerOutput the audit reads."""
 
