@@ -14,9 +14,10 @@ positions of the prefill chunks it actually schedules:
   exactly on ``nb`` is fine: the same slot receives the state at ``nb``.
 - **skipped state boundaries**: the other boundaries strictly inside a chunk that
   vLLM's retention would keep (except the one a GPU backend with prefill
-  checkpoint blocks writes into its own slot inside the chunk). The allocator gives such slots the null block, so
-  those states never exist and no request can reuse them (lost prefix reuse, not
-  wrong outputs). Boundaries vLLM would drop anyway are not counted.
+  checkpoint blocks writes into its own slot inside the chunk). The allocator
+  gives such slots the null block, so those states never exist and no request
+  can reuse them (lost prefix reuse, not wrong outputs). Boundaries vLLM would
+  drop anyway are not counted.
 - **non-canonical kept states**: states vLLM keeps (a chunk ends on a kept
   boundary) that were computed by another chunk sequence than one B block per
   chunk from the request's start. Correct, but a request that computed the same
