@@ -332,8 +332,8 @@ def state_grid_split(
     # holding the loaded state, would be published as the boundary's. grid adds
     # the stop 0.26.0+ make themselves (there it changes nothing). 0.26.0 still
     # lacks it in its drafter tail (unaligned before 0.27.1): with MTP, C = B =
-    # 168 and a 176-token prompt stock runs 0 -> 167 -> 176, and publishes the
-    # block of 168 holding state@167.
+    # 168 and a 176-token prompt arriving next to a decode, stock runs
+    # 0 -> 166 -> 176 and publishes the block of 168 holding state@166.
     mid_block_stop_missing = mode is Mode.GRID and not (
         body.stops_after_mid_block_start
         and (body.aligns_drafter_tail or speculative_blocks(scheduler) == 0)
