@@ -522,9 +522,9 @@ def _backend_write(
     The backend writes its state (position: :func:`split.backend_checkpoint_rule`)
     into column ``cdiv(end, B) - 2``, and nothing when vLLM left that column
     null (e.g. 0.29.0 with a drafter moves a speculative scratch block out of
-    it). The column is
-    that boundary's own slot only when the position is the last boundary before
-    the chunk's end block; any other write makes no boundary exist.
+    it). The column is that boundary's own slot only when the position is the
+    last boundary before the chunk's end block; any other write makes no
+    boundary exist.
     """
     if not spec_reserves_checkpoints(scheduler):
         return None

@@ -497,13 +497,16 @@ def state_grid_split(
             return num_tokens
         return (start // grid + 1) * grid - start
 
-    def mode_stop(request: Any, start: int, num_tokens: int, taken_before: int) -> int:
+    mode_stop = keep_mid_block_stop if mid_block_stop else stop
+
+    def mode_stop_then_scratch_safe(
+        request: Any, start: int, num_tokens: int, taken_before: int
+    ) -> int:
         return scratch_safe(
-            request, start, mode_stop_only(request, start, num_tokens, taken_before)
+            request, start, mode_stop(request, start, num_tokens, taken_before)
         )
 
-    mode_stop_only = keep_mid_block_stop if mid_block_stop else stop
-    boundary_stop = mode_stop if guard_scratch else mode_stop_only
+    boundary_stop = mode_stop_then_scratch_safe if guard_scratch else mode_stop
 
     # The two variants differ only in vLLM's optional fifth parameter.
     def split(
