@@ -11,20 +11,35 @@ from __future__ import annotations
 
 import pytest
 from conftest import async_republishes_partial_tail, geometry_rule, scheduler_mode
+from random_workloads import drafters_build
 
 from vllm_mamba_align.tools.simulation import Geometry, Simulation, prompt
 
 B, P, BUDGET = 1648, 16764, 8192
 
 
-def _geometry(retention: int | str | None) -> Geometry:
+def _geometry(
+    retention: int | str | None, speculative: tuple[str, int] | None = None
+) -> Geometry:
     cache_block = {"any": 816, "divisor": 824}.get(geometry_rule())
     if cache_block is None:
         pytest.skip("this vLLM refuses a cache block smaller than B at startup")
-    return Geometry(cache_block, B, BUDGET, retention=retention, async_scheduling=True)
+    return Geometry(
+        cache_block,
+        B,
+        BUDGET,
+        retention=retention,
+        async_scheduling=True,
+        speculative=speculative,
+    )
 
 
-def _concurrent(mode: str, retention: int | str | None, tail: int = 3001) -> Simulation:
+def _concurrent(
+    mode: str,
+    retention: int | str | None,
+    tail: int = 3001,
+    speculative: tuple[str, int] | None = None,
+) -> Simulation:
     """A prompt; then, all at once, a re-ask, two siblings sharing 5,000 and
     9,000 tokens and a long-decoding request (the async placeholders).
 
@@ -33,7 +48,7 @@ def _concurrent(mode: str, retention: int | str | None, tail: int = 3001) -> Sim
     conftest.async_republishes_partial_tail), tested apart."""
     first = prompt(P, seed=1)
     with scheduler_mode(mode):
-        sim = Simulation(_geometry(retention))
+        sim = Simulation(_geometry(retention, speculative))
         assert type(sim.scheduler).__name__ == "AsyncScheduler"
         sim.add("first", first, max_tokens=40)
         sim.run()
@@ -61,6 +76,31 @@ def test_the_fix_holds_under_async_scheduling(
     assert sim.reused("re-ask") > 0
     if retention is None:  # at vLLM's default its state at 8,240 was dropped
         assert sim.reused("deep-sibling") % B == 0 < sim.reused("deep-sibling")
+
+
+@pytest.mark.parametrize("drafter", [("mtp", 2), ("eagle", 3)])
+@pytest.mark.parametrize("mode", ["off", "full", "kept", "grid"])
+def test_async_scheduling_with_a_drafter(mode: str, drafter: tuple[str, int]) -> None:
+    """vLLM's default for a hybrid model served with MTP or EAGLE: it turns
+    async scheduling on with those drafters (config/vllm.py, 0.18.1+). The
+    scheduler then sees only draft placeholders; the worker model accepts every
+    draft (see Simulation._accepted). Stock publishes wrong states here too;
+    every mode holds the invariants, and decode verifies drafts past
+    boundaries."""
+    if not drafters_build():
+        pytest.skip("this vLLM cannot build a drafter's config on CPU")
+    sim = _concurrent(mode, None, speculative=drafter)
+    assert sim.accepted_drafts > 0
+    if mode == "off":
+        assert sim.poisoned
+        return
+    assert not sim.poisoned, [str(p) for p in sim.poisoned.values()]
+    assert not sim.wrong_reuse
+    assert all(r.prefilled_at_step is not None for r in sim.records.values())
+    if mode != "grid":
+        assert sim.missing_kept == []
+    assert sim.reused("re-ask") > 0
+    assert sim.reused("deep-sibling") % B == 0 < sim.reused("deep-sibling")
 
 
 def test_stock_async_scheduling_publishes_wrong_states() -> None:

@@ -313,6 +313,44 @@ def test_simulate_rejects_a_bad_retention(
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("medusa:2", "--drafter 'medusa:2' is not valid: use METHOD:K"),
+        ("mtp:0", "--drafter 'mtp:0' is not valid"),
+        ("eagle:two", "--drafter 'eagle:two' is not valid"),
+    ],
+)
+def test_simulate_rejects_a_bad_drafter(
+    value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", "--drafter", value]) == EXIT_USAGE
+    assert message in capsys.readouterr().err
+
+
+@upstream_geometry
+def test_simulate_the_serving_default_async_scheduling_with_mtp(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """What vLLM runs on GPU for Qwen3-Next with MTP: async scheduling on."""
+    from random_workloads import drafters_build
+
+    if not drafters_build():
+        pytest.skip("this vLLM cannot build a drafter's config on CPU")
+    args = ["--async-scheduling", "--drafter", "mtp:2", "--retention", "dense"]
+    code = main(["simulate", *args, "--mode", "stock", "--mode", "full"])
+    assert code == EXIT_OK
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert (
+        "With async scheduling and a mtp drafter proposing 2 token(s) a step "
+        "(every draft accepted)." in lines
+    )
+    wrong = table_row(lines, "  ... naming a wrong state")
+    assert wrong[1] == "0" and int(wrong[0]) > 0
+    assert table_row(lines, "B boundaries materialized (of 10)") == ["0", "10"]
+
+
 @upstream_geometry
 def test_simulate_reports_vllms_reason_for_an_interval_it_rejects(
     capsys: pytest.CaptureFixture[str],

@@ -122,6 +122,18 @@ def _parser() -> argparse.ArgumentParser:
         "vLLM uses when nothing is set: 0 on 0.29.0+), dense (every state kept) "
         "or an interval N (a multiple of the scheduler block)",
     )
+    simulate.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="vLLM's async scheduler, one step in flight (what vLLM runs on GPU "
+        "unless --no-async-scheduling is given)",
+    )
+    simulate.add_argument(
+        "--drafter",
+        metavar="METHOD:K",
+        help="a speculative drafter: mtp, multi-mtp or eagle (EAGLE-3), K draft "
+        "tokens per step, e.g. mtp:2 (the simulated drafts are all accepted)",
+    )
     choices = [STOCK, *(m.value for m in Mode)]
     simulate.add_argument(
         "--mode",
@@ -182,6 +194,7 @@ def _default_share(share: int, prompt: int) -> int:
 def _simulate(args: argparse.Namespace) -> int:
     from .tools.simulate import (
         Scenario,
+        parse_drafter,
         parse_retention,
         render,
         simulate,
@@ -192,6 +205,7 @@ def _simulate(args: argparse.Namespace) -> int:
     d = Scenario()
     try:
         retention = parse_retention(args.retention)
+        drafter = None if args.drafter is None else parse_drafter(args.drafter)
     except ValueError as error:
         print(f"vllm-mamba-align simulate: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -206,6 +220,8 @@ def _simulate(args: argparse.Namespace) -> int:
         else args.share,
         requests=args.requests,
         retention=retention,
+        async_scheduling=args.async_scheduling,
+        drafter=drafter,
     )
     problems = validate(scenario)
     if problems:

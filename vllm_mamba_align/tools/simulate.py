@@ -35,6 +35,10 @@ class Scenario:
     retention: int | str | None = "default"
     """vLLM's state retention: "default" (what the installed vLLM uses when
     nothing is set), None (dense) or an interval (0 or R > 0)."""
+    async_scheduling: bool = False
+    """vLLM's AsyncScheduler, one step in flight (vLLM's default on GPU)."""
+    drafter: tuple[str, int] | None = None
+    """A speculative drafter, (method, tokens per step); None: none."""
 
 
 @dataclass
@@ -78,6 +82,23 @@ def parse_retention(raw: str) -> int | str | None:
     if interval < 0:
         raise ValueError(f"--retention {raw!r} is not valid: use {RETENTION_FORMS}")
     return interval
+
+
+DRAFTER_FORMS = "METHOD:K with METHOD mtp, multi-mtp or eagle and K from 1 to 8"
+
+
+def parse_drafter(raw: str) -> tuple[str, int]:
+    """``--drafter``: ``mtp:2``, ``eagle:3``... (K defaults to 1)."""
+    from .simulation import SPECULATIVE_METHODS
+
+    method, _, count = raw.strip().lower().partition(":")
+    try:
+        k = int(count) if count else 1
+    except ValueError:
+        k = 0
+    if method not in SPECULATIVE_METHODS or not 1 <= k <= 8:
+        raise ValueError(f"--drafter {raw!r} is not valid: use {DRAFTER_FORMS}")
+    return method, k
 
 
 def validate(s: Scenario) -> list[str]:
@@ -130,6 +151,8 @@ def _geometry(s: Scenario) -> Any:
         hash_block=s.hash_block,
         num_blocks=max(4000, 2 * per_request * (s.requests + 3)),
         retention=s.retention,
+        async_scheduling=s.async_scheduling,
+        speculative=s.drafter,
     )
 
 
@@ -251,6 +274,19 @@ def _ends(ends: list[int], limit: int = 12) -> str:
     return shown + (f", … ({len(ends)} chunks)" if len(ends) > limit else "")
 
 
+def _serving(s: Scenario) -> str:
+    """The serving options the scenario adds, as one line."""
+    parts = []
+    if s.async_scheduling:
+        parts.append("async scheduling")
+    if s.drafter:
+        parts.append(
+            f"a {s.drafter[0]} drafter proposing {s.drafter[1]} token(s) a step "
+            "(every draft accepted)"
+        )
+    return "With " + " and ".join(parts) + "."
+
+
 def render(s: Scenario, results: list[ModeResult]) -> str:
     from .simulation import cacheable_boundaries
 
@@ -261,6 +297,7 @@ def render(s: Scenario, results: list[ModeResult]) -> str:
         f"{s.hash_block}, budget {s.budget}:",
         f"{s.requests} prompt(s) of {s.prompt} tokens, then a re-ask of the first "
         f"and a sibling sharing its first {s.share} tokens.",
+        *([_serving(s)] if s.async_scheduling or s.drafter else []),
         *(textwrap.wrap(f"vLLM's {results[0].retention}.", 100) if results else [""]),
         "",
         *picture(s, results),

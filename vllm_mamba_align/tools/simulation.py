@@ -271,9 +271,10 @@ class Geometry:
     (``MambaSpec.num_prefill_checkpoint_blocks = 1``, 0.29.0+), by its alignment
     rule in :data:`CHECKPOINT_BACKENDS`; None: the CPU backend (no checkpoint)."""
     async_scheduling: bool = False
-    """``--async-scheduling``: vLLM's ``AsyncScheduler``, driven as its engine core
-    drives it (one step in flight: step N+1 is scheduled before step N's output
-    is processed)."""
+    """Async scheduling (vLLM's default on GPU, 0.18.1+): vLLM's
+    ``AsyncScheduler``, driven as its engine core drives it (one step in flight:
+    step N+1 is scheduled before step N's output is processed). With a drafter
+    the worker model accepts every draft (see ``_accepted``)."""
     kv_connector: str | None = None
     """A KV connector the scheduler is built with, ``"module.path:ClassName"``
     (loaded by vLLM from that module, as a third-party connector); None: no KV
@@ -870,7 +871,9 @@ class Simulation:
             done = chunk.end >= request.num_tokens
             if done and record.prefilled_at_step is None:
                 record.prefilled_at_step = self.steps
-            verified = spec_tokens.get(req_id, [])[: accepted.get(req_id, 0)]
+            # The accepted drafts come back as sampled tokens (the drafter
+            # proposes SAMPLED_TOKEN; async scheduling only shows placeholders).
+            verified = [SAMPLED_TOKEN] * accepted.get(req_id, 0)
             sampled.append([*verified, SAMPLED_TOKEN] if done else [])
         extra: dict[str, Any] = {}
         if finished_loads:
@@ -910,6 +913,15 @@ class Simulation:
 
         if not drafts:
             return 0
+        if self.geometry.async_scheduling:
+            # The scheduler only sees placeholders (-1); the worker fills them
+            # with its drafter's tokens. The model accepts every draft: vLLM's
+            # worker then computes at the positions the scheduler planned
+            # (after a rejection it would shift the next in-flight step back,
+            # preprocess_mamba's accepted-token bias, which is not modelled).
+            # Past max_tokens vLLM trims the tokens itself (check_stop).
+            self.accepted_drafts += len(drafts)
+            return len(drafts)
         real = next((i for i, t in enumerate(drafts) if t < 0), len(drafts))
         room: int = request.max_tokens - request.num_output_tokens - 1
         pick = random.Random(f"{req_id}/{self.steps}").randint(0, len(drafts))
@@ -924,6 +936,10 @@ class Simulation:
         whose chunk was a non-final prefill chunk."""
         from vllm.v1.outputs import DraftTokenIds
 
+        if self.geometry.async_scheduling:
+            # The engine core does not hand drafts over under async scheduling:
+            # the AsyncScheduler schedules placeholders (core.py:703 in 0.33.0).
+            return
         live = [r for r in chunks if r in self.scheduler.requests]
         if live:
             self.scheduler.update_draft_token_ids(
@@ -945,8 +961,11 @@ class Simulation:
         """
         grid = self.state_block
         blocks = self._mamba_blocks(req_id)
-        # The request's tokens as they will be once the accepted drafts join.
-        tokens = [*self._tokens(req_id), *drafts[:accepted]]
+        # The request's tokens as they will be once the accepted drafts join
+        # (async scheduling: already there, as output placeholders).
+        tokens = self._tokens(req_id)
+        if not self.geometry.async_scheduling:
+            tokens = [*tokens, *[SAMPLED_TOKEN] * accepted]
         column = -(-chunk.end // grid) - 1
         running = chunk.end - len(drafts)
         for j in range(1, len(drafts) + 1):
