@@ -169,10 +169,11 @@ def async_republishes_partial_tail() -> bool:
 
     vLLM's own defect, measured here rather than listed (seen on 0.26.0
     through 0.31.0, not on 0.18.1, 0.32.0 or 0.33.0): with a token in flight,
-    the decode step caches the request up to ``request.num_tokens`` (the prompt, its sampled token not yet
-    appended), which registers the prompt's partial-tail block again on the
-    running slot after the previous step's copy-on-write moved it away. Needs a
-    prompt ending on a hash block inside a state block, and async scheduling.
+    the decode step caches the request up to ``request.num_tokens`` (the
+    prompt, its sampled token not yet appended), which registers the prompt's
+    partial-tail block again on the running slot after the previous step's
+    copy-on-write moved it away. Needs a prompt ending on a hash block inside a
+    state block, and async scheduling.
     """
     from vllm_mamba_align.releases import supports_hash_block
     from vllm_mamba_align.tools.simulation import Geometry, Simulation, prompt
