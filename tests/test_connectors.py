@@ -25,7 +25,10 @@ from typing import Any
 
 import pytest
 from conftest import built_or_skipped, cache_block_for, installed_body, scheduler_mode
-from random_workloads import connector_hits_resume_from_null_blocks
+from random_workloads import (
+    connector_hits_resume_from_null_blocks,
+    external_block_undercounted,
+)
 
 from vllm_mamba_align.releases import supports_hash_block
 from vllm_mamba_align.tools.simulation import (
@@ -228,3 +231,34 @@ def test_vllm_own_null_block_resume_after_a_connector_load_is_recorded() -> None
         pytest.skip("this vLLM resumes connector siblings from written blocks")
     sim = _run("off", DECODE_SIDE, cache_block=B)
     assert sim.wrong_reuse == ["sibling resumed at 8240 from block 0 holding nothing"]
+
+
+@pytest.mark.parametrize("mode", ["off", "full"])
+def test_vllm_undercounts_the_mamba_block_of_an_external_hit(mode: str) -> None:
+    """vLLM's own defect (found by the long profile on 0.28.0, stock alike on
+    0.27.1-0.33.0): C = B = 64, a pool of 4 blocks (3 free), a 150-token prompt
+    whose first 64 tokens are in the store. vLLM's check asks 3 blocks for the
+    chunk 64 -> 128 (attention 2, Mamba 1) and lets it through; allocating, the
+    Mamba group takes 2 (the hit's own block, then the running one) and
+    ``schedule()`` raises instead of waiting. The plugin only picks chunk
+    lengths: stock and ``full`` fail alike, and the sweep records such a case
+    as vLLM's (random_workloads.VllmDefect)."""
+    geometry = Geometry(
+        64,
+        64,
+        64,
+        hash_block=16 if supports_hash_block() else None,
+        num_blocks=4,
+        reserve_full_input=False,
+        kv_connector=_connector(),
+        kv_connector_config=(("divergent_hits", False), ("async_load", False)),
+    )
+    base = prompt(150, seed=1)
+    with scheduler_mode(mode), built_or_skipped():
+        sim = Simulation(geometry)
+        sim.scheduler.connector.hold(base[:64])
+        sim.add("r", base)
+        with pytest.raises(ValueError, match="free blocks from the pool") as raised:
+            sim.run(max_steps=50)
+    assert external_block_undercounted(raised.value)
+    assert sim.store_loads == []  # it failed before its hit was loaded

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from random_workloads import (
     HypothesisDraw,
     Unrunnable,
+    VllmDefect,
     Workload,
     check_mode,
     dimensions,
@@ -53,6 +54,10 @@ def simulate(mode: str, workload: Workload) -> Simulation:
     except Unrunnable:
         reject()
         raise  # unreachable: reject() raises
+    except VllmDefect as defect:
+        event(f"vLLM's own defect: {defect}")
+        reject()
+        raise  # unreachable
 
 
 @given(workloads())
