@@ -194,6 +194,16 @@ def property_long(session: nox.Session, vllm: str) -> None:
         env["MAMBA_ALIGN_SWEEP_WORKLOADS"] = str(SWEEP_WORKLOADS)
         env["MAMBA_ALIGN_SWEEP_PROCESSES"] = str(os.cpu_count() or 1)
         env["MAMBA_ALIGN_SWEEP_REPORT"] = str(SWEEP_RESULTS / f"{vllm}.json")
+        commit = session.run(
+            "git",
+            "rev-parse",
+            "--short",
+            "HEAD",
+            external=True,
+            silent=True,
+            success_codes=[0, 128],
+        )
+        env["MAMBA_ALIGN_SWEEP_COMMIT"] = (commit or "").strip()
         tests = ["tests/test_sweep.py"]
     session.run("python", "-m", "pytest", *tests, *session.posargs, env=env)
 

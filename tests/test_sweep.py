@@ -165,6 +165,7 @@ def test_random_workloads_never_poison_and_always_finish() -> None:
     checked = tally.checked
     report: dict[str, Any] = {
         "vllm": installed_version(),
+        "commit": os.environ.get("MAMBA_ALIGN_SWEEP_COMMIT") or None,
         "seed": SEED,
         "processes": PROCESSES,
         "workloads": checked,
