@@ -343,7 +343,7 @@ def test_simulate_the_serving_default_async_scheduling_with_mtp(
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert (
-        "With async scheduling and a mtp drafter proposing 2 token(s) a step "
+        "With async scheduling and a drafter (mtp) proposing 2 token(s) a step "
         "(every draft accepted)." in lines
     )
     wrong = table_row(lines, "  ... naming a wrong state")

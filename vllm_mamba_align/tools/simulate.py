@@ -281,7 +281,7 @@ def _serving(s: Scenario) -> str:
         parts.append("async scheduling")
     if s.drafter:
         parts.append(
-            f"a {s.drafter[0]} drafter proposing {s.drafter[1]} token(s) a step "
+            f"a drafter ({s.drafter[0]}) proposing {s.drafter[1]} token(s) a step "
             "(every draft accepted)"
         )
     return "With " + " and ".join(parts) + "."
