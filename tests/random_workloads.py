@@ -121,7 +121,7 @@ EXTERNAL_BLOCK_UNDERCOUNTED = (
 
 def external_block_undercounted(error: BaseException) -> bool:
     """Whether ``error`` is vLLM's own block accounting defect with KV
-    connectors (seen on 0.25.1-0.33.0): in align mode the Mamba manager's
+    connectors (seen on 0.23.0-0.33.0): in align mode the Mamba manager's
     ``get_num_blocks_to_allocate`` asks one block for a request's chunk, but
     ``allocate_slots`` then takes two when the chunk runs past the external
     hit's block (``allocate_external_computed_blocks`` gives the hit its own

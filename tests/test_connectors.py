@@ -236,7 +236,7 @@ def test_vllm_own_null_block_resume_after_a_connector_load_is_recorded() -> None
 @pytest.mark.parametrize("mode", ["off", "full"])
 def test_vllm_undercounts_the_mamba_block_of_an_external_hit(mode: str) -> None:
     """vLLM's own defect (found by the long profile on 0.28.0, stock alike on
-    0.25.1-0.33.0): C = B = 64, a pool of 4 blocks (3 free), a 150-token prompt
+    0.23.0-0.33.0): C = B = 64, a pool of 4 blocks (3 free), a 150-token prompt
     whose first 64 tokens are in the store. vLLM's check asks 3 blocks for the
     chunk 64 -> 128 (attention 2, Mamba 1) and lets it through; allocating, the
     Mamba group takes 2 (the hit's own block, then the running one) and
