@@ -178,7 +178,7 @@ SWEEP_RESULTS = REPO / "benchmarks" / "sweep"
 @nox.parametrize("vllm", _newest_release_per_body())
 def property_long(session: nox.Session, vllm: str) -> None:
     """The long profile, one release per split body: the random sweep's 100,000
-    workloads on both cores (tests/test_sweep.py; 18-28 min per body measured
+    workloads on both cores (tests/test_sweep.py; 15-28 min per body measured
     on 2 cores), its counts and shares written to benchmarks/sweep/<release>.json.
     ``nox -s property_long`` runs every body, ``nox -s "property_long(vllm='0.29.0')"``
     one. HYPOTHESIS_PROFILE=long (passed through) runs the property tests'
