@@ -300,31 +300,19 @@ def test_simulate_defaults_run_vllms_default_retention(
 
 
 @pytest.mark.parametrize(
-    ("value", "message"),
+    ("option", "value", "message"),
     [
-        ("sparse", "--retention 'sparse' is not valid: use default"),
-        ("-3", "--retention '-3' is not valid"),
+        ("--retention", "sparse", "--retention 'sparse' is not valid: use default"),
+        ("--retention", "-3", "--retention '-3' is not valid"),
+        ("--drafter", "medusa:2", "--drafter 'medusa:2' is not valid: use METHOD:K"),
+        ("--drafter", "mtp:0", "--drafter 'mtp:0' is not valid"),
+        ("--drafter", "eagle:two", "--drafter 'eagle:two' is not valid"),
     ],
 )
-def test_simulate_rejects_a_bad_retention(
-    value: str, message: str, capsys: pytest.CaptureFixture[str]
+def test_simulate_rejects_a_bad_option_value(
+    option: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["simulate", "--retention", value]) == EXIT_USAGE
-    assert message in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    ("value", "message"),
-    [
-        ("medusa:2", "--drafter 'medusa:2' is not valid: use METHOD:K"),
-        ("mtp:0", "--drafter 'mtp:0' is not valid"),
-        ("eagle:two", "--drafter 'eagle:two' is not valid"),
-    ],
-)
-def test_simulate_rejects_a_bad_drafter(
-    value: str, message: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert main(["simulate", "--drafter", value]) == EXIT_USAGE
+    assert main(["simulate", option, value]) == EXIT_USAGE
     assert message in capsys.readouterr().err
 
 
