@@ -14,7 +14,13 @@ from . import __version__, audit, metrics, settings
 from .errors import MambaAlignError
 from .fingerprint import CodeShape
 from .geometry import state_block_size
-from .releases import SUPPORTED_RELEASES, SplitBody, describe_version, expected_body
+from .releases import (
+    SUPPORTED_RELEASES,
+    SplitBody,
+    describe_mismatch,
+    describe_version,
+    expected_body,
+)
 from .retention import Retention, read_retention
 from .settings import Mode
 from .split import SplitFunction, state_grid_split, step_budget
@@ -62,8 +68,7 @@ def _refuse_unknown_code(recognition: Recognition) -> MambaAlignError:
         found += f" ({shape.problem})"
     expected = expected_body(recognition.vllm_version)
     known = (
-        f" vLLM {recognition.vllm_version} as released has fingerprint "
-        f"{expected.fingerprint}: this installation's scheduler was edited."
+        f" {describe_mismatch(recognition.vllm_version, expected.fingerprint, found)}."
         if expected
         else ""
     )

@@ -17,6 +17,7 @@ import dataclasses
 import importlib
 import json
 import os
+import platform
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -34,6 +35,7 @@ from .releases import (
     WORKER_FILE,
     SeedSite,
     classify_seed,
+    describe_mismatch,
     describe_version,
     expected_body,
     seed_code,
@@ -52,6 +54,8 @@ class Report:
     """Everything the doctor found; ``--json`` prints it as is."""
 
     plugin_version: str
+    python_version: str
+    """The interpreter the doctor ran on (vLLM's official image runs 3.12)."""
     vllm_version: str | None
     vllm_location: str | None
     split_present: bool
@@ -294,6 +298,7 @@ def collect() -> Report:
     retention, by_mode = _retention()
     return Report(
         plugin_version=__version__,
+        python_version=platform.python_version(),
         vllm_version=version,
         vllm_location=str(root),
         split_present=shape is not None,
@@ -328,7 +333,8 @@ def render_text(report: Report) -> str:
     ok, bad = "ok", "!!"
     fingerprint = report.split_fingerprint or "none"
     lines = [
-        f"vllm-mamba-align {report.plugin_version} doctor",
+        f"vllm-mamba-align {report.plugin_version} doctor (Python "
+        f"{report.python_version})",
         f"  vLLM            {describe_version(report.vllm_version)} "
         f"({report.vllm_location})",
         f"  split function  fingerprint {fingerprint}: {report.split_meaning}",
@@ -338,10 +344,10 @@ def render_text(report: Report) -> str:
         and report.split_fingerprint
         and report.expected_fingerprint != report.split_fingerprint
     ):
-        lines.append(
-            f"                  (the release as shipped has "
-            f"{report.expected_fingerprint}: this installation was edited)"
+        mismatch = describe_mismatch(
+            report.vllm_version, report.expected_fingerprint, report.split_fingerprint
         )
+        lines.append(f"                  ({mismatch})")
     lines += [
         f"                  verified releases: {', '.join(SUPPORTED_RELEASES)}",
         f"  entry point     {PLUGIN_GROUP}:{PLUGIN_NAME} "

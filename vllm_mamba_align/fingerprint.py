@@ -1,9 +1,18 @@
-"""Recognize vLLM's split function by its code, not by a version string.
+"""Recognize vLLM's code by what it does, not by a version string.
 
 Vendor and dev builds report versions like ``0.1.dev20073+g8e685d198`` (or ``dev``),
 so a version range cannot tell which algorithm is installed. The fingerprint is a
-hash of the function's normalized syntax tree: comments, the docstring, formatting
-and line numbers do not count; any change to what the code does does.
+hash of the function's syntax tree in a canonical text form: comments, the
+docstring, formatting and line numbers do not count; any change to what the code
+does does.
+
+The canonical form must mean the same code on every Python vLLM runs on
+(3.10-3.13: its wheels are abi3, and vLLM's official image runs 3.12).
+``ast.dump`` cannot be hashed for that: 3.12 adds a ``type_params`` field to
+every function node and 3.13 stops printing empty fields. :func:`canonical_form`
+writes the tree itself, by fixed rules that give the text Python 3.10 and 3.11's
+``ast.dump(node)`` give, so the fingerprints recorded in releases.py hold on
+every interpreter.
 """
 
 from __future__ import annotations
@@ -74,10 +83,50 @@ def _function_def(source: str) -> ast.FunctionDef:
     return _without_docstring(node)
 
 
+# Fields whose value may be None without being optional in Python's grammar (the
+# value of a ``None`` literal): written out, where other None fields are left out.
+_VALUE_FIELDS = frozenset({("Constant", "value"), ("MatchSingleton", "value")})
+# Fields that grammars after 3.11 added to existing nodes, left out while empty:
+# code that also runs on 3.10 and 3.11 never fills them.
+_NEWER_FIELDS = frozenset({"type_params"})
+
+
+def _is_empty_text(node: object) -> bool:
+    return isinstance(node, ast.Constant) and node.value == ""
+
+
+def canonical_form(node: object) -> str:
+    """The syntax tree as text, the same on every interpreter from 3.10 on.
+
+    A node is ``Name(field=value, ...)`` over its fields in grammar order; a
+    list is ``[a, b]``; anything else is its ``ascii`` (``repr`` would depend
+    on the interpreter's Unicode tables for non-ASCII text). Left out: optional
+    fields holding None, empty fields added after 3.11, and empty text pieces
+    of an f-string (3.12.0-3.12.1 add one after a nested format field). For
+    code whose literals are ASCII this is exactly what ``ast.dump(node)`` prints
+    on Python 3.10 and 3.11 (a unit test holds the two equal there).
+    """
+    if isinstance(node, ast.AST):
+        kind = type(node).__name__
+        fields = []
+        for name in node._fields:
+            value = getattr(node, name, None)
+            if value is None and (kind, name) not in _VALUE_FIELDS:
+                continue
+            if name in _NEWER_FIELDS and value == []:
+                continue
+            if isinstance(node, ast.JoinedStr) and name == "values":
+                value = [piece for piece in node.values if not _is_empty_text(piece)]
+            fields.append(f"{name}={canonical_form(value)}")
+        return f"{kind}({', '.join(fields)})"
+    if isinstance(node, list):
+        return f"[{', '.join(canonical_form(item) for item in node)}]"
+    return ascii(node)
+
+
 def fingerprint_node(node: ast.FunctionDef) -> str:
-    """Hash of one function's normalized syntax tree (docstring already removed)."""
-    dump = ast.dump(node, annotate_fields=True, include_attributes=False)
-    return hashlib.sha256(dump.encode()).hexdigest()[:16]
+    """Hash of one function's canonical syntax tree (docstring already removed)."""
+    return hashlib.sha256(canonical_form(node).encode()).hexdigest()[:16]
 
 
 def fingerprint_source(source: str) -> str:
@@ -94,7 +143,14 @@ def method_in_file(path: str, class_name: str, method: str) -> ast.FunctionDef |
     Raises ``OSError``/``SyntaxError``/``ValueError`` when the file is unreadable.
     """
     with open(path, encoding="utf-8") as source:
-        tree = ast.parse(source.read())
+        return method_in_source(source.read(), class_name, method)
+
+
+def method_in_source(
+    module_source: str, class_name: str, method: str
+) -> ast.FunctionDef | None:
+    """``class_name.method`` as found in a module's source text, docstring removed."""
+    tree = ast.parse(module_source)
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == class_name:
             for item in node.body:

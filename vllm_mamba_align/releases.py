@@ -312,6 +312,32 @@ def expected_body(version: str | None) -> SplitBody | None:
     return None
 
 
+def describe_mismatch(version: str | None, expected: str, found: str) -> str:
+    """Why the code of a release the version names is not that release's code.
+
+    The fingerprint means the same code on every Python from 3.10 to 3.13, so a
+    difference means the installed file differs from the wheel on PyPI (a patched
+    image, a vendor build that keeps the release's number). On an interpreter
+    outside that range the plugin's reading itself is unproven: say which Python
+    compared what, so the user can tell the two apart.
+    """
+    python = ".".join(str(part) for part in sys.version_info[:3])
+    tested = (3, 10) <= sys.version_info[:2] <= (3, 13)
+    cause = (
+        "the installed scheduler differs from the release's (edited or patched in "
+        "this image, or a vendor build that kept the release's number)"
+        if tested
+        else f"either the installed scheduler differs from the release's, or "
+        f"Python {python} reads the same code differently (the plugin is tested "
+        "on Python 3.10-3.13)"
+    )
+    return (
+        f"vLLM {version} as released has split fingerprint {expected} on every "
+        f"Python from 3.10 to 3.13; this Python {python} computed {found} from the "
+        f"installed file: {cause}"
+    )
+
+
 def installed_version() -> str | None:
     """The installed vLLM's version string, without importing vLLM.
 
