@@ -19,8 +19,8 @@ from pathlib import Path
 import nox
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vllm_mamba_align.releases import BODIES  # noqa: E402
-from vllm_mamba_align.tools.interpreters import (  # noqa: E402
+from vllm_mamba_align.releases import BODIES
+from vllm_mamba_align.tools.interpreters import (
     SUPPORTED_PYTHONS,
     find_python,
 )
