@@ -120,3 +120,25 @@ def test_the_supported_pythons_are_the_ones_the_package_declares() -> None:
     assert declared == set(SUPPORTED_PYTHONS)
     requires = metadata.metadata("vllm-mamba-align")["Requires-Python"]
     assert requires == f">={SUPPORTED_PYTHONS[0]}"
+
+
+def test_a_mismatch_names_the_python_that_compared_and_the_cause() -> None:
+    from vllm_mamba_align.releases import describe_mismatch
+
+    said = describe_mismatch("0.33.0", "f3405419e904a2f8", "44a4010f8b7ebb3c")
+    python = ".".join(map(str, sys.version_info[:3]))
+    assert "vLLM 0.33.0 as released has split fingerprint f3405419e904a2f8" in said
+    assert f"this Python {python} computed 44a4010f8b7ebb3c" in said
+    assert "every Python from 3.10 to 3.13" in said
+    assert "differs from the release's" in said
+
+
+def test_outside_the_tested_pythons_the_interpreter_is_named_as_a_cause(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm_mamba_align.releases import describe_mismatch
+
+    monkeypatch.setattr(sys, "version_info", (3, 14, 0, "final", 0))
+    said = describe_mismatch("0.33.0", "f3405419e904a2f8", "0123456789abcdef")
+    assert "Python 3.14.0 reads the same code differently" in said
+    assert "tested on Python 3.10-3.13" in said

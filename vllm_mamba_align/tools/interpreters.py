@@ -93,10 +93,11 @@ def read_sites(source: Path) -> tuple[str | None, dict[str, str]]:
                 if f"vllm/{path}" in names:
                     texts[path] = wheel.read(f"vllm/{path}").decode("utf-8")
         return version, texts
-    version_file = source / "version.py"
+    version_file = source / "_version.py"  # written by setuptools-scm
     match = re.search(
-        r"__version__\s*=\s*version\s*=\s*['\"]([^'\"]+)",
+        r"^__version__\s*=\s*(?:version\s*=\s*)?['\"]([^'\"]+)",
         version_file.read_text(encoding="utf-8") if version_file.exists() else "",
+        re.MULTILINE,
     )
     for path in files:
         if (source / path).exists():
