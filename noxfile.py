@@ -103,10 +103,19 @@ def install_vllm(session: nox.Session, release: str) -> dict[str, str]:
     return env
 
 
+_built_wheels: list[str] = []
+
+
 def install_plugin_wheel(session: nox.Session) -> str:
-    out = tempfile.mkdtemp(prefix="vllm-mamba-align-dist-")
-    session.run("python", "-m", "pip", "wheel", "--no-deps", "-q", "-w", out, str(REPO))
-    wheel = str(next(Path(out).glob("vllm_mamba_align-*.whl")))
+    """Install the plugin from a wheel built from this checkout, once per nox run
+    (the wheel is pure Python: every session and interpreter takes the same)."""
+    if not _built_wheels:
+        out = tempfile.mkdtemp(prefix="vllm-mamba-align-dist-")
+        session.run(
+            "python", "-m", "pip", "wheel", "--no-deps", "-q", "-w", out, str(REPO)
+        )
+        _built_wheels.append(str(next(Path(out).glob("vllm_mamba_align-*.whl"))))
+    wheel = _built_wheels[0]
     session.install(wheel)  # with its dependencies, as a user installs it
     # Same version as an earlier build: make sure this build's code is in place.
     session.install("--force-reinstall", "--no-deps", wheel)
