@@ -1,6 +1,8 @@
 """Environments and checks. `nox` runs lint, the fast tier without vLLM (on every
-Python vLLM runs on), the tests on the releases CI covers and the end-to-end
-tests.
+Python vLLM runs on), the docs build, the tests on the releases CI covers and the
+end-to-end tests. A run leaves the checkout as it found it: only `tests` (the
+release matrix), `matrix_table`, `property_long` and `bench` write committed
+records.
 
 Each vLLM release gets a CPU environment from its pinned file in envs/: torch's
 CPU build, vLLM without its CUDA dependencies, then exactly the listed versions.
@@ -46,7 +48,7 @@ def _expose_interpreters() -> None:
 _expose_interpreters()
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "unit", "ci", "ci_image", "e2e"]
+nox.options.sessions = ["lint", "unit", "docs", "ci", "ci_image", "e2e"]
 
 REPO = Path(__file__).parent
 ENVS = REPO / "envs"
@@ -140,7 +142,8 @@ def unit(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "tests/unit", *session.posargs, env=env)
 
 
-def run_suite(session: nox.Session, release: str, record: bool = True) -> None:
+def run_suite(session: nox.Session, release: str, record: bool) -> None:
+    """The suite on one release; ``record`` writes matrix/<release>.json."""
     env = install_vllm(session, release)
     session.install(*TEST_TOOLS)
     env["MAMBA_ALIGN_WHEEL"] = install_plugin_wheel(session)
@@ -173,15 +176,16 @@ def run_suite(session: nox.Session, release: str, record: bool = True) -> None:
 @nox.session(python=PYTHON)
 @nox.parametrize("vllm", VLLM_RELEASES)
 def tests(session: nox.Session, vllm: str) -> None:
-    """The test suite against the real scheduler of one vLLM release."""
-    run_suite(session, vllm)
+    """The test suite against the real scheduler of one vLLM release; records
+    the result in matrix/<release>.json (the release table's source)."""
+    run_suite(session, vllm, record=True)
 
 
 @nox.session(python=PYTHON)
 @nox.parametrize("vllm", CI_RELEASES)
 def ci(session: nox.Session, vllm: str) -> None:
-    """The suite on the releases CI covers."""
-    run_suite(session, vllm)
+    """The suite on the releases CI covers (records nothing)."""
+    run_suite(session, vllm, record=False)
 
 
 @nox.session(python=IMAGE_PYTHON)
@@ -206,8 +210,24 @@ def e2e(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def matrix_table(session: nox.Session) -> None:
-    """Rewrite the README's release table from matrix/*.json (after `tests`)."""
+    """Rewrite every generated table (README, docs/) from the recorded results."""
     session.run("python3", "tools/matrix.py", "table")
+
+
+DOCS_TOOLS = ["mkdocs==1.6.1", "mkdocs-material==9.8.2", "pymdown-extensions==13.1.2"]
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The manual (docs/, mkdocs-material), built with warnings as errors, after
+    checking that every generated table matches the recorded results."""
+    session.install(*DOCS_TOOLS)
+    session.run("python", "tools/matrix.py", "check")
+    site = tempfile.mkdtemp(prefix="vllm-mamba-align-site-")
+    env = {"NO_MKDOCS_2_WARNING": "1"}
+    session.run(
+        "mkdocs", "build", "--strict", "--site-dir", site, *session.posargs, env=env
+    )
 
 
 def _newest_release_per_body() -> list[str]:

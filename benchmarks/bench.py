@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 
@@ -38,6 +39,29 @@ import measure
 import report
 
 import vllm_mamba_align
+
+
+def commit() -> str:
+    """The checkout's commit (``+``: with uncommitted changes), for the report."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+" if dirty else "")
 
 
 def main() -> int:
@@ -70,6 +94,7 @@ def main() -> int:
             os.cpu_count(),
             elapsed / 60,
             quick,
+            commit(),
         ),
         [
             report.overhead_section(overhead),

@@ -5,6 +5,7 @@ Nothing here runs vLLM: each section renders one measurement's data.
 
 from __future__ import annotations
 
+import platform
 import statistics
 from collections.abc import Callable
 
@@ -267,13 +268,15 @@ def header(
     cpus: int | None,
     minutes: float,
     quick: bool,
+    commit: str = "unknown",
 ) -> str:
     return (
         f"## Benchmarks (vLLM {vllm_version}, vllm-mamba-align {plugin_version}, "
         f"{cpus} CPUs)\n\n"
         "Produced by `benchmarks/bench.py`"
         + (" --quick" if quick else "")
-        + " (what `python3 -m nox -s bench` runs), "
+        + f" (what `python3 -m nox -s bench` runs) at commit {commit} on "
+        + f"{platform.machine()} with {cpus} CPUs, "
         + f"{minutes:.1f} minutes. Modes: "
         + ", ".join(f"`{m}`" for m in MODES)
         + " (`stock` = vLLM's own code, the plugin's wrappers removed)."
