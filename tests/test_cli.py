@@ -252,7 +252,7 @@ def test_simulate_dense_retention_shows_the_defect_and_the_fix(
     assert "1648, 3296, 4944" in ends["full"]
     assert ends["kept"].split()[1:] == ends["full"].split()[1:], "dense: kept = full"
     # Columns: stock, full, kept, grid, audit (audit schedules as stock).
-    assert table_row(lines, "B boundaries materialized (of 10)") == [
+    assert table_row(lines, "B boundaries in the cache (of 10)") == [
         "0", "10", "10", "3", "0",
     ]  # fmt: skip
     wrong = table_row(lines, "  ... naming a wrong state")
@@ -291,8 +291,13 @@ def test_simulate_defaults_run_vllms_default_retention(
     wrong = table_row(lines, "  ... naming a wrong state")
     assert wrong[1:4] == ["0", "0", "0"] and int(wrong[0]) > 0
     # vLLM keeps the replay boundary 16,480 only: full writes 10, keeps 1.
-    assert table_row(lines, "B boundaries materialized (of 10)") == [
+    assert table_row(lines, "B boundaries in the cache (of 10)") == [
         "0", "1", "1", "1", "0",
+    ]  # fmt: skip
+    # The first sibling makes vLLM keep the junction (8,240); the second reads it:
+    # on stock from a block holding another position's state.
+    assert table_row(lines, "second sibling (same 9000) reuses") == [
+        "8240", "WRONG", "STATE", "8240", "8240", "8240", "8240", "WRONG", "STATE",
     ]  # fmt: skip
     assert table_row(lines, "prefill steps, first prompt") == [
         "4", "12", "5", "5", "4",
@@ -336,7 +341,7 @@ def test_simulate_the_serving_default_async_scheduling_with_mtp(
     )
     wrong = table_row(lines, "  ... naming a wrong state")
     assert wrong[1] == "0" and int(wrong[0]) > 0
-    assert table_row(lines, "B boundaries materialized (of 10)") == ["0", "10"]
+    assert table_row(lines, "B boundaries in the cache (of 10)") == ["0", "10"]
 
 
 @upstream_geometry

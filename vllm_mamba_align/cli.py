@@ -11,8 +11,10 @@ torch) are imported only inside the commands, so ``--help`` works anywhere.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from . import __version__
 from .errors import MambaAlignError
@@ -63,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Run the installed vLLM's real scheduler (no GPU, no weights) "
         "stock and patched on one geometry. The defaults are the geometry from the "
         "upstream report: a drafter's 816-token attention block next to a "
-        "1648-token Mamba state block.",
+        "1648-token Mamba state block. vLLM's own log is off unless "
+        "VLLM_LOGGING_LEVEL is set.",
     )
     simulate.add_argument(
         "--cache-block",
@@ -104,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="S",
-        help="tokens the sibling prompt shares with the first (default "
+        help="tokens the two sibling prompts share with the first (default "
         f"{d.share}, or half the prompt if the prompt is not longer)",
     )
     simulate.add_argument(
@@ -191,6 +194,30 @@ def _default_share(share: int, prompt: int) -> int:
     return share if share < prompt else prompt // 2
 
 
+@contextlib.contextmanager
+def _quiet_vllm_logs() -> Iterator[None]:
+    """vLLM's log at CRITICAL for the command, unless the user set
+    ``VLLM_LOGGING_LEVEL``: simulate's output is the comparison, and vLLM's
+    start-up lines (and the plugin's own lines about the simulated schedulers,
+    such as audit mode's warning) would read as if about the user's deployment.
+    vLLM reads the variable whenever it (re)configures its logging, so it stays
+    set for the run; a process that already imported vLLM (a test session) keeps
+    its settings, and the environment is restored afterwards."""
+    import logging
+    import os
+
+    if "vllm" in sys.modules or "VLLM_LOGGING_LEVEL" in os.environ:
+        yield
+        return
+    # torch's "Triton not available" notice on CPU machines.
+    logging.getLogger("torch._library").setLevel(logging.ERROR)
+    os.environ["VLLM_LOGGING_LEVEL"] = "CRITICAL"
+    try:
+        yield
+    finally:
+        os.environ.pop("VLLM_LOGGING_LEVEL", None)
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from .tools.simulate import (
         Scenario,
@@ -231,6 +258,17 @@ def _simulate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
+    with _quiet_vllm_logs():
+        return _run_simulation(args, scenario, simulate, render, simulated_modes)
+
+
+def _run_simulation(
+    args: argparse.Namespace,
+    scenario: Any,
+    simulate: Any,
+    render: Any,
+    simulated_modes: Any,
+) -> int:
     try:
         import vllm  # noqa: F401
     except ImportError as error:

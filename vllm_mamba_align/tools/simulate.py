@@ -2,10 +2,12 @@
 
 Runs the installed vLLM's real scheduler on CPU (simulation.py: no GPU, no weights)
 once per mode on the same scenario: ``requests`` prompts of ``prompt`` tokens
-prefilled together, then an immediate re-ask of the first and a sibling sharing
-its first ``share`` tokens. What operators asked upstream, answered per mode:
-where chunks end, which states get saved, how many published hashes lie, what a
-re-ask and a sibling reuse, and how many prefill steps it took.
+prefilled together, then an immediate re-ask of the first and two siblings sharing
+its first ``share`` tokens (at vLLM's default state retention the first sibling
+makes vLLM keep the junction state, the second reads it). What operators asked
+upstream, answered per mode: where chunks end, which states get saved, how many
+published hashes lie, what a re-ask and the siblings reuse, and how many prefill
+steps it took.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class ModeResult:
     wrong_reuse: list[str]
     reask_reuse: int
     sibling_reuse: int
+    second_sibling_reuse: int
     prefill_steps: int
     """Steps the first request needed to finish its prefill."""
     all_prefilled_steps: int
@@ -112,10 +115,13 @@ def validate(s: Scenario) -> list[str]:
         ("--hash-block", s.hash_block),
         ("--prompt", s.prompt),
         ("--budget", s.budget),
-        ("--requests", s.requests),
     ):
         if value <= 0:
             problems.append(f"{name} must be a positive number of tokens, not {value}")
+    if s.requests <= 0:
+        problems.append(
+            f"--requests must be a positive number of prompts, not {s.requests}"
+        )
     if problems:
         return problems
     if s.state_block % s.hash_block:
@@ -206,6 +212,8 @@ def run_mode(s: Scenario, mode: str, progress_stream: TextIO) -> ModeResult:
         sim.run(MAX_STEPS, progress.tick)
         sim.add("sibling", first[: s.share] + prompt(max(1, s.prompt - s.share), 2))
         sim.run(MAX_STEPS, progress.tick)
+        sim.add("sibling-2", first[: s.share] + prompt(max(1, s.prompt - s.share), 3))
+        sim.run(MAX_STEPS, progress.tick)
     first_record = sim.records["r0"]
     return ModeResult(
         mode=mode,
@@ -220,6 +228,7 @@ def run_mode(s: Scenario, mode: str, progress_stream: TextIO) -> ModeResult:
         wrong_reuse=list(sim.wrong_reuse),
         reask_reuse=sim.reused("re-ask"),
         sibling_reuse=sim.reused("sibling"),
+        second_sibling_reuse=sim.reused("sibling-2"),
         prefill_steps=first_record.prefilled_at_step or 0,
         all_prefilled_steps=all_prefilled,
         seconds=time.monotonic() - began,
@@ -287,6 +296,12 @@ def _serving(s: Scenario) -> str:
     return "With " + " and ".join(parts) + "."
 
 
+def _reuse(tokens: int, result: ModeResult, request_id: str) -> str:
+    """Tokens a request reused, marked when it resumed from a wrong state."""
+    wrong = any(w.startswith(f"{request_id} ") for w in result.wrong_reuse)
+    return f"{tokens}" + (" WRONG STATE" if wrong else "")
+
+
 def render(s: Scenario, results: list[ModeResult]) -> str:
     from .simulation import cacheable_boundaries
 
@@ -296,7 +311,7 @@ def render(s: Scenario, results: list[ModeResult]) -> str:
         f"Real vLLM scheduler, C={s.cache_block}, B={s.state_block}, hash block "
         f"{s.hash_block}, budget {s.budget}:",
         f"{s.requests} prompt(s) of {s.prompt} tokens, then a re-ask of the first "
-        f"and a sibling sharing its first {s.share} tokens.",
+        f"and two siblings sharing its first {s.share} tokens.",
         *([_serving(s)] if s.async_scheduling or s.drafter else []),
         *(textwrap.wrap(f"vLLM's {results[0].retention}.", 100) if results else [""]),
         "",
@@ -309,10 +324,10 @@ def render(s: Scenario, results: list[ModeResult]) -> str:
     header = ["", *(r.mode for r in results)]
     rows: list[list[str]] = [
         [
-            f"B boundaries materialized (of {boundaries})",
+            f"B boundaries in the cache (of {boundaries})",
             *(str(len(r.materialized)) for r in results),
         ],
-        ["states vLLM keeps, materialized", *(str(r.kept_states) for r in results)],
+        ["states vLLM keeps, saved", *(str(r.kept_states) for r in results)],
         ["  ... lost (inside a chunk)", *(str(r.lost_kept) for r in results)],
         [
             "  ... non-canonical (not 1 block/chunk)",
@@ -326,11 +341,11 @@ def render(s: Scenario, results: list[ModeResult]) -> str:
         ],
         [
             f"sibling (shares {s.share}) reuses",
-            *(
-                f"{r.sibling_reuse}"
-                + (" WRONG STATE" if any("sibling" in w for w in r.wrong_reuse) else "")
-                for r in results
-            ),
+            *(_reuse(r.sibling_reuse, r, "sibling") for r in results),
+        ],
+        [
+            f"second sibling (same {s.share}) reuses",
+            *(_reuse(r.second_sibling_reuse, r, "sibling-2") for r in results),
         ],
         ["reads of a wrong state", *(str(len(r.wrong_reuse)) for r in results)],
         ["prefill steps, first prompt", *(str(r.prefill_steps) for r in results)],
@@ -350,6 +365,14 @@ def render(s: Scenario, results: list[ModeResult]) -> str:
                 for i, cell in enumerate(row)
             ).rstrip()
         )
+    if results and results[0].retention.startswith("state retention 0 "):
+        lines += [
+            "",
+            "At this retention vLLM keeps a prompt's replay boundary and the junctions "
+            "of shared",
+            "prefixes: the first sibling makes it keep the junction state, the second "
+            "reads it.",
+        ]
     poisoned = [r.mode for r in results if r.poisoned]
     if poisoned:
         lines += [
