@@ -291,7 +291,7 @@ def demo(session: nox.Session, vllm: str) -> None:
 @nox.session
 @nox.parametrize("vllm", VLLM_RELEASES[-1:])
 def bench(session: nox.Session, vllm: str) -> None:
-    """The benchmarks; writes benchmarks/RESULTS.md (about 6 minutes on 2 cores)."""
+    """The benchmarks; writes benchmarks/RESULTS.md (its header gives the time)."""
     install_vllm(session, vllm)
     install_plugin_wheel(session)
     env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
