@@ -428,7 +428,7 @@ def test_simulate_short_prompt_default_share_fits(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert main(["simulate", "--prompt", "4000", "--mode", "stock"]) == EXIT_OK
-    assert "sibling sharing its first 2000 tokens" in capsys.readouterr().out
+    assert "siblings sharing its first 2000 tokens" in capsys.readouterr().out
 
 
 def test_the_oracle_names_prefix_states_in_linear_time_identically() -> None:

@@ -310,8 +310,8 @@ def render(s: Scenario, results: list[ModeResult]) -> str:
     lines = [
         f"Real vLLM scheduler, C={s.cache_block}, B={s.state_block}, hash block "
         f"{s.hash_block}, budget {s.budget}:",
-        f"{s.requests} prompt(s) of {s.prompt} tokens, then a re-ask of the first "
-        f"and two siblings sharing its first {s.share} tokens.",
+        f"{s.requests} prompt(s) of {s.prompt} tokens, then a re-ask and two "
+        f"siblings sharing its first {s.share} tokens.",
         *([_serving(s)] if s.async_scheduling or s.drafter else []),
         *(textwrap.wrap(f"vLLM's {results[0].retention}.", 100) if results else [""]),
         "",
