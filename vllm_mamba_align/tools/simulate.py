@@ -273,7 +273,7 @@ def picture(s: Scenario, results: list[ModeResult]) -> list[str]:
     )
     lines.append(
         f"{'':<{label}}| = a multiple of B={s.state_block}   * = chunk end on it "
-        "(state saved)   ^ = chunk end off it"
+        "(state written)   ^ = chunk end off it"
     )
     return lines
 
