@@ -291,7 +291,8 @@ def demo(session: nox.Session, vllm: str) -> None:
 @nox.session
 @nox.parametrize("vllm", VLLM_RELEASES[-1:])
 def bench(session: nox.Session, vllm: str) -> None:
-    """The benchmarks; writes benchmarks/RESULTS.md (its header gives the time)."""
+    """The benchmarks; writes benchmarks/RESULTS.md (its header gives the time)
+    and the tables generated from it."""
     install_vllm(session, vllm)
     install_plugin_wheel(session)
     env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
@@ -303,3 +304,5 @@ def bench(session: nox.Session, vllm: str) -> None:
         *session.posargs,
         env=env,
     )
+    # docs/benchmarks.md shows the report: keep it in step.
+    session.run("python", str(REPO / "tools" / "matrix.py"), "table")
