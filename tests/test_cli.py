@@ -51,6 +51,37 @@ def test_doctor_on_any_release(
     assert "matches the verified body" in out
 
 
+README = Path(__file__).resolve().parent.parent / "README.md"
+MACHINE_LINES = re.compile(r"  (vLLM|mode|metrics) ")
+"""doctor's lines that depend on where it runs (the install path, the mode and
+the Prometheus set-up), left out of the README comparison."""
+
+
+def _readme_doctor_sample() -> list[str]:
+    text = README.read_text()
+    start = text.index("vllm-mamba-align 0.1.0 doctor (Python")
+    return text[start : text.index("```", start)].strip().splitlines()
+
+
+@reference_release
+def test_the_readme_shows_doctors_real_output(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's sample is doctor's output on 0.33.0, line for line, except
+    for the header's Python and the lines that depend on the machine."""
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.delenv("VLLM_MAMBA_ALIGN_MODE", raising=False)
+    _, out = doctor(capsys)
+    real = out.strip().splitlines()
+    sample = _readme_doctor_sample()
+    assert re.sub(r"\(Python [\d.]+\)", "", real[0]) == re.sub(
+        r"\(Python [\d.]+\)", "", sample[0]
+    )
+    assert [line for line in real[1:] if not MACHINE_LINES.match(line)] == [
+        line for line in sample[1:] if not MACHINE_LINES.match(line)
+    ]
+
+
 @reference_release
 def test_doctor_recognizes_the_installed_release(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
