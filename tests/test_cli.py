@@ -303,6 +303,24 @@ def test_simulate_dense_retention_shows_the_defect_and_the_fix(
     assert max(len(line) for line in ours) <= 100  # vLLM's own log lines aside
 
 
+def _picture_and_table(text: str) -> list[str]:
+    """simulate's picture, chunk ends and table: from "B grid" to the prefill steps."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("B grid"))
+    end = next(i for i, line in enumerate(lines) if line.startswith("prefill steps"))
+    return [line.rstrip() for line in lines[start : end + 1]]
+
+
+@reference_release
+def test_the_manual_shows_simulates_real_output(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """docs/how-it-works.md's sample is `simulate`'s output with the defaults."""
+    assert main(["simulate"]) == EXIT_OK
+    page = (README.parent / "docs" / "how-it-works.md").read_text()
+    assert _picture_and_table(page) == _picture_and_table(capsys.readouterr().out)
+
+
 @upstream_geometry
 def test_simulate_defaults_run_vllms_default_retention(
     capsys: pytest.CaptureFixture[str],
