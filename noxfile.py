@@ -209,6 +209,39 @@ def e2e(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+def fingerprints(session: nox.Session) -> None:
+    """Every verified release's fingerprinted sites, read from its wheel on the
+    registry, fingerprinted by Python 3.10, 3.11, 3.12 and 3.13 and compared with
+    the release table. Downloads the wheels (about 6 GB) into
+    $MAMBA_ALIGN_WHEELS (default: vllm-wheels in the temporary folder) once."""
+    cache = Path(
+        os.environ.get("MAMBA_ALIGN_WHEELS")
+        or Path(tempfile.gettempdir()) / "vllm-wheels"
+    )
+    wheels = []
+    for release in VLLM_RELEASES:
+        found = sorted(cache.glob(f"vllm-{release}-*.whl"))
+        if not found:
+            session.run(
+                "python3",
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "-q",
+                "-d",
+                str(cache),
+                f"vllm=={release}",
+                external=True,
+            )
+            found = sorted(cache.glob(f"vllm-{release}-*.whl"))
+        wheels.append(str(found[0]))
+    session.run(
+        "python3", "-m", "vllm_mamba_align.tools.interpreters", *wheels, external=True
+    )
+
+
+@nox.session(venv_backend="none")
 def matrix_table(session: nox.Session) -> None:
     """Rewrite every generated table (README, docs/) from the recorded results."""
     session.run("python3", "tools/matrix.py", "table")
