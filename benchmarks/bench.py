@@ -22,6 +22,11 @@ How it measures (CPU only, no weights; see ``vllm_mamba_align/tools/simulation.p
   siblings, at vLLM's default state retention, dense, and one interval R > 0.
 - scaling: prefill steps of a lone request (its time to first token, in steps)
   against prompt length and budget / B, and steps for N concurrent prefills.
+- what users do instead: the same varied workload, served concurrently, by
+  stock vLLM, with prefix caching off, with a one-state-block step budget, and
+  by the plugin's fixing modes (and with the mode unset), at vLLM's default
+  retention and dense; ``--modes-page`` also writes its headline and tables
+  into the modes page of the manual, between its markers.
 - register(): timed inside fresh interpreters, with and without vLLM's scheduler
   module already imported (0.33.0 imports it before plugins run, so the patch and
   the code fingerprint happen inside register()); medians.
@@ -70,6 +75,11 @@ def main() -> int:
     parser.add_argument(
         "--quick", action="store_true", help="fewer rounds (a smoke run)"
     )
+    parser.add_argument(
+        "--modes-page",
+        help="write the 'what users do instead' section into this Markdown page, "
+        f"between {report.BEGIN_MARKER} and {report.END_MARKER}",
+    )
     args = parser.parse_args()
     import vllm
 
@@ -84,9 +94,11 @@ def main() -> int:
         calls=2000 if quick else 10000,
     )
     benefit = measure.measure_benefit(count)
+    alternatives = measure.measure_alternatives(count)
     scaling = measure.measure_scaling(quick)
     register = measure.measure_register(runs)
     elapsed = time.monotonic() - began
+    alternatives_lines = report.alternatives_section(count, alternatives)
     text = report.render(
         report.header(
             vllm.__version__,
@@ -99,6 +111,7 @@ def main() -> int:
         [
             report.overhead_section(overhead),
             report.benefit_section(count, benefit),
+            alternatives_lines,
             report.scaling_section(scaling),
             report.register_section(runs, register),
         ],
@@ -107,6 +120,17 @@ def main() -> int:
     if args.output:
         with open(args.output, "w") as f:
             f.write(text)
+    if args.modes_page:
+        report.write_between_markers(
+            args.modes_page,
+            [
+                "Measured by `python3 -m nox -s bench` "
+                f"({report.provenance()}); the full report is "
+                "`benchmarks/RESULTS.md` in the repository.",
+                "",
+                *alternatives_lines,
+            ],
+        )
     measure.log(f"done in {elapsed:.0f}s")
     return 0
 

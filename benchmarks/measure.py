@@ -8,6 +8,9 @@ markdown; ``bench.py`` runs both.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
 import inspect
 import os
 import random
@@ -23,13 +26,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
+from vllm_mamba_align import settings
 from vllm_mamba_align.plugin import SPLIT_METHOD
+from vllm_mamba_align.releases import requests_need_eos_token_id
 from vllm_mamba_align.settings import Mode
 from vllm_mamba_align.tools.modes import STOCK, scheduler_mode, simulated_modes
 from vllm_mamba_align.tools.simulation import (
+    MAX_MODEL_LEN,
     Geometry,
     Simulation,
     chunk_starts,
+    model_dir,
     prompt,
 )
 
@@ -493,4 +500,284 @@ def measure_register(runs: int) -> dict[str, tuple[list[float], list[float]]]:
             ).stdout.split()
             results[case][0].append(float(out[-2]))
             results[case][1].append(float(out[-1]))
+    return results
+
+
+# -- what users do instead ---------------------------------------------------------
+
+CACHING_OFF = "prefix caching off"
+BUDGET_ONE_BLOCK = "stock, budget = B"
+DEFAULT_UNSET = "mode unset"
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One row of the comparison: what a user runs for a hybrid model."""
+
+    label: str
+    mode: str
+    """``stock``, a plugin mode, :data:`DEFAULT_UNSET` (the plugin with
+    ``VLLM_MAMBA_ALIGN_MODE`` unset) or :data:`CACHING_OFF`."""
+    one_block_budget: bool = False
+    """The step budget set to B, within [B, 2B): every prefill step advances at
+    most one state block (``--max-num-batched-tokens`` B)."""
+
+
+def alternatives() -> list[Alternative]:
+    """Stock, the two workarounds users apply, then the plugin's fixing modes."""
+    default = settings.DEFAULT_MODE.value
+    return [
+        Alternative("stock vLLM", STOCK),
+        Alternative(CACHING_OFF, CACHING_OFF),
+        Alternative(BUDGET_ONE_BLOCK, STOCK, one_block_budget=True),
+        Alternative("plugin `grid`", Mode.GRID.value),
+        Alternative("plugin `kept`", Mode.KEPT.value),
+        Alternative("plugin `full`", Mode.FULL.value),
+        Alternative(f"plugin, {DEFAULT_UNSET} (default `{default}`)", DEFAULT_UNSET),
+    ]
+
+
+@dataclass
+class AlternativeTally:
+    """What one row served: the same requests in the same order for every row."""
+
+    steps: int = 0
+    """Engine steps (``schedule()`` calls) until every request finished: with
+    one output token per request, all of them prefill steps."""
+    computed: int = 0
+    """Prompt tokens the steps computed (those not reused from the cache)."""
+    reused: int = 0
+    """Prompt tokens requests skipped by resuming from a cached state that
+    holds what its hash names."""
+    wrong_reused: int = 0
+    """Prompt tokens skipped by resuming from a state that does not."""
+    reusable: int = 0
+    """Tokens the re-asks and siblings share with a request served before."""
+    published: int = 0
+    """Mamba hashes published."""
+    poisoned: int = 0
+    """... naming a state their block does not hold."""
+    requests: int = 0
+
+
+ALTERNATIVE_CASES = [
+    RetentionCase("vLLM's default (0)", "default", B),
+    RetentionCase("dense (every boundary kept)", None, B),
+    # C divides B: the geometry where a budget of B ends every stock chunk on
+    # the state grid (with C = 816, B = 1,648 it ends them on 816's grid).
+    RetentionCase("vLLM's default (0), B = 1,632 (C divides B)", "default", 1632),
+    RetentionCase("dense, B = 1,632 (C divides B)", None, 1632),
+]
+
+
+def _rounds(
+    index: int, length: int, share: int
+) -> tuple[list[int], list[int], list[int]]:
+    """A prompt and its two shared-prefix siblings (the re-ask is the prompt)."""
+    tokens = prompt(length, seed=1000 + index)
+    siblings = [
+        tokens[:share] + prompt(2000, seed=5000 + 10 * index + s) for s in (1, 2)
+    ]
+    return tokens, siblings[0], siblings[1]
+
+
+def _grouped(
+    items: list[tuple[int, int, int]],
+) -> dict[int, list[tuple[int, int, int, int]]]:
+    groups: dict[int, list[tuple[int, int, int, int]]] = {}
+    for index, (length, budget, share) in enumerate(items):
+        groups.setdefault(budget, []).append((index, length, budget, share))
+    return groups
+
+
+@contextlib.contextmanager
+def _row_mode(mode: str) -> Iterator[None]:
+    if mode != DEFAULT_UNSET:
+        with scheduler_mode(mode):
+            yield
+        return
+    previous = os.environ.pop(settings.MODE_VARIABLE, None)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            os.environ[settings.MODE_VARIABLE] = previous
+
+
+def alternative_run(
+    row: Alternative, items: list[tuple[int, int, int]], case: RetentionCase
+) -> AlternativeTally:
+    """Per budget, four rounds of concurrent requests: every prompt at once,
+    then every prompt's re-ask, then its first sibling (vLLM keeps the junction
+    state), then its second sibling (which can reuse it)."""
+    if row.mode == CACHING_OFF:
+        return caching_off_run(items)
+    tally = AlternativeTally()
+    for budget, group in _grouped(items).items():
+        geometry = Geometry(
+            cache_block=C,
+            state_block=case.state_block,
+            hash_block=H,
+            budget=case.state_block if row.one_block_budget else budget,
+            num_blocks=8000,
+            retention=case.retention,
+        )
+        with _row_mode(row.mode):
+            sim = Simulation(geometry)
+            for kind in range(4):
+                names = []
+                for index, length, _budget, share in group:
+                    tokens, sibling1, sibling2 = _rounds(index, length, share)
+                    name = f"p{index}-{kind}"
+                    sim.add(name, (tokens, tokens, sibling1, sibling2)[kind])
+                    names.append((name, (0, length, share, share)[kind]))
+                sim.run()
+                wrong = {entry.split(" ", 1)[0] for entry in sim.wrong_reuse}
+                for name, reusable in names:
+                    record = sim.records[name]
+                    reused = sim.reused(name)
+                    tally.requests += 1
+                    tally.reusable += reusable
+                    tally.computed += record.request.num_prompt_tokens - reused
+                    if name in wrong:
+                        tally.wrong_reused += reused
+                    else:
+                        tally.reused += reused
+        tally.steps += sim.steps
+        tally.published += len(sim.published)
+        tally.poisoned += len(sim.poisoned)
+    return tally
+
+
+@functools.cache
+def _caching_off_config() -> Any:
+    """vLLM's own config of the tiny hybrid with prefix caching off (Mamba
+    cache mode ``none``: one state per request, no hashes)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=model_dir(),
+        skip_tokenizer_init=True,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=8192,
+        max_model_len=MAX_MODEL_LEN,
+    )
+    config = args.create_engine_config()
+    assert config.cache_config.mamba_cache_mode == "none"
+    return config
+
+
+def _caching_off_scheduler(budget: int) -> Any:
+    import torch
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    config = copy.deepcopy(_caching_off_config())
+    groups = [
+        KVCacheGroupSpec(
+            ["model.layers.3.self_attn.attn"],
+            FullAttentionSpec(
+                block_size=C, num_kv_heads=1, head_size=16, dtype=torch.float32
+            ),
+        ),
+        KVCacheGroupSpec(
+            [f"model.layers.{i}.linear_attn" for i in range(3)],
+            MambaSpec(
+                block_size=config.cache_config.mamba_block_size,
+                shapes=((1,),),
+                dtypes=(torch.float32,),
+                mamba_cache_mode="none",
+            ),
+        ),
+    ]
+    kv_config = KVCacheConfig(
+        num_blocks=8000, kv_cache_tensors=[], kv_cache_groups=groups
+    )
+    config.cache_config.block_size = C
+    config.cache_config.num_gpu_blocks = 8000
+    config.scheduler_config.max_num_batched_tokens = budget
+    if getattr(config.scheduler_config, "max_num_scheduled_tokens", None):
+        config.scheduler_config.max_num_scheduled_tokens = budget
+    sizes: dict[str, int] = {"block_size": C}
+    resolve = getattr(kv_cache_utils, "resolve_kv_cache_block_sizes", None)
+    if resolve is not None:
+        scheduler_block, hash_block = resolve(kv_config, config)
+        sizes = {"block_size": scheduler_block, "hash_block_size": hash_block}
+    scheduler = Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_config,
+        structured_output_manager=StructuredOutputManager(config),
+        **sizes,
+        log_stats=True,
+    )
+    assert not scheduler.kv_cache_manager.enable_caching
+    return scheduler
+
+
+def caching_off_run(items: list[tuple[int, int, int]]) -> AlternativeTally:
+    """The same rounds as :func:`alternative_run` on a scheduler with prefix
+    caching off, stock vLLM (the plugin finds no align mode and stands aside)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    tally = AlternativeTally()
+    for budget, group in _grouped(items).items():
+        with scheduler_mode(STOCK):
+            scheduler = _caching_off_scheduler(budget)
+            for kind in range(4):
+                for index, length, _budget, share in group:
+                    tokens = _rounds(index, length, share)[(0, 0, 1, 2)[kind]]
+                    scheduler.add_request(
+                        Request(
+                            f"p{index}-{kind}",
+                            list(tokens),
+                            SamplingParams(max_tokens=1, ignore_eos=True),
+                            None,
+                            **(
+                                {"eos_token_id": None}
+                                if requests_need_eos_token_id()
+                                else {}
+                            ),
+                        )
+                    )
+                    tally.requests += 1
+                    tally.reusable += (0, length, share, share)[kind]
+                while scheduler.has_requests():
+                    output = scheduler.schedule()
+                    tally.steps += 1
+                    starts = chunk_starts(output)
+                    for new in output.scheduled_new_reqs:
+                        tally.reused += new.num_computed_tokens
+                    finishing = {
+                        req_id
+                        for req_id, count in output.num_scheduled_tokens.items()
+                        if starts[req_id] + count
+                        >= scheduler.requests[req_id].num_tokens
+                    }
+                    tally.computed += output.total_num_scheduled_tokens
+                    scheduler.update_from_output(
+                        output, _runner_output(output, finishing)
+                    )
+            pool = scheduler.kv_cache_manager.block_pool
+            tally.published += sum(b.block_hash is not None for b in pool.blocks)
+    return tally
+
+
+def measure_alternatives(count: int) -> dict[str, dict[str, AlternativeTally]]:
+    """Per retention case (its label): each row's tally, one run."""
+    items = workload(seed=7, count=count)
+    rows = alternatives()
+    results = {}
+    for case in ALTERNATIVE_CASES:
+        log(f"what users do instead, {case.label}: {count} prompts x {len(rows)}")
+        results[case.label] = {
+            row.label: alternative_run(row, items, case) for row in rows
+        }
     return results

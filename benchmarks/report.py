@@ -10,9 +10,12 @@ import statistics
 from collections.abc import Callable
 
 from measure import (
+    BUDGET_ONE_BLOCK,
+    CACHING_OFF,
     MODES,
     SCHEDULING_MODES,
     STOCK,
+    AlternativeTally,
     B,
     C,
     H,
@@ -21,6 +24,8 @@ from measure import (
     Scaling,
     Tally,
 )
+
+from vllm_mamba_align.settings import DEFAULT_MODE
 
 
 def ratio_line(pairs: Pairs, unit: str, scale: float) -> list[str]:
@@ -262,6 +267,38 @@ def render(header: str, sections: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def provenance() -> str:
+    """The commit and machine a run measured, for the report and the manual."""
+    import os
+    import platform
+    import subprocess
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", *args],
+                capture_output=True,
+                text=True,
+                cwd=os.path.dirname(os.path.abspath(__file__)),
+            ).stdout.strip()
+        except OSError:
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown commit"
+    if git("status", "--porcelain", "--untracked-files=no"):
+        commit += " with uncommitted changes"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in f if "model name" in line),
+                cpu,
+            )
+    except OSError:
+        pass
+    return f"commit {commit}, {cpu}, {os.cpu_count()} CPUs"
+
+
 def header(
     vllm_version: str,
     plugin_version: str,
@@ -281,3 +318,106 @@ def header(
         + ", ".join(f"`{m}`" for m in MODES)
         + " (`stock` = vLLM's own code, the plugin's wrappers removed)."
     )
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f} %" if whole else "-"
+
+
+def alternatives_table(rows: dict[str, AlternativeTally]) -> list[str]:
+    """One retention case: every row's steps, tokens and correctness."""
+    stock = next(iter(rows.values()))
+    lines = [
+        "| what runs | prefill steps | vs stock | prompt tokens computed "
+        "| tokens per step | correctly reused tokens | resumed from a wrong state "
+        "| wrong publications |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for label, t in rows.items():
+        lines.append(
+            f"| {label} | {t.steps} | {t.steps / stock.steps:.2f}x | "
+            f"{t.computed:,} | {t.computed / t.steps:,.0f} | "
+            f"{t.reused:,} ({_share(t.reused, t.reusable)}) | "
+            f"{t.wrong_reused:,} | **{t.poisoned}** of {t.published} |"
+        )
+    return lines
+
+
+def _row(rows: dict[str, AlternativeTally], start: str) -> AlternativeTally:
+    return next(t for label, t in rows.items() if label.startswith(start))
+
+
+def alternatives_headline(results: dict[str, dict[str, AlternativeTally]]) -> str:
+    """One sentence from the first case (vLLM's default retention)."""
+    rows = next(iter(results.values()))
+    unset = _row(rows, "plugin, mode unset")
+    stock = _row(rows, "stock vLLM")
+    full = _row(rows, "plugin `full`")
+    budget = _row(rows, BUDGET_ONE_BLOCK)
+    off = _row(rows, CACHING_OFF)
+    return (
+        f"At vLLM's default state retention the plugin's default mode "
+        f"(`{DEFAULT_MODE.value}`) serves this "
+        f"workload in {unset.steps / stock.steps:.2f}x stock's prefill steps "
+        f"({unset.steps / full.steps:.2f}x `full`'s, "
+        f"{unset.steps / budget.steps:.2f}x those of a one-block step budget), "
+        f"computes {unset.computed / off.computed:.2f}x the prompt tokens of "
+        f"prefix caching off, reuses {_share(unset.reused, unset.reusable)} of "
+        f"the shareable tokens correctly (stock: "
+        f"{_share(stock.reused, stock.reusable)}, with "
+        f"{stock.wrong_reused:,} more tokens resumed from wrong states) and "
+        f"publishes {unset.poisoned} wrong states (stock: {stock.poisoned})."
+    )
+
+
+def alternatives_section(
+    count: int, results: dict[str, dict[str, AlternativeTally]]
+) -> list[str]:
+    """The headline, then one table per retention case."""
+    lines = [
+        "### What users do instead, side by side",
+        "",
+        alternatives_headline(results),
+        "",
+        f"{count} prompts of 2k-48k tokens (C={C}, B={B} unless said, hash block "
+        f"{H}), grouped by their step budget (2048/4096/8192/16384); per group "
+        "four rounds of concurrent requests: every prompt, then every prompt's "
+        "re-ask, then a first and a second sibling sharing a random 20-100 % of "
+        "it (the first makes vLLM keep the junction state, the second can reuse "
+        "it). Every row serves the same requests in the same order on the real "
+        "scheduler. Rows: stock vLLM; prefix caching off (vLLM's Mamba cache "
+        f"mode `none`); `{BUDGET_ONE_BLOCK}`: stock with "
+        "`--max-num-batched-tokens` B, within [B, 2B), so a prefill step "
+        "advances at most one state block (this caps every step, so it also "
+        "replaces each group's budget); the plugin's fixing modes; the plugin "
+        "with `VLLM_MAMBA_ALIGN_MODE` unset. One output token per request, so "
+        "every step is a prefill step. *Correctly reused*: prompt tokens a "
+        "request skipped by resuming from a cached state that holds what its "
+        "hash names (share: of the tokens it shares with requests served "
+        "before); *wrong publications*: Mamba hashes naming a state their block "
+        "does not hold, of all published.",
+        "",
+    ]
+    for label, rows in results.items():
+        lines += [f"Retention {label}:", "", *alternatives_table(rows), ""]
+    return lines
+
+
+BEGIN_MARKER = "<!-- what-users-do-instead: generated by benchmarks/bench.py -->"
+END_MARKER = "<!-- end of what-users-do-instead -->"
+
+
+def write_between_markers(path: str, lines: list[str]) -> None:
+    """Replace what stands between the two markers of ``path`` with ``lines``."""
+    with open(path) as f:
+        text = f.read()
+    begin, end = text.find(BEGIN_MARKER), text.find(END_MARKER)
+    if begin < 0 or end < begin:
+        raise SystemExit(
+            f"{path} has no {BEGIN_MARKER!r} ... {END_MARKER!r} pair: add both "
+            "markers (on lines of their own) where the section belongs"
+        )
+    body = "\n".join(lines)
+    text = text[: begin + len(BEGIN_MARKER)] + "\n\n" + body + "\n\n" + text[end:]
+    with open(path, "w") as f:
+        f.write(text)
