@@ -84,6 +84,7 @@ def main() -> int:
     import vllm
 
     vllm_mamba_align.register()
+    load_before = os.getloadavg()[0]
     began = time.monotonic()
     quick = args.quick
     count = 8 if quick else 16
@@ -107,6 +108,7 @@ def main() -> int:
             elapsed / 60,
             quick,
             commit(),
+            (load_before, os.getloadavg()[0]),
         ),
         [
             report.overhead_section(overhead),

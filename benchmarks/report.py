@@ -306,7 +306,16 @@ def header(
     minutes: float,
     quick: bool,
     commit: str = "unknown",
+    load: tuple[float, float] | None = None,
 ) -> str:
+    busy = ""
+    if load is not None and max(load) > (cpus or 1):
+        busy = (
+            f"\n\nThe machine was shared while this ran (1-minute load average "
+            f"{load[0]:.1f} at the start, {load[1]:.1f} at the end, on {cpus} "
+            "CPUs): wall-time figures (overhead, `register()`) carry that noise; "
+            "counts (steps, tokens, publications) do not depend on load."
+        )
     return (
         f"## Benchmarks (vLLM {vllm_version}, vllm-mamba-align {plugin_version}, "
         f"{cpus} CPUs)\n\n"
@@ -317,6 +326,7 @@ def header(
         + f"{minutes:.1f} minutes. Modes: "
         + ", ".join(f"`{m}`" for m in MODES)
         + " (`stock` = vLLM's own code, the plugin's wrappers removed)."
+        + busy
     )
 
 
