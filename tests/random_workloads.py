@@ -36,6 +36,8 @@ from vllm_mamba_align.releases import (
     supports_lookahead_hashes,
     supports_retention_setting,
 )
+from vllm_mamba_align.settings import DEFAULT_MODE
+from vllm_mamba_align.tools.modes import DEFAULT
 from vllm_mamba_align.tools.simulation import (
     MAX_MODEL_LEN,
     Geometry,
@@ -407,6 +409,8 @@ def check_mode(mode: str, workload: Workload, sim: Simulation) -> None:
     assert not sim.wrong_offloads, sim.wrong_offloads
     for record in sim.records.values():
         assert record.prefilled_at_step is not None
+    if mode == DEFAULT:  # the plugin with VLLM_MAMBA_ALIGN_MODE unset
+        mode = DEFAULT_MODE.value
     if mode in ("full", "kept"):
         assert sim.missing_kept == [], f"{mode} lost states vLLM keeps"
     if mode == "full" and one_block_per_step(workload.geometry):

@@ -96,7 +96,8 @@ def test_doctor_recognizes_the_installed_release(
     )
     assert "visible -> vllm_mamba_align:register" in out
     assert "VLLM_PLUGINS is unset" in out
-    assert "mode            full" in out
+    assert "mode            kept (the default: VLLM_MAMBA_ALIGN_MODE unset)" in out
+    assert "batch-invariant vLLM 0.33.0 refuses batch-invariant mode" in out
     assert "worker seed     not needed (0.32.0+" in out
     assert "upstream fix    not present" in out
     assert (
@@ -120,9 +121,30 @@ def test_doctor_json(
     assert report["vllm_plugins"] == "other_plugin"
     assert report["would_load"] is False
     assert report["mode"] == "grid"
+    assert report["mode_is_default"] is False
     assert report["worker_seed"] == "not needed"
     assert report["upstream_fix_present"] is False
     assert report["would_refuse"] is False
+
+
+@reference_release
+def test_doctor_json_names_the_default_mode(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VLLM_MAMBA_ALIGN_MODE", raising=False)
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    code, out = doctor(capsys, "--json")
+    report = json.loads(out)
+    assert code == EXIT_OK
+    assert report["mode"] == "kept"
+    assert report["mode_is_default"] is True
+    assert report["retention_by_mode"]["kept"].startswith(
+        "stops at every B boundary vLLM keeps (only replay boundaries"
+    )
+    assert "serial traffic" in report["retention_by_mode"]["full"]
+    assert report["batch_invariance"].startswith(
+        "vLLM 0.33.0 refuses batch-invariant mode for Mamba backends: "
+    )
 
 
 def test_doctor_exits_1_when_the_plugin_would_refuse_unknown_code(

@@ -128,10 +128,15 @@ def test_unknown_code_in_align_mode_refuses_to_start() -> None:
 
 
 def test_unverified_code_runs_only_with_the_opt_in() -> None:
-    result = run_python(EDIT_THE_SPLIT + BUILD, VLLM_MAMBA_ALIGN_ALLOW_UNVERIFIED="1")
+    result = run_python(
+        EDIT_THE_SPLIT + BUILD,
+        VLLM_MAMBA_ALIGN_ALLOW_UNVERIFIED="1",
+        VLLM_MAMBA_ALIGN_MODE="full",
+    )
     assert result.returncode == 0, result.stderr
     assert "split patched: True" in result.stdout
-    # Equal geometry: stock's first chunk would end at 4944, crossing 2 boundaries.
+    # Equal geometry: stock's first chunk would end at 4944, crossing 2 boundaries;
+    # full stops at each.
     assert "chunk ends: [1648, 3296, 4944, " in result.stdout
 
 
@@ -203,7 +208,7 @@ def test_a_vendor_build_with_a_known_body_is_accepted() -> None:
         print("chunk ends:", sim.chunk_ends("a"))
         """
     )
-    result = run_python(code)
+    result = run_python(code, VLLM_MAMBA_ALIGN_MODE="full")
     assert result.returncode == 0, result.stderr
     out = result.stdout + result.stderr
     line = next(x for x in out.splitlines() if "vllm-mamba-align" in x)

@@ -12,7 +12,9 @@ from vllm_mamba_align import __version__, register
 from vllm_mamba_align.plugin import SCHEDULER_MODULE, is_patched, patch_scheduler_module
 
 # Equal geometry (C == B == 1648), reachable on every release: stock runs the
-# 4,000-token prompt's first chunk across two boundaries, the fix stops at each.
+# 4,000-token prompt's first chunk across two boundaries, mode=full stops at each
+# (the default, kept, stops only where vLLM keeps the state: at retention 0,
+# where stock ends anyway).
 LOAD_AND_START = textwrap.dedent(
     """
     from vllm.plugins import load_general_plugins
@@ -33,7 +35,11 @@ LOAD_AND_START = textwrap.dedent(
 def test_vllm_plugins_naming_mamba_align_activates_it() -> None:
     import vllm
 
-    result = run_python(LOAD_AND_START, VLLM_PLUGINS=plugins("mamba_align"))
+    result = run_python(
+        LOAD_AND_START,
+        VLLM_PLUGINS=plugins("mamba_align"),
+        VLLM_MAMBA_ALIGN_MODE="full",
+    )
     assert result.returncode == 0, result.stderr
     out = result.stdout + result.stderr
     assert "init patched: True" in out
@@ -45,6 +51,17 @@ def test_vllm_plugins_naming_mamba_align_activates_it() -> None:
     assert "ACTIVE, mode=full" in lines[0]
     assert "C=1648, Mamba state block B=1648, hash block" in lines[0]
     assert "Unknown vLLM environment variable" not in out
+
+
+def test_without_a_mode_setting_the_plugin_starts_in_kept_mode() -> None:
+    result = run_python(
+        LOAD_AND_START, VLLM_PLUGINS=plugins("mamba_align"), VLLM_MAMBA_ALIGN_MODE=""
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout + result.stderr
+    lines = [line for line in out.splitlines() if "vllm-mamba-align" in line]
+    assert len(lines) == 1, lines
+    assert "ACTIVE, mode=kept: " in lines[0]
 
 
 def test_our_settings_are_known_to_vllm() -> None:

@@ -38,6 +38,8 @@ from random_workloads import (
 from random_workloads import simulate as run_case
 
 from vllm_mamba_align.releases import CheckpointGrid
+from vllm_mamba_align.settings import DEFAULT_MODE
+from vllm_mamba_align.tools.modes import DEFAULT
 from vllm_mamba_align.tools.simulation import Simulation
 
 
@@ -82,6 +84,18 @@ def test_fixed_scheduler_never_poisons_and_always_finishes(workload: Workload) -
     if retention.dense:
         for req_id, record in runs["full"].records.items():
             assert runs["kept"].chunk_ends(req_id) == [c.end for c in record.chunks]
+
+
+@settings(max_examples=30)
+@given(workloads())
+def test_without_a_mode_setting_the_default_mode_schedules(workload: Workload) -> None:
+    """A run without ``VLLM_MAMBA_ALIGN_MODE`` is the default mode's run: the
+    same chunks for every request, and what that mode holds."""
+    unset = simulate(DEFAULT, workload)
+    check_mode(DEFAULT, workload, unset)
+    chosen = simulate(DEFAULT_MODE.value, workload)
+    for req_id, record in chosen.records.items():
+        assert unset.chunk_ends(req_id) == [c.end for c in record.chunks]
 
 
 @given(workloads(unset_hash_block=True))

@@ -3,9 +3,10 @@
 The property tests (``test_property.py``) compare modes on the same case and
 shrink failures, at about two cases a second. This sweep draws from the same
 generator (``random_workloads.py``) through a seeded RNG, runs each case in one mode
-(``full``, ``kept`` or ``grid``, drawn too) and checks what that mode holds on
-its own (``random_workloads.check_mode``): cheap enough for the 100,000 workloads per
-split body of ``nox -s property_long``. CI runs a quick few hundred.
+(``full``, ``kept``, ``grid`` or the mode variable unset, drawn too) and checks
+what that mode holds on its own (``random_workloads.check_mode``): cheap enough
+for the 100,000 workloads per split body of ``nox -s property_long``. CI runs a
+quick few hundred.
 
 Every case is reproducible from its index: ``MAMBA_ALIGN_SWEEP_ONLY=<index>``
 (with the same ``MAMBA_ALIGN_SWEEP_SEED``) runs that one case alone.
@@ -40,6 +41,7 @@ from random_workloads import (
 )
 
 from vllm_mamba_align.releases import installed_version
+from vllm_mamba_align.tools.modes import DEFAULT
 from vllm_mamba_align.tools.simulation import Simulation
 
 WORKLOADS = int(os.environ.get("MAMBA_ALIGN_SWEEP_WORKLOADS", "300"))
@@ -51,7 +53,8 @@ ONLY = os.environ.get("MAMBA_ALIGN_SWEEP_ONLY")
 REPORT = os.environ.get("MAMBA_ALIGN_SWEEP_REPORT")
 MAX_FAILURES = 5
 """Stop after this many failing cases (each names its index)."""
-MODES = ("full", "kept", "grid")
+MODES = ("full", "kept", "grid", DEFAULT)
+"""Every fixing mode, and the plugin with ``VLLM_MAMBA_ALIGN_MODE`` unset."""
 
 
 def case(index: int) -> tuple[str, Workload]:

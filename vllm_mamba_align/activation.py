@@ -7,6 +7,7 @@ known. Logs exactly one line through vLLM's logger saying what it found and did.
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,11 +16,13 @@ from .errors import MambaAlignError
 from .fingerprint import CodeShape
 from .geometry import state_block_size
 from .releases import (
+    BATCH_INVARIANT_VARIABLE,
     SUPPORTED_RELEASES,
     SplitBody,
     describe_mismatch,
     describe_version,
     expected_body,
+    refuses_batch_invariance_for_mamba,
 )
 from .retention import Retention, read_retention
 from .settings import Mode
@@ -247,36 +250,115 @@ def attach(scheduler: Any, recognition: Recognition) -> None:
     )
     _bind_split(scheduler, route)
     setattr(scheduler, STATE_BLOCK_ATTRIBUTE, state_grid)
+    invariance = batch_invariance_note(mode, retention.dense, recognition.vllm_version)
     _log(
         scheduler,
         recognition,
         f"ACTIVE, mode={mode.value}: {mode_summary(mode, retention)} "
-        "(backport of vLLM PR #54076)",
+        "(backport of vLLM PR #54076)" + (f"; {invariance}" if invariance else ""),
         state_grid,
     )
+
+
+CANONICAL = (
+    "every kept state is computed one B block per chunk whoever writes it, so a "
+    "continuation from the cache equals a fresh run bit for bit while the writer's "
+    "steps do not change the numerics"
+)
 
 
 def mode_summary(mode: Mode, retention: Retention) -> str:
     """What a fixing mode does under this retention, for the start line."""
     kept = retention.describe()
+    if mode is Mode.GRID:
+        return (
+            "chunks end on the B grid (no wrong state published; boundaries inside "
+            f"a chunk are not materialized); {kept}"
+        )
+    if retention.dense:  # every boundary kept: kept and full stop alike
+        return (
+            "chunks end on the B grid and stop at every B boundary, all of which "
+            f"vLLM keeps (kept and full are the same here): {CANONICAL}; {kept}"
+        )
     if mode is Mode.FULL:
-        cost = (
-            ""
-            if retention.dense
-            else "; stops also where vLLM drops the state (one prefill step each): "
-            "use mode=kept to stop only at kept boundaries"
-        )
         return (
-            "chunks end on the B grid and stop at every B boundary, so every state "
-            "is computed by the same chunks whoever writes it (a cached "
-            f"continuation equals a fresh one bit for bit); {kept}{cost}"
-        )
-    if mode is Mode.KEPT:
-        return (
-            "chunks end on the B grid and stop at every B boundary vLLM keeps "
-            f"(every kept state materialized); {kept}"
+            "chunks end on the B grid and stop at every B boundary, also where vLLM "
+            f"drops the state (one prefill step each): {CANONICAL} (serial traffic, "
+            "unless vLLM runs batch-invariant, which 0.20.2+ refuses for Mamba "
+            f"backends); {kept}"
         )
     return (
-        "chunks end on the B grid (no wrong state published; boundaries inside a "
-        f"chunk are not materialized); {kept}"
+        "chunks end on the B grid and stop at every B boundary vLLM keeps (every "
+        f"kept state materialized, no step spent on a state vLLM drops); {kept}; "
+        "mode=full also stops where vLLM drops the state, so that a cached "
+        "continuation equals a fresh run bit for bit for serial traffic"
+    )
+
+
+def batch_invariance_requested() -> bool:
+    """Whether ``VLLM_BATCH_INVARIANT`` is on, read as vLLM reads it."""
+    raw = os.environ.get(BATCH_INVARIANT_VARIABLE, "0").strip()
+    try:
+        return bool(int(raw))
+    except ValueError:
+        return False
+
+
+def batch_invariance_note(
+    mode: Mode, retention_dense: bool, version: str | None
+) -> str | None:
+    """What vLLM's batch-invariant mode means for the modes on this release,
+    when it is on (None when it is off)."""
+    if not batch_invariance_requested():
+        return None
+    release = describe_version(version)
+    if refuses_batch_invariance_for_mamba(version):
+        return (
+            f"{BATCH_INVARIANT_VARIABLE}=1: vLLM {release} refuses batch-invariant "
+            "mode for Mamba backends (RuntimeError while the model loads, before "
+            "any scheduler starts), so hybrid models run without it and cached "
+            "equals fresh for serial traffic only, in every mode; unset "
+            f"{BATCH_INVARIANT_VARIABLE} to serve hybrid models"
+        )
+    if mode is Mode.FULL or (mode is Mode.KEPT and retention_dense):
+        return (
+            f"{BATCH_INVARIANT_VARIABLE}=1 (vLLM {release} accepts it for hybrid "
+            f"models): with mode={mode.value} a continuation from the cache equals "
+            "a fresh run also for batched traffic"
+        )
+    return (
+        f"{BATCH_INVARIANT_VARIABLE}=1 (vLLM {release} accepts it for hybrid "
+        f"models): mode={mode.value} leaves kept states computed by chunks that "
+        "depend on who wrote them; set VLLM_MAMBA_ALIGN_MODE=full to make a "
+        "continuation from the cache equal a fresh run for batched traffic"
+    )
+
+
+def describe_batch_invariance(version: str | None) -> str:
+    """What vLLM's batch-invariant mode means for the modes on this release, for
+    ``doctor`` (set or not)."""
+    release = describe_version(version)
+    requested = batch_invariance_requested()
+    if refuses_batch_invariance_for_mamba(version):
+        return (
+            f"vLLM {release} refuses batch-invariant mode for Mamba backends"
+            + (
+                f" and {BATCH_INVARIANT_VARIABLE}=1 is set: a hybrid model will "
+                f"not load (unset {BATCH_INVARIANT_VARIABLE})"
+                if requested
+                else ""
+            )
+            + ": a cached continuation equals a fresh run bit for bit only for "
+            "serial traffic, and only with full (or kept under dense retention); "
+            "kept keeps the same states with fewer prefill steps"
+        )
+    return (
+        f"vLLM {release} accepts batch-invariant mode for hybrid models "
+        + (
+            f"({BATCH_INVARIANT_VARIABLE}=1 is set)"
+            if requested
+            else f"({BATCH_INVARIANT_VARIABLE} not set)"
+        )
+        + ": with it, full makes a continuation from the cache equal a fresh run "
+        "also for batched traffic"
     )

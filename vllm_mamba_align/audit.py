@@ -360,7 +360,8 @@ class Audit:
             "state grid and ran past a boundary, so vLLM published a Mamba slot "
             "under the hash of a state it does not hold; requests that share that "
             "prefix continue from a wrong state. Switch the fix on: unset "
-            f"{settings.MODE_VARIABLE} (default full) or set it to kept or grid."
+            f"{settings.MODE_VARIABLE} (default {settings.DEFAULT_MODE.value}) or set "
+            "it to grid or full."
         )
 
     def _emit(self, now: float) -> None:

@@ -91,6 +91,10 @@ class Report:
     """prometheus_client importable and PROMETHEUS_MULTIPROC_DIR set: the audit's
     counters written in the engine core reach the API server's /metrics."""
     metrics_detail: str = ""
+    mode_is_default: bool = False
+    """``VLLM_MAMBA_ALIGN_MODE`` is unset: the mode is the default."""
+    batch_invariance: str = ""
+    """What vLLM's batch-invariant mode means for the modes on this release."""
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
@@ -230,7 +234,7 @@ def collect() -> Report:
     """Inspect the installed vLLM. Raises :class:`VllmMissing` without it."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     root = _vllm_root()
-    from .activation import hybrid_refusal
+    from .activation import describe_batch_invariance, hybrid_refusal
     from .plugin import SCHEDULER_MODULE, SPLIT_METHOD, recognize
 
     notes: list[str] = []
@@ -324,6 +328,8 @@ def collect() -> Report:
         refusal=refusal,
         metrics_exported=export.exported,
         metrics_detail=export.describe(),
+        mode_is_default=not os.environ.get(settings.MODE_VARIABLE, "").strip(),
+        batch_invariance=describe_batch_invariance(version),
         notes=notes,
     )
 
@@ -361,6 +367,11 @@ def render_text(report: Report) -> str:
         + (
             f"{report.mode}"
             + (
+                f" (the default: {settings.MODE_VARIABLE} unset)"
+                if report.mode_is_default
+                else f" ({settings.MODE_VARIABLE})"
+            )
+            + (
                 f" ({settings.ALLOW_UNVERIFIED_VARIABLE}=1)"
                 if report.allow_unverified
                 else ""
@@ -382,6 +393,7 @@ def render_text(report: Report) -> str:
         f"    {mode:<13} {meaning}"
         for mode, meaning in report.retention_by_mode.items()
     )
+    lines.append(f"  batch-invariant {report.batch_invariance}")
     lines.extend(f"  note            {note}" for note in report.notes)
     if report.would_refuse:
         lines.append(

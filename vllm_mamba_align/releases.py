@@ -383,6 +383,34 @@ def cache_block_rule(version: str | None) -> CacheBlockRule:
     return CacheBlockRule.EQUAL
 
 
+# -- vLLM's batch-invariant mode --------------------------------------------------
+
+BATCH_INVARIANT_VARIABLE = "VLLM_BATCH_INVARIANT"
+MAMBA_BATCH_INVARIANCE_REFUSED_SINCE = Version("0.20.2")
+"""The first release whose Mamba backend selector raises ``RuntimeError("VLLM
+batch_invariant mode is not supported for …")`` when ``VLLM_BATCH_INVARIANT=1``
+and the backend's ``supports_batch_invariance()`` is False (the base class
+answer; no Mamba/GDN backend overrides it through 0.33.0): v1/attention/
+selector.py, ``get_mamba_attn_backend`` (``_cached_get_mamba_attn_backend`` in
+0.33.0). The worker selects backends while loading the model, before the engine
+core builds its scheduler, so on these releases vLLM stops before the plugin's
+start line. 0.15.1-0.19.1 have the mode and no such check."""
+
+
+def refuses_batch_invariance_for_mamba(version: str | None) -> bool:
+    """Whether this release refuses batch-invariant mode for hybrid models.
+
+    True for 0.20.2+ and for versions that name no release (dev and vendor
+    builds such as ``0.1.dev20073+g…`` or ``dev``: recent code is the likelier)."""
+    try:
+        public = Version(version or "").release
+    except InvalidVersion:
+        return True
+    if public < (0, 15):
+        return True
+    return public >= MAMBA_BATCH_INVARIANCE_REFUSED_SINCE.release
+
+
 # -- Model Runner V2's running-state seed (worker side) -----------------------------
 
 WORKER_MODULE = "vllm.v1.worker.gpu.model_states.mamba_hybrid"

@@ -278,8 +278,13 @@ def mode_meaning(mode: str, interval: int | None) -> str:
     )
     meanings = {
         "full": "stops at every B boundary: every state vLLM keeps is materialized "
-        "and canonical (cached = fresh bit for bit)"
-        + ("" if dense else f"; {sparse}, so most stops write a state vLLM drops"),
+        "and canonical (cached = fresh bit for bit while the writer runs alone in "
+        "its steps: serial traffic)"
+        + (
+            " (dense: the same as kept)"
+            if dense
+            else f"; {sparse}, so most stops write a state vLLM drops"
+        ),
         "kept": "stops at every B boundary vLLM keeps"
         + (" (dense: the same as full)" if dense else f" ({sparse})")
         + "; no wrong state published",

@@ -15,11 +15,15 @@ class Mode(str, enum.Enum):
     """What the plugin does to a hybrid scheduler in align mode."""
 
     FULL = "full"
-    """Chunks end on the Mamba state grid and stop at every boundary (PR #54076)."""
+    """Chunks end on the Mamba state grid and stop at every boundary (PR #54076):
+    every kept state is computed one B block per chunk, so a continuation from
+    the cache equals a fresh run bit for bit while the writer's steps do not
+    change the numerics (serial traffic: vLLM refuses batch-invariant mode for
+    Mamba backends through 0.33.0). Under dense retention the same as ``kept``."""
     KEPT = "kept"
-    """Chunks end on the Mamba state grid and stop at a boundary only where vLLM's
-    state retention keeps that boundary's state: no poisoning, every kept state
-    materialized, no step spent on a state vLLM throws away."""
+    """The default. Chunks end on the Mamba state grid and stop at a boundary only
+    where vLLM's state retention keeps that boundary's state: no poisoning, every
+    kept state materialized, no step spent on a state vLLM throws away."""
     GRID = "grid"
     """Chunks end on the Mamba state grid only: no poisoning, fewer extra stops."""
     OFF = "off"
@@ -29,11 +33,13 @@ class Mode(str, enum.Enum):
     state boundaries it causes on live traffic, before you switch the fix on."""
 
 
-DEFAULT_MODE = Mode.FULL
+DEFAULT_MODE = Mode.KEPT
+"""What a run without ``VLLM_MAMBA_ALIGN_MODE`` gets: the cheapest mode that
+publishes no wrong state and materializes every state vLLM keeps."""
 
 
 def read_mode() -> Mode:
-    """The mode chosen by ``VLLM_MAMBA_ALIGN_MODE`` (default ``full``)."""
+    """The mode chosen by ``VLLM_MAMBA_ALIGN_MODE`` (default ``kept``)."""
     raw = os.environ.get(MODE_VARIABLE)
     if raw is None or raw.strip() == "":
         return DEFAULT_MODE

@@ -11,9 +11,10 @@ from vllm_mamba_align.settings import Mode
 @pytest.mark.parametrize(
     ("raw", "mode"),
     [
-        (None, Mode.FULL),
-        ("", Mode.FULL),
-        ("  ", Mode.FULL),
+        (None, Mode.KEPT),
+        ("", Mode.KEPT),
+        ("  ", Mode.KEPT),
+        (" full", Mode.FULL),
         ("grid", Mode.GRID),
         (" KEPT ", Mode.KEPT),
         ("Audit", Mode.AUDIT),

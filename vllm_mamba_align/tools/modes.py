@@ -23,6 +23,9 @@ from ..settings import Mode
 
 STOCK = "stock"
 """vLLM's own code, the plugin's wrappers temporarily removed (not our ``off``)."""
+DEFAULT = "default"
+"""The plugin with ``VLLM_MAMBA_ALIGN_MODE`` unset: what a user gets who sets
+nothing (``settings.DEFAULT_MODE``)."""
 
 
 def _patched_sites() -> list[tuple[Any, str]]:
@@ -61,7 +64,8 @@ def stock_vllm() -> Iterator[None]:
 
 @contextlib.contextmanager
 def scheduler_mode(mode: str) -> Iterator[None]:
-    """Schedulers built and run inside use ``mode``: ``stock`` or a plugin mode.
+    """Schedulers built and run inside use ``mode``: ``stock``, a plugin mode or
+    :data:`DEFAULT` (the variable unset).
 
     Plugin modes need :func:`vllm_mamba_align.register` to have run in this
     process; the mode is read from the environment at scheduler start.
@@ -73,12 +77,15 @@ def scheduler_mode(mode: str) -> Iterator[None]:
             yield
         return
     previous = os.environ.get(MODE_VARIABLE)
-    os.environ[MODE_VARIABLE] = mode
+    if mode == DEFAULT:
+        os.environ.pop(MODE_VARIABLE, None)
+    else:
+        os.environ[MODE_VARIABLE] = mode
     try:
         yield
     finally:
         if previous is None:
-            del os.environ[MODE_VARIABLE]
+            os.environ.pop(MODE_VARIABLE, None)
         else:
             os.environ[MODE_VARIABLE] = previous
 

@@ -1,0 +1,220 @@
+"""The default mode (``kept``) and how the plugin names the mode in force.
+
+Without ``VLLM_MAMBA_ALIGN_MODE`` a scheduler runs ``kept``: the cheapest mode
+that publishes no wrong state and materializes every state vLLM keeps. The start
+line, ``doctor`` and the info metric name it; vLLM's batch-invariant mode, which
+decides whether ``full``'s bit-exactness can hold for batched traffic, is
+recorded here as the installed vLLM answers it.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from typing import Any
+
+import pytest
+from conftest import geometry_rule, run_python, scheduler_mode
+
+from vllm_mamba_align import activation, metrics, settings
+from vllm_mamba_align.releases import installed_version
+from vllm_mamba_align.releases import (
+    refuses_batch_invariance_for_mamba as refuses_for_mamba,
+)
+from vllm_mamba_align.tools.simulation import Geometry, Simulation, prompt
+
+C, B, H = 816, 1648, 16
+SEED_PROMPT = 16764
+"""The upstream report's prompt: C = 816, B = 1,648, budget 8,192."""
+
+
+def seed_geometry(retention: int | str | None = "default") -> Geometry:
+    return Geometry(
+        cache_block=C, state_block=B, hash_block=H, budget=8192, retention=retention
+    )
+
+
+def run_seed_prompt(mode: str | None, retention: int | str | None) -> Simulation:
+    """The seed's prompt, then a sibling sharing its first 9,000 tokens twice
+    (the first makes vLLM keep the junction, the second reuses it)."""
+    if mode is None:
+        sim = Simulation(seed_geometry(retention))
+    else:
+        with scheduler_mode(mode):
+            sim = Simulation(seed_geometry(retention))
+    tokens = prompt(SEED_PROMPT, seed=1)
+    sim.add("prompt", tokens)
+    sim.run()
+    for tail_seed, name in enumerate(("sibling1", "sibling2"), start=2):
+        sim.add(name, tokens[:9000] + prompt(2000, seed=tail_seed))
+        sim.run()
+    return sim
+
+
+@pytest.fixture
+def unset_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(settings.MODE_VARIABLE, raising=False)
+
+
+class StartLines:
+    """Stands in for vLLM's logger: keeps the plugin's start lines."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def info(self, message: str, *args: Any) -> None:
+        self.lines.append(message % args)
+
+    warning = info
+
+
+@pytest.fixture
+def start_lines(monkeypatch: pytest.MonkeyPatch) -> StartLines:
+    recorder = StartLines()
+    monkeypatch.setattr(activation, "_logger", lambda: recorder)
+    return recorder
+
+
+needs_c_below_b = pytest.mark.skipif(
+    geometry_rule() != "any", reason="this vLLM refuses C=816 < B=1648 at startup"
+)
+
+
+def test_the_default_mode_is_kept(unset_mode: None) -> None:
+    assert settings.read_mode() is settings.Mode.KEPT
+
+
+@needs_c_below_b
+@pytest.mark.parametrize("retention", ["default", None])
+def test_unset_mode_schedules_the_seed_prompt_as_kept(
+    unset_mode: None, retention: int | str | None
+) -> None:
+    """Same chunks, same reuse as an explicit ``kept``; nothing wrong published."""
+    default = run_seed_prompt(None, retention)
+    kept = run_seed_prompt("kept", retention)
+    assert default.chunk_ends("prompt") == kept.chunk_ends("prompt")
+    assert len(default.poisoned) == 0 and len(default.wrong_reuse) == 0
+    assert default.reused("sibling2") == kept.reused("sibling2") == 8240
+
+
+@needs_c_below_b
+def test_at_default_retention_the_default_spends_no_step_on_dropped_states(
+    unset_mode: None,
+) -> None:
+    """vLLM's default retention (0 from 0.29.0) keeps the replay boundary and
+    junctions only: the default mode takes fewer prefill steps than ``full``
+    and as many as ``grid`` on the seed's prompt, and keeps the same states."""
+    from vllm_mamba_align.releases import retention_in_kv_config
+
+    if not retention_in_kv_config():
+        pytest.skip("this vLLM keeps every state by default (kept is full here)")
+    default = run_seed_prompt(None, "default")
+    full = run_seed_prompt("full", "default")
+    assert default.chunk_ends("prompt") == [6592, 13184, 16480, 16752, 16764]
+    assert len(default.records["prompt"].chunks) == 5
+    assert len(full.records["prompt"].chunks) == 12
+    assert default.kept_writes == full.kept_writes
+    assert not default.missing_kept
+    assert default.reused("sibling2") == full.reused("sibling2")
+
+
+@needs_c_below_b
+def test_the_start_line_names_the_default_mode(
+    unset_mode: None, start_lines: StartLines
+) -> None:
+    Simulation(seed_geometry())
+    (line,) = start_lines.lines
+    assert "ACTIVE, mode=kept: " in line
+    assert "stop at every B boundary vLLM keeps" in line
+
+
+@needs_c_below_b
+def test_under_dense_retention_the_start_line_says_kept_is_full(
+    unset_mode: None, start_lines: StartLines
+) -> None:
+    Simulation(seed_geometry(retention=None))
+    (line,) = start_lines.lines
+    assert "ACTIVE, mode=kept: " in line
+    assert "kept and full are the same here" in line
+
+
+@needs_c_below_b
+def test_the_info_metric_names_the_default_mode(unset_mode: None) -> None:
+    pytest.importorskip("prometheus_client")
+    made = metrics.process_metrics()
+    assert made is not None
+    made.info.clear()
+    sim = Simulation(seed_geometry())
+    labels = metrics.scheduler_labels(sim.scheduler)
+    modes = {
+        (sample.labels["mode"], sample.labels["status"])
+        for family in made.info.collect()
+        for sample in family.samples
+        if all(sample.labels[k] == v for k, v in labels.items())
+    }
+    assert modes == {("kept", "ACTIVE")}
+
+
+# -- vLLM's batch-invariant mode ---------------------------------------------------
+
+SELECT_MAMBA_BACKENDS = textwrap.dedent(
+    """
+    import json
+    try:
+        from vllm.v1.attention import selector
+    except ImportError:
+        from vllm.attention import selector
+    kinds = getattr(selector, "MAMBA_TYPE_TO_BACKEND_MAP", None)
+    if kinds is None:  # 0.27.1+: the backend enum
+        from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+        kinds = [m for m in MambaAttentionBackendEnum if m.name != "CUSTOM"]
+    answers = {}
+    for kind in kinds:
+        name = getattr(kind, "name", kind)
+        try:
+            selector.get_mamba_attn_backend(kind)
+            answers[name] = "accepted"
+        except RuntimeError as error:
+            refused = "batch_invariant mode is not supported" in str(error)
+            answers[name] = "refused" if refused else f"error: {error}"
+        except Exception as error:  # a backend this CPU build cannot import
+            answers[name] = f"error: {type(error).__name__}"
+    print("ANSWERS", json.dumps(answers))
+    """
+)
+
+
+def test_vllm_answers_batch_invariance_for_mamba_as_releases_records() -> None:
+    """With ``VLLM_BATCH_INVARIANT=1`` vLLM 0.20.2+ refuses every Mamba backend
+    (no backend declares batch-invariance support), 0.15.1-0.19.1 select them;
+    the plugin's release table says the same."""
+    result = run_python(SELECT_MAMBA_BACKENDS, VLLM_BATCH_INVARIANT="1")
+    assert result.returncode == 0, result.stderr
+    line = next(x for x in result.stdout.splitlines() if x.startswith("ANSWERS "))
+    answers = json.loads(line.removeprefix("ANSWERS "))
+    selected = {name: a for name, a in answers.items() if not a.startswith("error")}
+    assert selected, answers  # at least one backend imports on this CPU build
+    expected = "refused" if refuses_for_mamba(installed_version()) else "accepted"
+    assert set(selected.values()) == {expected}, answers
+
+
+@needs_c_below_b
+def test_the_start_line_says_what_batch_invariance_means_here(
+    unset_mode: None, start_lines: StartLines, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    Simulation(seed_geometry())
+    (line,) = start_lines.lines
+    if refuses_for_mamba(installed_version()):
+        assert "refuses batch-invariant mode for Mamba backends" in line
+    else:
+        assert "set VLLM_MAMBA_ALIGN_MODE=full" in line
+
+
+def test_without_batch_invariance_the_start_line_is_silent_about_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    assert activation.batch_invariance_note(settings.Mode.KEPT, False, "0.33.0") is None
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    assert activation.batch_invariance_note(settings.Mode.KEPT, False, "0.33.0") is None
