@@ -8,7 +8,6 @@ markdown; ``bench.py`` runs both.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import inspect
@@ -30,7 +29,12 @@ from vllm_mamba_align import settings
 from vllm_mamba_align.plugin import SPLIT_METHOD
 from vllm_mamba_align.releases import requests_need_eos_token_id
 from vllm_mamba_align.settings import Mode
-from vllm_mamba_align.tools.modes import STOCK, scheduler_mode, simulated_modes
+from vllm_mamba_align.tools.modes import (
+    DEFAULT,
+    STOCK,
+    scheduler_mode,
+    simulated_modes,
+)
 from vllm_mamba_align.tools.simulation import (
     MAX_MODEL_LEN,
     Geometry,
@@ -507,7 +511,6 @@ def measure_register(runs: int) -> dict[str, tuple[list[float], list[float]]]:
 
 CACHING_OFF = "prefix caching off"
 BUDGET_ONE_BLOCK = "stock, budget = B"
-DEFAULT_UNSET = "mode unset"
 
 
 @dataclass(frozen=True)
@@ -516,7 +519,7 @@ class Alternative:
 
     label: str
     mode: str
-    """``stock``, a plugin mode, :data:`DEFAULT_UNSET` (the plugin with
+    """``stock``, a plugin mode, ``default`` (the plugin with
     ``VLLM_MAMBA_ALIGN_MODE`` unset) or :data:`CACHING_OFF`."""
     one_block_budget: bool = False
     """The step budget set to B, within [B, 2B): every prefill step advances at
@@ -533,7 +536,7 @@ def alternatives() -> list[Alternative]:
         Alternative("plugin `grid`", Mode.GRID.value),
         Alternative("plugin `kept`", Mode.KEPT.value),
         Alternative("plugin `full`", Mode.FULL.value),
-        Alternative(f"plugin, {DEFAULT_UNSET} (default `{default}`)", DEFAULT_UNSET),
+        Alternative(f"plugin, mode unset (default `{default}`)", DEFAULT),
     ]
 
 
@@ -590,20 +593,6 @@ def _grouped(
     return groups
 
 
-@contextlib.contextmanager
-def _row_mode(mode: str) -> Iterator[None]:
-    if mode != DEFAULT_UNSET:
-        with scheduler_mode(mode):
-            yield
-        return
-    previous = os.environ.pop(settings.MODE_VARIABLE, None)
-    try:
-        yield
-    finally:
-        if previous is not None:
-            os.environ[settings.MODE_VARIABLE] = previous
-
-
 def alternative_run(
     row: Alternative, items: list[tuple[int, int, int]], case: RetentionCase
 ) -> AlternativeTally:
@@ -622,7 +611,7 @@ def alternative_run(
             num_blocks=8000,
             retention=case.retention,
         )
-        with _row_mode(row.mode):
+        with scheduler_mode(row.mode):
             sim = Simulation(geometry)
             for kind in range(4):
                 names = []
