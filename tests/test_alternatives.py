@@ -3,10 +3,10 @@
 The benchmark's "stock, budget = B" row (benchmarks/measure.py) stands for
 operators who cap ``--max-num-batched-tokens`` so that each prefill step
 advances at most one state block. Held here on the installed vLLM's real
-scheduler, stock and alone: the cap ends every chunk on the state grid, and so
-materializes every boundary and publishes nothing wrong, only where C divides
-B and the budget stays below B + C (with C = B, all of [B, 2B)); with C = 816
-and B = 1,648 stock still ends chunks on the 816 grid.
+scheduler, stock: the cap ends every chunk on the state grid, and so
+materializes every boundary and publishes nothing wrong, only where C = B, or
+where C divides B, the budget stays below B + C and a prompt has its steps to
+itself. With C = 816 and B = 1,648 stock still ends chunks on the 816 grid.
 """
 
 from __future__ import annotations
@@ -76,4 +76,27 @@ def test_one_block_budget_leaves_stock_chunks_off_the_grid_otherwise() -> None:
     sim = stock_alone(grid_budget(816, state_block, state_block), 10 * state_block)
     assert sim.chunk_ends("p")[:3] == [1632, 3264, 4896]
     assert sim.materialized_boundaries("p") == []
+    assert sim.poisoned
+
+
+@pytest.mark.skipif(
+    geometry_rule() == "equal", reason="this vLLM starts only with C = B"
+)
+def test_one_block_budget_shared_by_concurrent_prompts_leaves_the_grid() -> None:
+    """Two prompts in one step share the budget: the second gets what the first
+    left, which stock floors to C's grid, so with C < B even a budget of B (C
+    dividing B) ends chunks off the state grid and publishes wrong states."""
+    state_block = 1632
+    cache_block = cache_block_for(state_block)
+    assert cache_block < state_block
+    with scheduler_mode("stock"):
+        sim = Simulation(grid_budget(cache_block, state_block, state_block))
+        sim.add("short", prompt(500, seed=4))
+        sim.add("long", prompt(10 * state_block, seed=5))
+        sim.run()
+    assert sim.chunk_ends("short") == [500]
+    # The long prompt's first chunk gets 1,132 tokens, floored to 816; from
+    # there every chunk of B tokens ends half a block off the grid.
+    assert sim.chunk_ends("long")[:3] == [816, 2448, 4080]
+    assert sim.materialized_boundaries("long") == []
     assert sim.poisoned
