@@ -85,6 +85,7 @@ def main() -> int:
 
     vllm_mamba_align.register()
     load_before = os.getloadavg()[0]
+    where = commit()  # before this run writes any file
     began = time.monotonic()
     quick = args.quick
     count = 8 if quick else 16
@@ -107,7 +108,7 @@ def main() -> int:
             os.cpu_count(),
             elapsed / 60,
             quick,
-            commit(),
+            where,
             (load_before, os.getloadavg()[0]),
         ),
         [
@@ -127,7 +128,7 @@ def main() -> int:
             args.modes_page,
             [
                 "Measured by `python3 -m nox -s bench` "
-                f"({report.provenance()}); the full report is "
+                f"({where}); the full report is "
                 "`benchmarks/RESULTS.md` in the repository.",
                 "",
                 *alternatives_lines,
