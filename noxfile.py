@@ -334,8 +334,6 @@ def bench(session: nox.Session, vllm: str) -> None:
         str(REPO / "benchmarks" / "bench.py"),
         "--output",
         str(REPO / "benchmarks" / "RESULTS.md"),
-        "--modes-page",
-        str(REPO / "docs" / "modes.md"),
         *session.posargs,
         env=env,
     )

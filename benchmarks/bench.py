@@ -25,8 +25,8 @@ How it measures (CPU only, no weights; see ``vllm_mamba_align/tools/simulation.p
 - what users do instead: the same varied workload, served concurrently, by
   stock vLLM, with prefix caching off, with a one-state-block step budget, and
   by the plugin's fixing modes (and with the mode unset), at vLLM's default
-  retention and dense; ``--modes-page`` also writes its headline and tables
-  into the modes page of the manual, between its markers.
+  retention and dense (``tools/matrix.py`` copies that section into
+  docs/modes.md).
 - register(): timed inside fresh interpreters, with and without vLLM's scheduler
   module already imported (0.33.0 imports it before plugins run, so the patch and
   the code fingerprint happen inside register()); medians.
@@ -75,17 +75,12 @@ def main() -> int:
     parser.add_argument(
         "--quick", action="store_true", help="fewer rounds (a smoke run)"
     )
-    parser.add_argument(
-        "--modes-page",
-        help="write the 'what users do instead' section into this Markdown page, "
-        f"between {report.BEGIN_MARKER} and {report.END_MARKER}",
-    )
     args = parser.parse_args()
     import vllm
 
     vllm_mamba_align.register()
     load_before = os.getloadavg()[0]
-    where = commit()  # before this run writes any file
+    revision = commit()  # before this run writes its files
     began = time.monotonic()
     quick = args.quick
     count = 8 if quick else 16
@@ -100,7 +95,6 @@ def main() -> int:
     scaling = measure.measure_scaling(quick)
     register = measure.measure_register(runs)
     elapsed = time.monotonic() - began
-    alternatives_lines = report.alternatives_section(count, alternatives)
     text = report.render(
         report.header(
             vllm.__version__,
@@ -108,13 +102,13 @@ def main() -> int:
             os.cpu_count(),
             elapsed / 60,
             quick,
-            where,
+            revision,
             (load_before, os.getloadavg()[0]),
         ),
         [
             report.overhead_section(overhead),
             report.benefit_section(count, benefit),
-            alternatives_lines,
+            report.alternatives_section(count, alternatives),
             report.scaling_section(scaling),
             report.register_section(runs, register),
         ],
@@ -123,17 +117,6 @@ def main() -> int:
     if args.output:
         with open(args.output, "w") as f:
             f.write(text)
-    if args.modes_page:
-        report.write_between_markers(
-            args.modes_page,
-            [
-                "Measured by `python3 -m nox -s bench` "
-                f"({where}); the full report is "
-                "`benchmarks/RESULTS.md` in the repository.",
-                "",
-                *alternatives_lines,
-            ],
-        )
     measure.log(f"done in {elapsed:.0f}s")
     return 0
 

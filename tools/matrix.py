@@ -8,7 +8,8 @@ writes matrix/<release>.json (`nox -s tests` calls it; `nox -s ci` does not).
   full one, from matrix/*.json;
 - docs/maintaining/index.md, the long profile, from benchmarks/sweep/*.json
   (written by `nox -s property_long`);
-- docs/benchmarks.md, from benchmarks/RESULTS.md (written by `nox -s bench`).
+- docs/benchmarks.md, from benchmarks/RESULTS.md (written by `nox -s bench`);
+- docs/modes.md, that report's comparison with what users do instead.
 
 `check` renders the same blocks and fails when a file's block differs (the docs
 build runs it first), so a table never says something the records do not.
@@ -233,6 +234,27 @@ def bench_report() -> str:
     return "\n".join("#" + line if line.startswith("#") else line for line in lines)
 
 
+INSTEAD_HEADING = "### What users do instead, side by side"
+
+
+def instead_report() -> str:
+    """The benchmark's comparison with what users do instead, for docs/modes.md:
+    the line saying how it was produced, then the headline and the tables."""
+    lines = BENCH_RESULTS.read_text().splitlines()
+    if INSTEAD_HEADING not in lines:
+        raise SystemExit(
+            f"{BENCH_RESULTS.relative_to(REPO)} has no {INSTEAD_HEADING!r} "
+            "section: run `python3 -m nox -s bench` to measure it"
+        )
+    start = lines.index(INSTEAD_HEADING) + 1
+    end = next(
+        (i for i in range(start, len(lines)) if lines[i].startswith("#")), len(lines)
+    )
+    produced = next(line for line in lines if line.startswith("Produced by"))
+    body = "\n".join(lines[start:end]).strip()
+    return f"{produced} The whole report: [Benchmarks](benchmarks.md).\n\n{body}"
+
+
 @dataclass(frozen=True)
 class Block:
     """A generated block of a file, between ``<!-- name:begin … -->`` and
@@ -275,6 +297,7 @@ BLOCKS = [
         sweep_table,
     ),
     Block(DOCS / "benchmarks.md", "bench", "benchmarks/RESULTS.md", bench_report),
+    Block(DOCS / "modes.md", "instead", "benchmarks/RESULTS.md", instead_report),
 ]
 
 
