@@ -240,7 +240,7 @@ def test_log_shows_plugin_active_with_the_geometry_it_found(
     )
     found = run.geometry()
     assert found["vllm"] == "0.32.0"
-    assert found["status"].startswith("ACTIVE, mode=full")
+    assert found["status"].startswith("ACTIVE, mode=kept")  # the default
     cache_block, state_block = int(found["c"]), int(found["b"])
     assert cache_block < state_block, found  # the heterogeneous geometry
     # ... and it is the geometry the scheduler works with while it schedules.
@@ -265,7 +265,8 @@ def test_prefill_chunks_end_on_the_state_grid(engine: Any, multiprocess: bool) -
         if chunk["end"] in _allowed_off_grid_ends(chunk["prompt"], hash_block):
             continue
         assert chunk["end"] % state_block == 0, chunk
-    # full mode stops at every boundary the first prompt crosses
+    # The default (kept) under dense retention stops at every boundary the first
+    # prompt crosses, as full does
     ends = run.chunk_ends("first")
     grid = list(range(state_block, PROMPT_TOKENS, state_block))
     assert [e for e in ends if e % state_block == 0] == grid
@@ -337,12 +338,13 @@ def test_hybrid_model_in_equal_geometry_gives_identical_outputs(engine: Any) -> 
 
     Only reuse may differ, in the plugin's favour: stock chunks run across state
     boundaries without saving them (its first chunk ends at the budget's last
-    boundary), while mode=full saves every one the prompt crosses.
+    boundary), while the default, kept under dense retention, saves every one
+    the prompt crosses.
     """
     without = engine("nemotron_h", "equal", WORKAROUNDS)
     with_plugin = engine("nemotron_h", "equal", f"{WORKAROUNDS},{PLUGIN}")
     found = with_plugin.geometry()
-    assert found["status"].startswith("ACTIVE, mode=full")
+    assert found["status"].startswith("ACTIVE, mode=kept")
     assert found["c"] == found["b"]
     state_block = int(found["b"])
     for step in without.steps:

@@ -94,6 +94,11 @@ def test_the_recipe_pins_its_base_image_and_checks_the_plugin() -> None:
     assert "vllm_mamba_align doctor --strict" in script
 
 
+def test_the_recipe_runs_the_default_mode() -> None:
+    environment = " ".join(rest for keyword, rest in instructions() if keyword == "ENV")
+    assert "VLLM_MAMBA_ALIGN_MODE" not in environment
+
+
 def test_the_build_step_installs_and_passes_doctor(tmp_path: Path) -> None:
     done = run_build_step(tmp_path, VLLM_PLUGINS="cpu_e2e_workarounds,mamba_align")
     assert done.returncode == 0, done.stdout[-6000:]

@@ -304,7 +304,7 @@ def test_served_with_the_plugin_sibling_matches_a_fresh_run(
     run = served("default")
     (found,) = run.plugin_lines()  # one engine core, one scheduler
     assert found["process"] == "EngineCore" and found["vllm"] == "0.32.0"
-    assert found["status"].startswith("ACTIVE, mode=full"), found
+    assert found["status"].startswith("ACTIVE, mode=kept"), found  # the default
     assert int(found["c"]) < int(found["b"])  # the heterogeneous geometry
     check_fix(run, None)
 
@@ -332,13 +332,13 @@ def test_data_parallel_both_engine_cores_run_the_fix(
         "EngineCore_DP0",
         "EngineCore_DP1",
     ]
-    assert all(line["status"].startswith("ACTIVE, mode=full") for line in lines)
+    assert all(line["status"].startswith("ACTIVE, mode=kept") for line in lines)
     for rank in (0, 1):
         check_fix(run, rank)  # each rank has its own prefix cache
     info = sorted(
         labels["engine"]
         for labels, value in samples(run.metrics, "vllm_mamba_align_info")
-        if value == 1 and labels["mode"] == "full"
+        if value == 1 and labels["mode"] == "kept"
     )
     assert info == ["0", "1"]
 
