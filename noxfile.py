@@ -263,6 +263,19 @@ def docs(session: nox.Session) -> None:
     )
 
 
+@nox.session(venv_backend="none")
+def onboard(session: nox.Session) -> None:
+    """A vLLM release the plugin has not verified: its environment, fingerprints,
+    drafted table entry and report (tools/onboard.py; the procedure around it is
+    docs/maintaining/new-release.md). ``nox -s onboard -- 0.34.0``;
+    ``-- 0.29.0 --pretend-unknown`` runs it on a known release as if it were new;
+    ``--run-tests`` also runs the whole suite against the draft."""
+    if not session.posargs:
+        session.error("name the release: nox -s onboard -- VERSION [options]")
+    tool = str(REPO / "tools" / "onboard.py")
+    session.run(sys.executable, tool, "--torch", TORCH, *session.posargs)
+
+
 def _newest_release_per_body() -> list[str]:
     """One release per distinct split body, from the package's release table."""
     return [body.releases[-1] for body in BODIES]

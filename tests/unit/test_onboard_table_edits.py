@@ -1,0 +1,144 @@
+"""``tools/onboard.py``'s edits of the release table and its drafted entries
+(no vLLM needed): what it writes parses, says what the table means, and
+changes nothing else."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from vllm_mamba_align import releases
+from vllm_mamba_align.releases import (
+    BODIES,
+    CheckpointGrid,
+    InternalCheckpoint,
+    PrefillRule,
+    SplitBody,
+)
+from vllm_mamba_align.tools import drafting
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _onboard() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "onboard", REPO / "tools" / "onboard.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["onboard"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+onboard = _onboard()
+TABLE = Path(releases.__file__).read_text()
+
+
+def _entries(text: str) -> dict[str, SplitBody]:
+    """Every ``_body(...)`` call of releases.py's text, evaluated."""
+    namespace = {
+        "_body": releases._body,
+        "PrefillRule": PrefillRule,
+        "InternalCheckpoint": InternalCheckpoint,
+        "CheckpointGrid": CheckpointGrid,
+    }
+    found = {}
+    for node in ast.walk(ast.parse(text)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "_body"
+        ):
+            body = eval(compile(ast.Expression(node), "releases", "eval"), namespace)
+            found[body.fingerprint] = body
+    return found
+
+
+def test_the_table_text_reads_as_the_table() -> None:
+    assert list(_entries(TABLE).values()) == list(BODIES)
+
+
+@pytest.mark.parametrize("body", BODIES, ids=lambda b: b.name)
+def test_a_rendered_entry_evaluates_to_the_entry(body: SplitBody) -> None:
+    text = onboard.insert_body(TABLE, drafting.render_entry(body))
+    rendered = [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Call)]
+    assert len(rendered) > len(
+        [n for n in ast.walk(ast.parse(TABLE)) if isinstance(n, ast.Call)]
+    )
+    namespace = {
+        "_body": releases._body,
+        "PrefillRule": PrefillRule,
+        "InternalCheckpoint": InternalCheckpoint,
+        "CheckpointGrid": CheckpointGrid,
+    }
+    entry = drafting.render_entry(body).rstrip(",")
+    assert eval(entry, namespace) == body
+
+
+def test_a_release_joins_its_known_body_in_release_order() -> None:
+    newest = BODIES[-1]
+    edited = onboard.add_release_to_body(TABLE, newest.fingerprint, "0.34.0")
+    after = _entries(edited)
+    assert after[newest.fingerprint].releases == (*newest.releases, "0.34.0")
+    assert {k: v for k, v in after.items() if k != newest.fingerprint} == {
+        b.fingerprint: b for b in BODIES if b is not newest
+    }
+    changed = [
+        line
+        for line in onboard.text_diff(TABLE, edited, "r").splitlines()
+        if line[:1] in "+-" and line[:3] not in ("+++", "---")
+    ]
+    assert len(changed) == 2  # one line out, one line in
+    # A release listed already: no change; an older one goes first.
+    assert onboard.add_release_to_body(edited, newest.fingerprint, "0.34.0") == edited
+    shared = BODIES[1]
+    older = onboard.add_release_to_body(TABLE, shared.fingerprint, "0.17.0")
+    assert _entries(older)[shared.fingerprint].releases[0] == "0.17.0"
+
+
+def test_a_drafted_body_is_appended_to_the_table() -> None:
+    draft = SplitBody(
+        ("0.34.0",),
+        "0123456789abcdef",
+        PrefillRule.BEFORE_PREFILL_END,
+        InternalCheckpoint.OBSERVED,
+        True,
+        None,
+        CheckpointGrid.CACHE_HIT_ALIGNMENT,
+    )
+    edited = onboard.insert_body(TABLE, drafting.render_entry(draft))
+    after = _entries(edited)
+    assert list(after.values()) == [*BODIES, draft]
+
+
+def test_seed_ranges_stretch_to_a_new_release() -> None:
+    newest = releases.SEED_BODIES[-1]
+    seed = drafting.SeedReading(
+        newest.site, newest.fingerprint, "ab92c2fce7e1af45", True, ""
+    )
+    edited = onboard.extend_seed_ranges(TABLE, seed, "0.34.0")
+    assert f'"{newest.releases.split("-")[0]}-0.34.0"' in edited
+    assert '"0.29.0-0.34.0"' in edited  # _get_mamba_group_info's range
+
+
+def test_the_table_without_a_release() -> None:
+    without = drafting.table_without("0.29.0")
+    assert all("0.29.0" not in b.releases for b in without)
+    assert len(without) == len(BODIES) - 1  # 0.29.0 had a body of its own
+    assert len(drafting.table_without("0.28.0")) == len(BODIES)  # shared body
+    assert drafting.nearest_release("0.29.0", without) == "0.28.0"
+    assert drafting.nearest_release("0.34.0", BODIES) == "0.33.0"
+    assert drafting.nearest_release("0.14.0", BODIES) == "0.15.1"
+
+
+def test_a_bad_release_name_is_a_clear_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert onboard.main(["zero.thirty", "--no-env"]) == 2
+    assert "'zero.thirty' is not a release version" in capsys.readouterr().err

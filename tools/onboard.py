@@ -1,0 +1,896 @@
+"""Onboard a vLLM release: its environment, its fingerprints, its table entry.
+
+    python3 -m nox -s onboard -- VERSION [--pretend-unknown] [--run-tests] ...
+
+1. Reads the release's code from its wheel (``--wheels`` folders first, else
+   ``pip download``) and fingerprints the sites the plugin recognizes under
+   every Python from 3.10 to 3.13 (``vllm_mamba_align.tools.interpreters``).
+2. A split body the table knows: the release joins that entry (releases.py is
+   edited in place; the worker-seed ranges too). An unknown body: the draft
+   entry from the code (``vllm_mamba_align.tools.drafting``), the normalized
+   diff of the split and of every other site the fix relies on against the
+   nearest verified release, and the names the body uses that the nearest one
+   does not.
+3. Builds the release's CPU environment in ``.nox/onboard-<release>``: torch's
+   CPU build, vLLM with ``--no-deps``, then the pure-Python stack of its pinned
+   file, or, for a release without one, of the newest pinned file, adding any
+   module the scheduler's import path misses; writes ``envs/vllm-<release>.txt``
+   when it had none.
+4. Installs the plugin with the drafted table (a staged copy of this checkout)
+   and checks a real scheduler in that environment: the plugin recognizes the
+   code and chunks end on the Mamba grid. ``--run-tests`` runs the whole suite
+   there against the draft and lists each failure with what it suggests.
+5. Writes the report to ``.nox/onboard-<release>/report.md`` and prints it,
+   the draft entry last.
+
+``--pretend-unknown`` runs all of it on a release the table knows as if it did
+not (nothing in the checkout is written), and compares the draft with the real
+entry. Exit status: 0 when the entry is drafted (or extended) and every check
+that ran passed, 1 when a check failed, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import difflib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from packaging.version import InvalidVersion, Version  # noqa: E402
+
+from vllm_mamba_align import releases  # noqa: E402
+from vllm_mamba_align.tools import drafting, interpreters  # noqa: E402
+
+ENVS = REPO / "envs"
+RELEASES_PY = REPO / "vllm_mamba_align" / "releases.py"
+PLATFORM_PLUGIN = REPO / "tests" / "support" / "cpu_platform_plugin"
+TEST_TOOLS = ("pytest>=8", "hypothesis>=6.100")
+DEFAULT_TORCH = "torch==2.13.0"
+STAGE_IGNORE = shutil.ignore_patterns(
+    ".git", ".nox", "build", "dist", "*.egg-info", "__pycache__", ".*_cache"
+)
+
+# What a failing test file suggests about the drafted entry (tests/…).
+SUGGESTIONS = {
+    "test_split_invariants.py": "the grid redirection or the stop: check the split "
+    "body's diff, prefill and wide_block_exemption",
+    "test_checkpoints.py": "vLLM's in-chunk checkpoint: check internal_checkpoint, "
+    "checkpoint_grid and the checkpoint helpers' diff",
+    "test_retention.py": "which states vLLM keeps: check the retention mask and "
+    "replay-boundary diffs (retention.py reads them)",
+    "test_worker_seed.py": "the worker seed: check its site and SEED_BODIES",
+    "test_speculative.py": "the drafter tail and scratch blocks: check the body's "
+    "drafter handling and the Mamba allocation diff (aligns_drafter_tail, "
+    "relocates_scratch_in_checkpoint_steps derive from the release number)",
+    "test_connectors.py": "external hits: check the body's external-token handling",
+    "test_async.py": "async scheduling: check the partial-tail publication",
+    "test_audit.py": "the audit's counts: audit.py reads the same facts as the fix",
+    "test_fail_closed.py": "recognition and refusals: check the fingerprint and "
+    "the stall guard (wide_block_exemption)",
+    "test_property.py": "a random workload broke an invariant: reproduce it, then "
+    "see the split and allocation diffs",
+    "test_sweep.py": "a random workload broke an invariant: rerun it with "
+    "MAMBA_ALIGN_SWEEP_ONLY=<index>",
+    "test_release_table.py": "the table's own consistency: counts and ranges the "
+    "tests pin (update them with the new entry)",
+    "test_python_versions.py": "fingerprints across interpreters",
+}
+
+
+class OnboardError(Exception):
+    """Bad input or a step that cannot go on; the message says what to do."""
+
+
+@dataclass
+class Report:
+    release: str
+    sections: list[tuple[str, str]] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def add(self, title: str, text: str) -> None:
+        self.sections.append((title, text.rstrip()))
+        print(f"\n## {title}\n\n{text.rstrip()}", flush=True)
+
+    def fail(self, problem: str) -> None:
+        self.failed.append(problem)
+
+    def markdown(self) -> str:
+        parts = [f"# Onboarding vLLM {self.release}"]
+        parts += [f"## {title}\n\n{text}" for title, text in self.sections]
+        return "\n\n".join(parts) + "\n"
+
+
+def _fence(text: str, kind: str = "") -> str:
+    return f"```{kind}\n{text.rstrip()}\n```"
+
+
+# -- wheels --------------------------------------------------------------------------
+
+
+def find_wheel(
+    release: str, folders: list[Path], download_to: Path, offline: bool = False
+) -> Path:
+    """The release's wheel from a folder, else downloaded from the registry."""
+    for folder in [*folders, download_to]:
+        for candidate in sorted(folder.glob(f"vllm-{release}-*.whl")):
+            return candidate
+    if offline:
+        raise OnboardError(
+            f"no vllm-{release}-*.whl in {', '.join(map(str, folders)) or 'no folder'}"
+            " and --offline forbids downloading it: pass --wheels DIR holding it"
+        )
+    download_to.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            str(download_to),
+            f"vllm=={release}",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    found = sorted(download_to.glob(f"vllm-{release}-*.whl"))
+    if result.returncode != 0 or not found:
+        raise OnboardError(
+            f"no wheel of vLLM {release}: pip download said: "
+            f"{result.stderr.strip()[-400:]}. Check the version (pip index "
+            f"versions vllm) or pass --wheels DIR holding vllm-{release}-*.whl."
+        )
+    return found[0]
+
+
+# -- the table -----------------------------------------------------------------------
+
+
+def _body_string_node(tree: ast.Module, fingerprint: str) -> ast.Constant | None:
+    """The releases string of the ``_body(...)`` call holding ``fingerprint``."""
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "_body"
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value == fingerprint
+            and isinstance(node.args[0], ast.Constant)
+        ):
+            return node.args[0]
+    return None
+
+
+def _replace_constant(text: str, node: ast.Constant, new: str) -> str:
+    lines = text.splitlines(keepends=True)
+    assert node.end_lineno == node.lineno and node.end_col_offset is not None
+    line = lines[node.lineno - 1]
+    lines[node.lineno - 1] = (
+        line[: node.col_offset] + f'"{new}"' + line[node.end_col_offset :]
+    )
+    return "".join(lines)
+
+
+def add_release_to_body(text: str, fingerprint: str, release: str) -> str:
+    """releases.py's text with ``release`` added to the entry of ``fingerprint``."""
+    node = _body_string_node(ast.parse(text), fingerprint)
+    if node is None or not isinstance(node.value, str):
+        raise OnboardError(f"no _body(...) entry with fingerprint {fingerprint}")
+    listed = node.value.split()
+    if release in listed:
+        return text
+    ordered = sorted({*listed, release}, key=Version)
+    return _replace_constant(text, node, " ".join(ordered))
+
+
+def insert_body(text: str, entry: str) -> str:
+    """releases.py's text with a drafted entry appended to ``BODIES``."""
+    tree = ast.parse(text)
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else None
+        if (
+            isinstance(target, ast.Name)
+            and target.id == "BODIES"
+            and isinstance(node, ast.AnnAssign)
+            and isinstance(node.value, ast.Tuple)
+            and node.value.end_lineno is not None
+        ):
+            lines = text.splitlines(keepends=True)
+            closing = node.value.end_lineno - 1  # the line of the closing paren
+            indented = "".join(f"    {line}\n" for line in entry.splitlines())
+            lines.insert(closing, indented)
+            return "".join(lines)
+    raise OnboardError("releases.py has no BODIES = (...) tuple to add to")
+
+
+def _extend_range(text: str, old: str, release: str) -> str:
+    """A seed range ``a-b`` (or ``a``) stretched to include ``release``."""
+    first, _, last = old.partition("-")
+    last = last or first
+    releases_in = sorted({first, last, release}, key=Version)
+    new = (
+        releases_in[0]
+        if releases_in[0] == releases_in[-1]
+        else f"{releases_in[0]}-{releases_in[-1]}"
+    )
+    return text.replace(f'"{old}"', f'"{new}"', 1)
+
+
+def extend_seed_ranges(text: str, seed: drafting.SeedReading, release: str) -> str:
+    """releases.py with the seed fingerprints' release ranges covering ``release``."""
+    code = releases.seed_code(seed.add_request)
+    if code is not None:
+        text = _extend_range(text, code.releases, release)
+    ranges = releases.GROUP_INFO_BODIES.get(seed.group_info or "")
+    if ranges is not None:
+        text = _extend_range(text, ranges, release)
+    return text
+
+
+def text_diff(before: str, after: str, name: str) -> str:
+    return "".join(
+        difflib.unified_diff(
+            before.splitlines(keepends=True),
+            after.splitlines(keepends=True),
+            fromfile=f"a/{name}",
+            tofile=f"b/{name}",
+        )
+    )
+
+
+# -- the environment ----------------------------------------------------------------
+
+
+def _marker(pinned_text: str, name: str) -> list[str]:
+    return [
+        word
+        for line in pinned_text.splitlines()
+        if line.startswith(f"# {name}:")
+        for word in line.split(":", 1)[1].split("(")[0].split()
+    ]
+
+
+def newest_pinned(before: str | None = None) -> Path:
+    """The newest pinned file (older than ``before``, when given)."""
+    files = []
+    for path in ENVS.glob("vllm-*.txt"):
+        try:
+            version = Version(path.stem.removeprefix("vllm-"))
+        except InvalidVersion:
+            continue
+        if before is None or version < Version(before):
+            files.append((version, path))
+    if not files:
+        raise OnboardError(f"no pinned file in {ENVS} to start from")
+    return max(files)[1]
+
+
+# The scheduler's import path, the plugin on it, and a prompt through the fix.
+SMOKE = """
+import json, os
+import vllm
+import vllm.v1.core.sched.scheduler as module
+import vllm_mamba_align
+from vllm_mamba_align.plugin import recognize
+from vllm_mamba_align.tools.simulation import Geometry, Simulation, prompt
+vllm_mamba_align.register()
+recognition = recognize(module.Scheduler)
+sim = Simulation(Geometry(cache_block=1648, state_block=1648))
+sim.add("a", prompt(5000, 1))
+sim.run()
+print("SMOKE " + json.dumps({
+    "vllm": vllm.__version__,
+    "verified": recognition.verified,
+    "body": recognition.body.name if recognition.body else None,
+    "chunk_ends": sim.chunk_ends("a"),
+    "poisoned": len(sim.poisoned),
+}))
+"""
+_MISSING = re.compile(r"No module named '([A-Za-z0-9_]+)")
+# Import names whose distribution is called otherwise.
+DISTRIBUTIONS = {
+    "yaml": "pyyaml",
+    "PIL": "pillow",
+    "zmq": "pyzmq",
+    "cpuinfo": "py-cpuinfo",
+    "google": "protobuf",
+    "sentencepiece": "sentencepiece",
+    "tvm_ffi": "apache-tvm-ffi",
+    "partial_json_parser": "partial-json-parser",
+    "openai_harmony": "openai-harmony",
+}
+EXPECTED_ENDS = [1648, 3296, 4944]
+
+
+class Environment:
+    """One release's onboarding environment (a venv under ``.nox``)."""
+
+    def __init__(self, release: str, location: Path) -> None:
+        self.release = release
+        self.location = location
+        self.python = str(location / "bin" / "python")
+        self.env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_TARGET_DEVICE="cpu")
+        self.env.pop("VLLM_PLUGINS", None)
+        self.log: list[str] = []
+
+    def pip(self, *args: str) -> subprocess.CompletedProcess[str]:
+        command = [self.python, "-m", "pip", "install", "-q", *args]
+        self.log.append(" ".join(["pip install", *args]))
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise OnboardError(
+                f"pip install {' '.join(args)} failed in {self.location}: "
+                f"{result.stderr.strip()[-800:]}"
+            )
+        return result
+
+    def create(self, torch: str) -> None:
+        if not Path(self.python).exists():
+            subprocess.run(
+                [sys.executable, "-m", "venv", str(self.location)], check=True
+            )
+            self.pip("--upgrade", "pip")
+        self.pip(torch)
+
+    def install(self, wheel: Path, pinned_text: str) -> list[str]:
+        """vLLM and the pinned stack; returns the platform plugin names needed."""
+        self.pip("--no-deps", str(wheel), *_marker(pinned_text, "NODEPS"))
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as stack:
+            stack.write(pinned_text)
+        self.pip("--no-deps", "-r", stack.name)
+        platform = _marker(pinned_text, "PLATFORM")
+        if platform:
+            self.pip("--no-deps", str(PLATFORM_PLUGIN))
+            self.env["MAMBA_ALIGN_TEST_PLATFORM_PLUGINS"] = ",".join(platform)
+        return platform
+
+    def run(self, code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [self.python, "-c", code],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            cwd=cwd,
+        )
+
+    def smoke(self, cwd: Path, rounds: int = 8) -> tuple[dict[str, object], list[str]]:
+        """Run SMOKE, adding each missing module (by trial); returns its answer
+        and the distributions added."""
+        added: list[str] = []
+        for _ in range(rounds):
+            result = self.run(SMOKE, cwd)
+            for line in result.stdout.splitlines():
+                if line.startswith("SMOKE "):
+                    answer: dict[str, object] = json.loads(line[len("SMOKE ") :])
+                    return answer, added
+            missing = _MISSING.search(result.stderr)
+            if missing is None:
+                raise OnboardError(
+                    "the scheduler does not start in the release's environment; "
+                    f"its last words:\n{result.stderr.strip()[-1500:]}\nAdjust the "
+                    f"pinned file and run again ({self.location} is kept)."
+                )
+            module = missing.group(1)
+            distribution = DISTRIBUTIONS.get(module, module.replace("_", "-"))
+            if distribution in added:
+                raise OnboardError(
+                    f"installing {distribution} did not provide module {module}: "
+                    "add the right distribution to the pinned file by hand"
+                )
+            self.pip("--no-deps", distribution)
+            added.append(distribution)
+        raise OnboardError(f"still missing modules after adding {', '.join(added)}")
+
+    def freeze(self) -> list[str]:
+        result = subprocess.run(
+            [self.python, "-m", "pip", "freeze", "--exclude-editable"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return result.stdout.splitlines()
+
+
+def pinned_text_for(release: str, template: str, frozen: list[str], torch: str) -> str:
+    """A pinned file for ``release`` from an environment's ``pip freeze``."""
+    skip = {"torch", "vllm", "vllm-mamba-align", "pip", "setuptools", "wheel"}
+    skip |= {"pytest", "hypothesis", "iniconfig", "pluggy", "sortedcontainers"}
+    nodeps = _marker(template, "NODEPS")
+    skip |= {word.split("==")[0].lower() for word in nodeps}
+    skip |= {"vllm-mamba-align-test-cpu-platform", "cpu-platform-plugin"}
+    header = [
+        line.replace(_template_release(template), release)
+        for line in template.splitlines()
+        if line.startswith("#")
+    ]
+    header[0] = (
+        f"# vLLM {release} scheduler stack on CPU ({torch.replace('==', ' ')} CPU "
+        "build), exact versions."
+    )
+    packages = sorted(
+        (
+            line
+            for line in frozen
+            if "==" in line
+            and line.split("==")[0].lower().replace("_", "-") not in skip
+        ),
+        key=str.lower,
+    )
+    return "\n".join([*header, *packages]) + "\n"
+
+
+def _template_release(template: str) -> str:
+    match = re.search(r"vllm==([0-9][^ )]*)", template)
+    return match.group(1) if match else "?"
+
+
+# -- staging the plugin with the drafted table ----------------------------------------
+
+
+def stage_checkout(releases_text: str, into: Path) -> Path:
+    """A copy of this checkout whose releases.py holds the draft."""
+    if into.exists():
+        shutil.rmtree(into)
+    shutil.copytree(REPO, into, ignore=STAGE_IGNORE)
+    (into / "vllm_mamba_align" / "releases.py").write_text(releases_text)
+    return into
+
+
+def install_staged_plugin(environment: Environment, staged: Path) -> None:
+    out = Path(tempfile.mkdtemp(prefix="onboard-plugin-"))
+    build = [environment.python, "-m", "pip", "wheel", "-q", "--no-deps", "-w"]
+    subprocess.run(
+        [*build, str(out), str(staged)],
+        check=True,
+        capture_output=True,
+    )
+    wheel = next(out.glob("vllm_mamba_align-*.whl"))
+    environment.pip("wrapt>=1.14", "packaging>=21")
+    environment.pip("--force-reinstall", "--no-deps", str(wheel))
+
+
+def run_suite(
+    environment: Environment, staged: Path, pytest_args: list[str]
+) -> tuple[int, list[tuple[str, str]], str]:
+    """pytest in the environment against the draft: (tests, failures, summary)."""
+    environment.pip(*TEST_TOOLS)
+    junit = staged / "onboard-junit.xml"
+    pytest = [environment.python, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    result = subprocess.run(
+        [*pytest, f"--junitxml={junit}", *pytest_args],
+        capture_output=True,
+        text=True,
+        env=environment.env,
+        cwd=staged,
+    )
+    failures: list[tuple[str, str]] = []
+    tests = 0
+    if junit.exists():
+        root = ET.parse(junit).getroot()
+        for case in root.iter("testcase"):
+            tests += 1
+            problem = case.find("failure")
+            if problem is None:
+                problem = case.find("error")
+            if problem is not None:
+                name = f"{case.get('classname', '')}.{case.get('name', '')}"
+                failures.append((name, (problem.get("message") or "")[:300]))
+    summary = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
+    return tests, failures, summary
+
+
+def suggestion(test: str) -> str:
+    for file, meaning in SUGGESTIONS.items():
+        if file.removesuffix(".py") in test:
+            return meaning
+    return "read the test's docstring: it names the invariant it holds"
+
+
+# -- local (vendor) builds -------------------------------------------------------------
+
+
+def relabel_wheel(wheel: Path, local: str, into: Path) -> Path:
+    """The same wheel under version ``<release>+<local>``: a vendor's rebuild.
+
+    Rewrites ``vllm/version.py``, the dist-info folder's name and its METADATA
+    and RECORD; every other file is copied byte for byte.
+    """
+    code = drafting.read_release(wheel)
+    release = code.version or ""
+    labelled = f"{release}+{local}"
+    into.mkdir(parents=True, exist_ok=True)
+    parts = wheel.name.removesuffix(".whl").split("-")  # name, version, [build], tags
+    target = into / ("-".join(["vllm", labelled, *parts[2:]]) + ".whl")
+    old_info, new_info = f"vllm-{release}.dist-info/", f"vllm-{labelled}.dist-info/"
+    with (
+        zipfile.ZipFile(wheel) as source,
+        zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as out,
+    ):
+        for item in source.infolist():
+            data = source.read(item.filename)
+            name = item.filename.replace(old_info, new_info)
+            if item.filename == "vllm/version.py" or name.endswith("/METADATA"):
+                data = data.replace(release.encode(), labelled.encode())
+            if name.endswith("/RECORD"):
+                lines = [
+                    line.split(",")[0].replace(old_info, new_info) + ",,"
+                    for line in data.decode().splitlines()
+                ]
+                data = ("\n".join(lines) + "\n").encode()
+            out.writestr(name, data)
+    return target
+
+
+# -- the procedure -------------------------------------------------------------------
+
+
+def onboard(args: argparse.Namespace) -> Report:
+    release: str = args.release
+    try:
+        Version(release)
+    except InvalidVersion:
+        raise OnboardError(
+            f"{release!r} is not a release version: name one as PyPI lists it "
+            "(e.g. 0.34.0)"
+        ) from None
+    report = Report(release)
+    started = time.monotonic()
+    scratch = REPO / ".nox" / f"onboard-{release.replace('.', '-')}"
+    scratch.mkdir(parents=True, exist_ok=True)
+    folders = [Path(p) for p in args.wheels]
+    downloads = REPO / ".nox" / "onboard-wheels"
+
+    # 1. The code and its fingerprints on every interpreter.
+    wheel = find_wheel(release, folders, downloads, args.offline)
+    code = drafting.read_release(wheel)
+    pythons, missing = interpreters.available_pythons()
+    by_python = {
+        name: interpreters.fingerprints_with(binary, code.texts)
+        for name, binary in pythons.items()
+    }
+    rows = [f"| site | {' | '.join(by_python)} |", "|---|" + "---|" * len(by_python)]
+    for key in interpreters.SITES:
+        cells = [by_python[name][key] or "-" for name in by_python]
+        rows.append(f"| {key} | {' | '.join(cells)} |")
+    agree = all(
+        len({answers[key] for answers in by_python.values()}) == 1
+        for key in interpreters.SITES
+    )
+    note = (
+        "every interpreter agrees"
+        if agree
+        else "INTERPRETERS DISAGREE: fingerprint.canonical_form needs work first"
+    )
+    if missing:
+        note += f"; interpreters not found: {', '.join(missing)}"
+    if not agree:
+        report.fail("interpreters disagree on a fingerprint")
+    report.add(
+        "Code",
+        f"Wheel: `{wheel}` (vLLM {code.version}).\n\n"
+        + "\n".join(rows)
+        + f"\n\n{note}.",
+    )
+    report.timings["read and fingerprint"] = time.monotonic() - started
+
+    # 2. Known or unknown body; the draft; the diffs.
+    table = drafting.table_without(release if args.pretend_unknown else None)
+    draft = drafting.draft_entry(code, release)
+    fingerprint = draft.body.fingerprint
+    known = drafting.known_body(fingerprint, table)
+    seed = drafting.read_seed(code)
+    original = RELEASES_PY.read_text()
+    if args.pretend_unknown:
+        real = releases.body_for(fingerprint)
+        if releases.expected_body(release) is None:
+            raise OnboardError(
+                f"--pretend-unknown needs a release the table knows; {release} is "
+                f"not one of {', '.join(releases.SUPPORTED_RELEASES)}"
+            )
+        report.add(
+            "Pretending",
+            f"The table is read without {release}"
+            + (
+                f": its body stays known through {', '.join(known.releases)}."
+                if known
+                else f": no other release shares its body ({fingerprint})."
+            ),
+        )
+    else:
+        real = None
+    if known is not None:
+        drafted_text = add_release_to_body(original, fingerprint, release)
+        verdict = (
+            f"Known split body {known.name} (fingerprint {fingerprint}): vLLM "
+            f"{release} joins that entry; its facts carry over."
+        )
+        entry_body = dataclasses.replace(
+            known, releases=tuple(sorted({*known.releases, release}, key=Version))
+        )
+    else:
+        entry_body = draft.body
+        drafted_text = insert_body(original, drafting.render_entry(draft.body))
+        verdict = (
+            f"Unknown split body (fingerprint {fingerprint}): the entry below is "
+            "drafted from the code. Finish it with the diffs and the tests."
+        )
+    if not seed.known:
+        verdict += f"\n\nWorker seed: unknown code. {seed.detail}."
+        report.fail("worker seed code is in no SEED_BODIES (see Worker seed)")
+    else:
+        drafted_text = extend_seed_ranges(drafted_text, seed, release)
+    report.add("Verdict", verdict)
+
+    evidence = "\n".join(
+        f"- `{name}` = {getattr(draft.body, name)!s}: {why}"
+        for name, why in draft.evidence.items()
+    )
+    derived = (
+        f"- derived from the release number: stops_after_mid_block_start="
+        f"{entry_body.stops_after_mid_block_start}, aligns_drafter_tail="
+        f"{entry_body.aligns_drafter_tail}, relocates_scratch_in_checkpoint_steps="
+        f"{entry_body.relocates_scratch_in_checkpoint_steps} (releases.py)"
+    )
+    questions = "".join(f"\n- OPEN: {q}" for q in draft.open_questions)
+    report.add("Facts read from the code", f"{evidence}\n{derived}{questions}")
+    if draft.open_questions:
+        report.fail("the draft has open questions")
+
+    nearest = drafting.nearest_release(release, table)
+    if nearest is not None and (known is None or args.diffs):
+        try:
+            old_wheel = find_wheel(nearest, folders, downloads, args.offline)
+        except OnboardError as error:
+            report.add(f"Diff against {nearest}", f"Not available: {error}")
+        else:
+            old = drafting.read_release(old_wheel)
+            report.add(f"Diff against {nearest}", _diffs(old, code, draft))
+    report.add("Settings the fix reads", _settings(code))
+    report.add("Worker seed", f"{seed.site.value}. {seed.detail}.")
+
+    if real is not None:
+        differences = drafting.entry_differences(draft.body, real)
+        report.add(
+            "Draft against the real entry",
+            "The draft equals the table's entry "
+            f"{real.name} (fingerprint, prefill, internal checkpoint, wide-block "
+            "exemption, extra parameter, checkpoint grid)."
+            if not differences
+            else "DIFFERENT:\n" + "\n".join(f"- {d}" for d in differences),
+        )
+        if differences:
+            report.fail("the draft differs from the real entry")
+    report.timings["draft and diffs"] = time.monotonic() - started
+
+    # 3-4. Environment, smoke check, tests.
+    if not args.no_env:
+        _environment(args, report, wheel, drafted_text, scratch)
+
+    # 5. Write.
+    edit = text_diff(original, drafted_text, "vllm_mamba_align/releases.py")
+    write = not args.pretend_unknown and not args.dry_run and known is not None
+    if write and edit:
+        RELEASES_PY.write_text(drafted_text)
+        where = "Applied to vllm_mamba_align/releases.py:"
+    elif known is None and not args.pretend_unknown:
+        where = (
+            "Not applied (an unknown body is added by a maintainer, once its facts "
+            "are decided): the edit that adds the draft:"
+        )
+    else:
+        where = "Not applied (--pretend-unknown or --dry-run): the edit would be:"
+    report.add("Release table", f"{where}\n\n{_fence(edit or '(no change)', 'diff')}")
+    total = time.monotonic() - started
+    report.timings["total"] = total
+    report.add(
+        "Time",
+        "\n".join(
+            f"- {name}: {seconds:.0f} s" for name, seconds in report.timings.items()
+        ),
+    )
+    status = (
+        "every check that ran passed"
+        if not report.failed
+        else "needs a maintainer: " + "; ".join(report.failed)
+    )
+    report.add(
+        "Draft entry",
+        f"{_fence(drafting.render_entry(entry_body), 'python')}\n\nStatus: {status}.",
+    )
+    (scratch / "report.md").write_text(report.markdown())
+    print(f"\nReport written to {scratch / 'report.md'}")
+    return report
+
+
+def _diffs(
+    old: drafting.ReleaseCode, new: drafting.ReleaseCode, draft: drafting.Draft
+) -> str:
+    parts = []
+    old_shape = drafting.split_shape(old)
+    if old_shape is not None:
+        added, removed = drafting.names_changed(old_shape, draft.shape)
+        parts.append(
+            f"Names the split uses that {old.version}'s does not: "
+            f"{', '.join(added) or 'none'}; no longer used: "
+            f"{', '.join(removed) or 'none'}."
+        )
+    for site in drafting.SITES:
+        verdict, diff = drafting.site_diff(old, new, site)
+        line = f"- {site.name} (`{site.file}`: {site.why}): {verdict}"
+        parts.append(line + (f"\n\n{_fence(diff, 'diff')}\n" if diff else ""))
+    return "\n".join(parts)
+
+
+def _settings(code: drafting.ReleaseCode) -> str:
+    lines = []
+    for name in ("retention setting", "retention in the KV config"):
+        text = drafting.field_text(code, name)
+        lines.append(f"- {name}: `{text}`" if text else f"- {name}: absent")
+    for name in ("checkpoint position", "checkpoint validity"):
+        site = next(s for s in drafting.SITES if s.name == name)
+        node = code.definition(site)
+        if isinstance(node, ast.FunctionDef):
+            signature = ast.unparse(node.args)
+            lines.append(f"- {name}: `{node.name}({signature})`")
+        else:
+            lines.append(f"- {name}: absent")
+    grid, why = drafting.checkpoint_grid(code)
+    lines.append(f"- backend checkpoint grid: {grid.name if grid else 'none'} ({why})")
+    return "\n".join(lines)
+
+
+def _environment(
+    args: argparse.Namespace,
+    report: Report,
+    wheel: Path,
+    drafted_text: str,
+    scratch: Path,
+) -> None:
+    release = args.release
+    started = time.monotonic()
+    pinned = ENVS / f"vllm-{release}.txt"
+    template = pinned if pinned.exists() else newest_pinned()
+    environment = Environment(release, scratch / "venv")
+    environment.create(args.torch)
+    environment.install(wheel, template.read_text())
+    staged = stage_checkout(drafted_text, scratch / "checkout")
+    install_staged_plugin(environment, staged)
+    if args.local_version:
+        labelled = relabel_wheel(wheel, args.local_version, scratch / "relabelled")
+        environment.pip("--no-deps", "--force-reinstall", str(labelled))
+    answer, added = environment.smoke(staged)
+    report.timings["environment"] = time.monotonic() - started
+    ends = list(answer.get("chunk_ends") or [])  # type: ignore[call-overload]
+    ok = bool(answer.get("verified")) and ends[:3] == EXPECTED_ENDS
+    ok = ok and answer.get("poisoned") == 0
+    lines = [
+        f"Environment `{environment.location}` from `{template.relative_to(REPO)}`"
+        + (f", plus (by trial) {', '.join(added)}" if added else "")
+        + ".",
+        f"A real scheduler of vLLM {answer.get('vllm')} with the drafted table: "
+        f"recognized as body {answer.get('body')} (verified: "
+        f"{answer.get('verified')}); a 5,000-token prompt with C = B = 1648 ends "
+        f"its chunks at {ends} (expected {EXPECTED_ENDS} first), "
+        f"{answer.get('poisoned')} wrong states published.",
+    ]
+    if not ok:
+        report.fail("the smoke check failed in the release's environment")
+    if args.local_version:
+        lines.append(
+            f"The wheel is installed relabelled as vLLM {answer.get('vllm')} "
+            "(a vendor rebuild): recognized by its code."
+        )
+    if not pinned.exists():
+        text = pinned_text_for(
+            release, template.read_text(), environment.freeze(), args.torch
+        )
+        if args.pretend_unknown or args.dry_run:
+            target = scratch / pinned.name
+            lines.append(f"Pinned file written to `{target}` (not into envs/).")
+        else:
+            target = pinned
+            lines.append(f"Pinned file written: `{target.relative_to(REPO)}`.")
+        target.write_text(text)
+    else:
+        lines.append(f"Pinned file kept: `{pinned.relative_to(REPO)}`.")
+    report.add("Environment", "\n\n".join(lines))
+    if args.run_tests:
+        started = time.monotonic()
+        tests, failures, summary = run_suite(environment, staged, args.pytest_args)
+        report.timings["test suite"] = time.monotonic() - started
+        text = f"`pytest` against the draft: {summary} ({tests} tests)."
+        if failures:
+            report.fail(f"{len(failures)} test(s) failed")
+            text += "\n\n" + "\n".join(
+                f"- `{name}`: {message}\n  suggests: {suggestion(name)}"
+                for name, message in failures
+            )
+        report.add("Tests", text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n\n")[0],
+        epilog="The procedure around it: docs/maintaining/new-release.md",
+    )
+    parser.add_argument("release", help="the vLLM release, as PyPI lists it")
+    parser.add_argument(
+        "--pretend-unknown",
+        action="store_true",
+        help="run on a release the table knows, as if it did not; writes nothing "
+        "into the checkout and compares the draft with the real entry",
+    )
+    parser.add_argument(
+        "--run-tests",
+        action="store_true",
+        help="run the whole suite against the draft (7-18 minutes on 2 cores)",
+    )
+    parser.add_argument(
+        "--pytest-args",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="what to pass to pytest with --run-tests (everything after it)",
+    )
+    parser.add_argument(
+        "--no-env",
+        action="store_true",
+        help="read, fingerprint and draft only (seconds; no environment)",
+    )
+    parser.add_argument(
+        "--diffs",
+        action="store_true",
+        help="diff against the nearest release even for a known body",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="write nothing into the checkout"
+    )
+    parser.add_argument(
+        "--local-version",
+        metavar="TAG",
+        help="install the release's wheel relabelled as <release>+TAG (a vendor "
+        "or dev rebuild of the same code) and check the plugin recognizes it",
+    )
+    parser.add_argument(
+        "--wheels",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a folder with vllm-<release>-*.whl files to use before downloading",
+    )
+    parser.add_argument(
+        "--offline",
+        action="store_true",
+        help="use only the --wheels folders and wheels downloaded before",
+    )
+    parser.add_argument("--torch", default=DEFAULT_TORCH, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    try:
+        report = onboard(args)
+    except OnboardError as error:
+        print(f"onboard: {error}", file=sys.stderr)
+        return 2
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
