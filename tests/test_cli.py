@@ -158,6 +158,20 @@ def test_doctor_exits_1_when_the_plugin_would_refuse_unknown_code(
     assert "matches no verified release" in out
     assert "would REFUSE" in out
     assert "VLLM_MAMBA_ALIGN_ALLOW_UNVERIFIED=1" in out  # the way out, from the plugin
+    # Before the server starts, doctor says what the refusal says: every way out.
+    newest = releases.SUPPORTED_RELEASES[-1]
+    for needed in (
+        f"pip install vllm=={newest}",
+        "VLLM_MAMBA_ALIGN_MODE=off",
+        "`vllm-mamba-align doctor --json`",
+    ):
+        assert needed in out
+    # Mode off runs vLLM's own split: nothing to refuse.
+    monkeypatch.setenv("VLLM_MAMBA_ALIGN_MODE", "off")
+    code, out = doctor(capsys)
+    assert code == EXIT_OK, out
+    assert "starts unchanged" in out
+    monkeypatch.delenv("VLLM_MAMBA_ALIGN_MODE")
     # The opt-in makes the plugin run it (structurally compatible): doctor agrees.
     monkeypatch.setenv("VLLM_MAMBA_ALIGN_ALLOW_UNVERIFIED", "1")
     code, out = doctor(capsys)

@@ -8,7 +8,8 @@ import textwrap
 import pytest
 from conftest import built_or_skipped, run_python, scheduler_mode, vllm_refuses
 
-from vllm_mamba_align import MambaAlignError, register
+from vllm_mamba_align import MambaAlignError, __version__, register
+from vllm_mamba_align.releases import SUPPORTED_RELEASES
 from vllm_mamba_align.tools.simulation import (
     Geometry,
     Simulation,
@@ -115,7 +116,17 @@ def test_unknown_code_in_align_mode_refuses_to_start() -> None:
     assert "split patched: False" in out
     assert "non-hybrid started" in out, "models without align split are never blocked"
     refusal = next(line for line in out.splitlines() if line.startswith("refused:"))
+    newest = SUPPORTED_RELEASES[-1]
     for needed in (
+        f"refused: vllm-mamba-align {__version__}: ",  # the plugin's version
+        f"(newest: {newest})",
+        f"(1) pin vLLM to a verified release (pip install vllm=={newest})",
+        "(2) set VLLM_MAMBA_ALIGN_ALLOW_UNVERIFIED=1 to run the fix on this code "
+        "anyway: the plugin then checks only that the function reads "
+        "self.cache_config.block_size exactly once and takes the released parameters",
+        "(3) set VLLM_MAMBA_ALIGN_MODE=off",
+        "on the plugin's issue tracker with the output of "
+        "`vllm-mamba-align doctor --json` attached",
         "has not verified",
         "fingerprint",
         "as released has split fingerprint",
@@ -125,6 +136,18 @@ def test_unknown_code_in_align_mode_refuses_to_start() -> None:
         "VLLM_MAMBA_ALIGN_ALLOW_UNVERIFIED=1",
     ):
         assert needed in refusal
+
+
+def test_unknown_code_in_mode_off_runs_vllms_own_split() -> None:
+    """The refusal's third way out: mode off starts the scheduler, unwrapped."""
+    result = run_python(EDIT_THE_SPLIT + BUILD, VLLM_MAMBA_ALIGN_MODE="off")
+    assert result.returncode == 0, result.stderr
+    assert "split patched: False" in result.stdout
+    assert "refused:" not in result.stdout
+    # Stock's first chunk crosses boundaries (equal geometry); the fix's would
+    # end at the first one.
+    assert "chunk ends: [" in result.stdout
+    assert "chunk ends: [1648, " not in result.stdout
 
 
 def test_unverified_code_runs_only_with_the_opt_in() -> None:

@@ -75,21 +75,33 @@ def _refuse_unknown_code(recognition: Recognition) -> MambaAlignError:
         if expected
         else ""
     )
-    structural = (
-        "It passes the structural check (one grid read, compatible signature), so "
-        if shape and shape.structurally_compatible
-        else "It does NOT pass the structural check (exactly one read of "
-        "self.cache_config.block_size and the usual signature), so the opt-in "
-        "cannot help either; "
-    )
+    newest = SUPPORTED_RELEASES[-1]
+    if shape and shape.structurally_compatible:
+        opt_in = (
+            f"(2) set {settings.ALLOW_UNVERIFIED_VARIABLE}=1 to run the fix on this "
+            "code anyway: the plugin then checks only that the function reads "
+            "self.cache_config.block_size exactly once and takes the released "
+            "parameters (this code does), and applies the newest rules whose names "
+            "the code uses; nothing else about this code has been tested"
+        )
+    else:
+        opt_in = (
+            f"(2) {settings.ALLOW_UNVERIFIED_VARIABLE}=1 cannot help: this code "
+            "does NOT pass the structural check it requires (exactly one read of "
+            "self.cache_config.block_size, the released parameters)"
+        )
     return MambaAlignError(
-        "vllm-mamba-align: this model needs vLLM's align-mode chunk split, but the "
-        "installed Scheduler._mamba_block_aligned_split is code the plugin has not "
-        f"verified (vLLM {describe_version(recognition.vllm_version)}, fingerprint "
-        f"{found}).{known} Verified releases: {', '.join(SUPPORTED_RELEASES)}. "
-        f"{structural}to run the fix on it anyway set "
-        f"{settings.ALLOW_UNVERIFIED_VARIABLE}=1; or install a verified vLLM "
-        "release; or leave the plugin out of VLLM_PLUGINS to run stock vLLM."
+        f"vllm-mamba-align {__version__}: this model needs vLLM's align-mode chunk "
+        "split, but the installed Scheduler._mamba_block_aligned_split is code the "
+        f"plugin has not verified (vLLM {describe_version(recognition.vllm_version)}"
+        f", fingerprint {found}).{known} vllm-mamba-align {__version__} has verified "
+        f"vLLM {SUPPORTED_RELEASES[0]} to {newest} (newest: {newest}). Verified "
+        f"releases: {', '.join(SUPPORTED_RELEASES)}. Ways out: (1) pin vLLM to a "
+        f"verified release (pip install vllm=={newest}); {opt_in}; (3) set "
+        f"{settings.MODE_VARIABLE}=off (or leave mamba_align out of VLLM_PLUGINS) "
+        "to run vLLM's own split unchanged, defect included. Please report this "
+        "vLLM on the plugin's issue tracker with the output of "
+        "`vllm-mamba-align doctor --json` attached."
     )
 
 
@@ -118,8 +130,9 @@ def hybrid_refusal(recognition: Recognition) -> MambaAlignError | None:
 
     The one decision both :func:`attach` and ``vllm-mamba-align doctor`` use, so
     the doctor cannot disagree with what vLLM will do at start.
+    In mode ``off`` nothing is refused: vLLM's own split runs unchanged.
     """
-    if recognition.body is None:
+    if recognition.body is None and settings.read_mode() is not Mode.OFF:
         return _refuse_unknown_code(recognition)
     return None
 
@@ -219,15 +232,15 @@ def attach(scheduler: Any, recognition: Recognition) -> None:
     refusal = hybrid_refusal(recognition)
     if refusal is not None:
         raise refusal
-    body = recognition.body
-    assert body is not None  # hybrid_refusal refuses every body-less recognition
     recognized = _runs_recognized_split(scheduler, recognition)
-    if mode is Mode.OFF:
+    if mode is Mode.OFF:  # also unverified code: it runs unwrapped
         if recognized:  # vLLM's own function, without the wrapper's layers
             stock = recognition.split.__get__(scheduler, type(scheduler))
             _bind_split(scheduler, stock)
         _log(scheduler, recognition, "loaded, mode=off (stock vLLM split)", state_grid)
         return
+    body = recognition.body
+    assert body is not None  # hybrid_refusal refuses every body-less recognition
     if not recognized:
         raise _refuse_override(scheduler)
     retention = read_retention(scheduler, state_grid)

@@ -260,7 +260,8 @@ def collect() -> Report:
     else:
         meaning = (
             "matches no verified release (an edited, vendor or not yet verified "
-            "build): hybrid models in align mode will be refused at start"
+            "build): hybrid models in align mode will be refused at start, "
+            f"unless {settings.MODE_VARIABLE}=off"
         )
 
     mode: str | None = None
