@@ -203,24 +203,67 @@ def add_release_to_body(text: str, fingerprint: str, release: str) -> str:
     return _replace_constant(text, node, " ".join(ordered))
 
 
-def insert_body(text: str, entry: str) -> str:
-    """releases.py's text with a drafted entry appended to ``BODIES``."""
-    tree = ast.parse(text)
+def _bodies_tuple(tree: ast.Module) -> ast.Tuple:
     for node in tree.body:
-        target = node.target if isinstance(node, ast.AnnAssign) else None
         if (
-            isinstance(target, ast.Name)
-            and target.id == "BODIES"
-            and isinstance(node, ast.AnnAssign)
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and node.target.id == "BODIES"
             and isinstance(node.value, ast.Tuple)
-            and node.value.end_lineno is not None
         ):
-            lines = text.splitlines(keepends=True)
-            closing = node.value.end_lineno - 1  # the line of the closing paren
-            indented = "".join(f"    {line}\n" for line in entry.splitlines())
-            lines.insert(closing, indented)
-            return "".join(lines)
-    raise OnboardError("releases.py has no BODIES = (...) tuple to add to")
+            return node.value
+    raise OnboardError("releases.py has no BODIES = (...) tuple")
+
+
+def _first_release(call: ast.expr) -> Version | None:
+    if (
+        isinstance(call, ast.Call)
+        and call.args
+        and isinstance(call.args[0], ast.Constant)
+        and isinstance(call.args[0].value, str)
+    ):
+        return Version(call.args[0].value.split()[0])
+    return None
+
+
+def insert_body(text: str, entry: str) -> str:
+    """releases.py's text with a drafted entry added to ``BODIES``, in release
+    order."""
+    bodies = _bodies_tuple(ast.parse(text))
+    release = Version(entry.split('"')[1].split()[0])
+    assert bodies.end_lineno is not None
+    line = bodies.end_lineno  # the closing paren's line (1-based)
+    for element in bodies.elts:
+        first = _first_release(element)
+        if first is not None and first > release:
+            line = element.lineno
+            break
+    lines = text.splitlines(keepends=True)
+    indented = "".join(f"    {row}\n" for row in entry.splitlines())
+    lines.insert(line - 1, indented)
+    return "".join(lines)
+
+
+def remove_release(text: str, release: str) -> str:
+    """releases.py's text as if the table did not know ``release``: dropped
+    from its entry's releases, or the entry removed when it was the only one."""
+    for element in _bodies_tuple(ast.parse(text)).elts:
+        if not (isinstance(element, ast.Call) and element.args):
+            continue
+        first = element.args[0]
+        if not (isinstance(first, ast.Constant) and isinstance(first.value, str)):
+            continue
+        listed = first.value.split()
+        if release not in listed:
+            continue
+        if len(listed) > 1:
+            kept = " ".join(r for r in listed if r != release)
+            return _replace_constant(text, first, kept)
+        assert element.end_lineno is not None
+        lines = text.splitlines(keepends=True)
+        del lines[element.lineno - 1 : element.end_lineno]
+        return "".join(lines)
+    return text
 
 
 def _extend_range(text: str, old: str, release: str) -> str:
@@ -601,6 +644,8 @@ def onboard(args: argparse.Namespace) -> Report:
     seed = drafting.read_seed(code)
     original = RELEASES_PY.read_text()
     if args.pretend_unknown:
+        original = remove_release(original, release)
+    if args.pretend_unknown:
         real = releases.body_for(fingerprint)
         if releases.expected_body(release) is None:
             raise OnboardError(
@@ -746,6 +791,16 @@ def _settings(code: drafting.ReleaseCode) -> str:
     for name in ("retention setting", "retention in the KV config"):
         text = drafting.field_text(code, name)
         lines.append(f"- {name}: `{text}`" if text else f"- {name}: absent")
+        factory = re.search(r"default_factory=(\w+)", text or "")
+        site = next(s for s in drafting.SITES if s.name == name)
+        if factory and site.file in code.texts:
+            node = drafting.find_definition(
+                ast.parse(code.texts[site.file]), factory.group(1)
+            )
+            if node is not None:
+                lines.append(
+                    f"  its default:\n\n{_fence(drafting.normalized_source(node))}\n"
+                )
     for name in ("checkpoint position", "checkpoint validity"):
         site = next(s for s in drafting.SITES if s.name == name)
         node = code.definition(site)

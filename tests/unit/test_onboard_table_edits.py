@@ -142,3 +142,21 @@ def test_a_bad_release_name_is_a_clear_error(
 ) -> None:
     assert onboard.main(["zero.thirty", "--no-env"]) == 2
     assert "'zero.thirty' is not a release version" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("release", releases.SUPPORTED_RELEASES)
+def test_forgetting_a_release_and_adding_it_back_restores_the_table(
+    release: str,
+) -> None:
+    """``--pretend-unknown``'s starting point, then what onboarding writes."""
+    body = releases.expected_body(release)
+    assert body is not None
+    without = onboard.remove_release(TABLE, release)
+    entries = _entries(without)
+    assert all(release not in b.releases for b in entries.values())
+    if len(body.releases) == 1:
+        assert body.fingerprint not in entries
+        restored = onboard.insert_body(without, drafting.render_entry(body))
+    else:
+        restored = onboard.add_release_to_body(without, body.fingerprint, release)
+    assert list(_entries(restored).values()) == list(BODIES)
