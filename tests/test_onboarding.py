@@ -41,7 +41,11 @@ def _onboard() -> ModuleType:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["onboard"] = module
-    spec.loader.exec_module(module)
+    path = list(sys.path)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = path  # the tool puts its checkout first; tests keep theirs
     return module
 
 

@@ -154,10 +154,12 @@ def find_wheel(
     )
     found = sorted(download_to.glob(f"vllm-{release}-*.whl"))
     if result.returncode != 0 or not found:
+        errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
+        said = (errors[-1] if errors else result.stderr.strip()[-400:]).rstrip(".")
         raise OnboardError(
-            f"no wheel of vLLM {release}: pip download said: "
-            f"{result.stderr.strip()[-400:]}. Check the version (pip index "
-            f"versions vllm) or pass --wheels DIR holding vllm-{release}-*.whl."
+            f"no wheel of vLLM {release}: pip download said: {said}. Check the "
+            "version (python3 -m pip index versions vllm) or pass --wheels DIR "
+            f"holding vllm-{release}-*.whl."
         )
     return found[0]
 
