@@ -315,19 +315,21 @@ def _marker(pinned_text: str, name: str) -> list[str]:
     ]
 
 
+def _pinned_version(path: Path) -> Version:
+    try:
+        return Version(path.stem.removeprefix("vllm-"))
+    except InvalidVersion:
+        return Version("0")
+
+
 def newest_pinned(before: str | None = None) -> Path:
-    """The newest pinned file (older than ``before``, when given)."""
-    files = []
-    for path in ENVS.glob("vllm-*.txt"):
-        try:
-            version = Version(path.stem.removeprefix("vllm-"))
-        except InvalidVersion:
-            continue
-        if before is None or version < Version(before):
-            files.append((version, path))
+    """The newest pinned file (older than ``before`` when one is; else the
+    newest of all)."""
+    files = sorted(ENVS.glob("vllm-*.txt"), key=_pinned_version)
     if not files:
         raise OnboardError(f"no pinned file in {ENVS} to start from")
-    return max(files)[1]
+    older = [p for p in files if before and _pinned_version(p) < Version(before)]
+    return (older or files)[-1]
 
 
 # The scheduler's import path, the plugin on it, and a prompt through the fix.
@@ -601,12 +603,12 @@ def onboard(args: argparse.Namespace) -> Report:
     report = Report(release)
     started = time.monotonic()
     scratch = REPO / ".nox" / f"onboard-{release.replace('.', '-')}"
-    scratch.mkdir(parents=True, exist_ok=True)
     folders = [Path(p) for p in args.wheels]
     downloads = REPO / ".nox" / "onboard-wheels"
 
     # 1. The code and its fingerprints on every interpreter.
     wheel = find_wheel(release, folders, downloads, args.offline)
+    scratch.mkdir(parents=True, exist_ok=True)
     code = drafting.read_release(wheel)
     pythons, missing = interpreters.available_pythons()
     by_python = {
@@ -826,7 +828,8 @@ def _environment(
     release = args.release
     started = time.monotonic()
     pinned = ENVS / f"vllm-{release}.txt"
-    template = pinned if pinned.exists() else newest_pinned()
+    fresh = args.fresh_pins or not pinned.exists()
+    template = newest_pinned(before=release) if fresh else pinned
     environment = Environment(release, scratch / "venv")
     environment.create(args.torch)
     environment.install(wheel, template.read_text())
@@ -857,17 +860,23 @@ def _environment(
             f"The wheel is installed relabelled as vLLM {answer.get('vllm')} "
             "(a vendor rebuild): recognized by its code."
         )
-    if not pinned.exists():
+    if fresh:
         text = pinned_text_for(
             release, template.read_text(), environment.freeze(), args.torch
         )
-        if args.pretend_unknown or args.dry_run:
+        if args.pretend_unknown or args.dry_run or pinned.exists():
             target = scratch / pinned.name
             lines.append(f"Pinned file written to `{target}` (not into envs/).")
         else:
             target = pinned
             lines.append(f"Pinned file written: `{target.relative_to(REPO)}`.")
         target.write_text(text)
+        if pinned.exists():
+            changes = text_diff(pinned.read_text(), text, pinned.name)
+            lines.append(
+                f"Against the committed `{pinned.relative_to(REPO)}`:\n\n"
+                + _fence(changes or "(identical)", "diff")
+            )
     else:
         lines.append(f"Pinned file kept: `{pinned.relative_to(REPO)}`.")
     report.add("Environment", "\n\n".join(lines))
@@ -933,6 +942,13 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="DIR",
         help="a folder with vllm-<release>-*.whl files to use before downloading",
+    )
+    parser.add_argument(
+        "--fresh-pins",
+        action="store_true",
+        help="build the environment from the newest older release's pinned file, "
+        "as for a new release, even if this one has its own (the result goes to "
+        ".nox/onboard-<release>/, with its diff against the committed file)",
     )
     parser.add_argument(
         "--offline",
