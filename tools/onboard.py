@@ -92,6 +92,14 @@ SUGGESTIONS = {
 }
 
 
+DERIVED = (
+    "stops_after_mid_block_start",
+    "aligns_drafter_tail",
+    "relocates_scratch_in_checkpoint_steps",
+)
+"""``SplitBody`` facts derived from the number of the body's first release."""
+
+
 class OnboardError(Exception):
     """Bad input or a step that cannot go on; the message says what to do."""
 
@@ -700,10 +708,20 @@ def onboard(args: argparse.Namespace) -> Report:
         f"{entry_body.aligns_drafter_tail}, relocates_scratch_in_checkpoint_steps="
         f"{entry_body.relocates_scratch_in_checkpoint_steps} (releases.py)"
     )
-    questions = "".join(f"\n- OPEN: {q}" for q in draft.open_questions)
+    open_questions = list(draft.open_questions)
+    if known is not None:
+        open_questions += [
+            f"adding {release} changes {name} of body {known.name} from "
+            f"{getattr(known, name)} to {getattr(entry_body, name)}, for every "
+            "release of the entry (derived from the body's first release): check "
+            f"that {release} really behaves like the others"
+            for name in DERIVED
+            if getattr(known, name) != getattr(entry_body, name)
+        ]
+    questions = "".join(f"\n- OPEN: {q}" for q in open_questions)
     report.add("Facts read from the code", f"{evidence}\n{derived}{questions}")
-    if draft.open_questions:
-        report.fail("the draft has open questions")
+    if open_questions:
+        report.fail("the entry has open questions (Facts read from the code)")
 
     nearest = drafting.nearest_release(release, table)
     if nearest is not None and (known is None or args.diffs):
@@ -738,9 +756,14 @@ def onboard(args: argparse.Namespace) -> Report:
     # 5. Write.
     edit = text_diff(original, drafted_text, "vllm_mamba_align/releases.py")
     write = not args.pretend_unknown and not args.dry_run and known is not None
-    if write and edit:
+    if write and edit and not report.failed:
         RELEASES_PY.write_text(drafted_text)
         where = "Applied to vllm_mamba_align/releases.py:"
+    elif write and report.failed:
+        where = (
+            "Not applied (a check failed or a fact is open: see above); once "
+            "decided, the edit is:"
+        )
     elif known is None and not args.pretend_unknown:
         where = (
             "Not applied (an unknown body is added by a maintainer, once its facts "
