@@ -57,7 +57,7 @@ def release_wheel(folder: Path) -> Path:
     info = f"vllm-{RELEASE}.dist-info"
     files = {
         f"vllm/{path}": (VLLM_DIR / path).read_bytes()
-        for path in sorted(drafting._wanted_files())
+        for path in sorted(drafting.wanted_files())
         if (VLLM_DIR / path).exists()
     }
     files[f"{info}/METADATA"] = (

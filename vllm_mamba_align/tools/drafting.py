@@ -194,7 +194,8 @@ class ReleaseCode:
         return None if node is None else normalized_source(node)
 
 
-def _wanted_files() -> set[str]:
+def wanted_files() -> set[str]:
+    """The files (relative to ``vllm/``) the sites and the drafting read."""
     return {site.file for site in SITES} | set(CHECKPOINT_CODE) | {"version.py"}
 
 
@@ -204,13 +205,13 @@ def read_release(source: Path) -> ReleaseCode:
     if source.is_file():
         with zipfile.ZipFile(source) as wheel:
             names = set(wheel.namelist())
-            for path in _wanted_files():
+            for path in wanted_files():
                 if f"vllm/{path}" in names:
                     texts[path] = wheel.read(f"vllm/{path}").decode("utf-8")
         match = _RELEASE_FILE.match(source.name)
         name_version = match.group(1) if match else None
     elif (source / SCHEDULER_FILE).exists():
-        for path in _wanted_files():
+        for path in wanted_files():
             if (source / path).exists():
                 texts[path] = (source / path).read_text(encoding="utf-8")
         name_version = None
