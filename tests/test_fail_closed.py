@@ -119,7 +119,8 @@ def test_unknown_code_in_align_mode_refuses_to_start() -> None:
     newest = SUPPORTED_RELEASES[-1]
     for needed in (
         f"refused: vllm-mamba-align {__version__}: ",  # the plugin's version
-        f"(newest: {newest})",
+        f"The newest vLLM release vllm-mamba-align {__version__} has verified is "
+        f"{newest}.",
         f"(1) pin vLLM to a verified release (pip install vllm=={newest})",
         "(2) set VLLM_MAMBA_ALIGN_ALLOW_UNVERIFIED=1 to run the fix on this code "
         "anyway: the plugin then checks only that the function reads "
