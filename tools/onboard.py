@@ -567,7 +567,7 @@ def suggestion(test: str) -> str:
 def relabel_wheel(wheel: Path, local: str, into: Path) -> Path:
     """The same wheel under version ``<release>+<local>``: a vendor's rebuild.
 
-    Rewrites ``vllm/version.py``, the dist-info folder's name and its METADATA
+    Rewrites ``vllm/_version.py``, the dist-info folder's name and its METADATA
     and RECORD; every other file is copied byte for byte.
     """
     code = drafting.read_release(wheel)
@@ -584,8 +584,17 @@ def relabel_wheel(wheel: Path, local: str, into: Path) -> Path:
         for item in source.infolist():
             data = source.read(item.filename)
             name = item.filename.replace(old_info, new_info)
-            if item.filename == "vllm/version.py" or name.endswith("/METADATA"):
-                data = data.replace(release.encode(), labelled.encode())
+            if item.filename == f"vllm/{drafting.VERSION_FILE}":
+                for quote in "'\"":
+                    data = data.replace(
+                        f"{quote}{release}{quote}".encode(),
+                        f"{quote}{labelled}{quote}".encode(),
+                    )
+            if name.endswith("/METADATA"):
+                data = data.replace(
+                    f"\nVersion: {release}\n".encode(),
+                    f"\nVersion: {labelled}\n".encode(),
+                )
             if name.endswith("/RECORD"):
                 lines = [
                     line.split(",")[0].replace(old_info, new_info) + ",,"

@@ -165,6 +165,8 @@ SITES: tuple[Site, ...] = (
     ),
 )
 
+VERSION_FILE = "_version.py"
+"""Where a vLLM build records its version (written by its build backend)."""
 _RELEASE_FILE = re.compile(r"vllm(?:_cpu)?-([^-]+)-")
 
 
@@ -196,7 +198,7 @@ class ReleaseCode:
 
 def wanted_files() -> set[str]:
     """The files (relative to ``vllm/``) the sites and the drafting read."""
-    return {site.file for site in SITES} | set(CHECKPOINT_CODE) | {"version.py"}
+    return {site.file for site in SITES} | set(CHECKPOINT_CODE) | {VERSION_FILE}
 
 
 def read_release(source: Path) -> ReleaseCode:
@@ -220,7 +222,7 @@ def read_release(source: Path) -> ReleaseCode:
             f"{source} is neither a vLLM wheel nor a vllm package directory "
             f"(no {SCHEDULER_FILE} in it)"
         )
-    version = _version_in(texts.get("version.py", "")) or name_version
+    version = _version_in(texts.get(VERSION_FILE, "")) or name_version
     return ReleaseCode(version, str(source), texts)
 
 
