@@ -164,3 +164,18 @@ def test_forgetting_a_release_and_adding_it_back_restores_the_table(
     else:
         restored = onboard.add_release_to_body(without, body.fingerprint, release)
     assert list(_entries(restored).values()) == list(BODIES)
+
+
+def test_the_version_is_read_where_vllm_writes_it(tmp_path: Path) -> None:
+    """vLLM's build backend writes ``vllm/_version.py``; ``version.py`` only
+    imports it."""
+    from vllm_mamba_align.tools import interpreters
+
+    package = tmp_path / "vllm"
+    scheduler = package / drafting.SCHEDULER_FILE
+    scheduler.parent.mkdir(parents=True)
+    scheduler.write_text("class Scheduler:\n    pass\n")
+    (package / "version.py").write_text("from ._version import __version__\n")
+    (package / "_version.py").write_text("__version__ = version = '0.34.0'\n")
+    assert drafting.read_release(package).version == "0.34.0"
+    assert interpreters.read_sites(package)[0] == "0.34.0"
