@@ -89,6 +89,8 @@ SUGGESTIONS = {
     "test_release_table.py": "the table's own consistency: counts and ranges the "
     "tests pin (update them with the new entry)",
     "test_python_versions.py": "fingerprints across interpreters",
+    "test_packaging.py": "the environment: vLLM and torch must be installed as "
+    "releases (pip freeze: vllm==X, torch==Y)",
 }
 
 
@@ -409,7 +411,10 @@ class Environment:
 
     def install(self, wheel: Path, pinned_text: str) -> list[str]:
         """vLLM and the pinned stack; returns the platform plugin names needed."""
-        self.pip("--no-deps", str(wheel), *_marker(pinned_text, "NODEPS"))
+        self.install_vllm(wheel)
+        nodeps = _marker(pinned_text, "NODEPS")
+        if nodeps:
+            self.pip("--no-deps", *nodeps)
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as stack:
             stack.write(pinned_text)
         self.pip("--no-deps", "-r", stack.name)
@@ -418,6 +423,21 @@ class Environment:
             self.pip("--no-deps", str(PLATFORM_PLUGIN))
             self.env["MAMBA_ALIGN_TEST_PLATFORM_PLUGINS"] = ",".join(platform)
         return platform
+
+    def install_vllm(self, wheel: Path) -> None:
+        """vLLM from ``wheel``, installed as a release is (``pip freeze`` says
+        ``vllm==<version>``, not a file URL: tests/test_packaging.py reads it)."""
+        version = drafting.read_release(wheel).version
+        if f"vllm=={version}" in self.freeze():
+            return
+        self.pip(
+            "--no-deps",
+            "--force-reinstall",
+            "--no-index",
+            "--find-links",
+            str(wheel.parent),
+            f"vllm=={version}",
+        )
 
     def run(self, code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -869,7 +889,7 @@ def _environment(
     install_staged_plugin(environment, staged)
     if args.local_version:
         labelled = relabel_wheel(wheel, args.local_version, scratch / "relabelled")
-        environment.pip("--no-deps", "--force-reinstall", str(labelled))
+        environment.install_vllm(labelled)
     answer, added = environment.smoke(staged)
     report.timings["environment"] = time.monotonic() - started
     ends = list(answer.get("chunk_ends") or [])  # type: ignore[call-overload]
