@@ -637,6 +637,11 @@ def onboard(args: argparse.Namespace) -> Report:
             f"{release!r} is not a release version: name one as PyPI lists it "
             "(e.g. 0.34.0)"
         ) from None
+    if args.pretend_unknown and releases.expected_body(release) is None:
+        raise OnboardError(
+            f"--pretend-unknown needs a release the table knows; {release} is not "
+            f"one of {', '.join(releases.SUPPORTED_RELEASES)}"
+        )
     report = Report(release)
     started = time.monotonic()
     scratch = REPO / ".nox" / f"onboard-{release.replace('.', '-')}"
@@ -676,6 +681,7 @@ def onboard(args: argparse.Namespace) -> Report:
         + f"\n\n{note}.",
     )
     report.timings["read and fingerprint"] = time.monotonic() - started
+    phase = time.monotonic()
 
     # 2. Known or unknown body; the draft; the diffs.
     table = drafting.table_without(release if args.pretend_unknown else None)
@@ -684,15 +690,9 @@ def onboard(args: argparse.Namespace) -> Report:
     known = drafting.known_body(fingerprint, table)
     seed = drafting.read_seed(code)
     original = RELEASES_PY.read_text()
+    real = releases.expected_body(release) if args.pretend_unknown else None
     if args.pretend_unknown:
         original = remove_release(original, release)
-    if args.pretend_unknown:
-        real = releases.body_for(fingerprint)
-        if releases.expected_body(release) is None:
-            raise OnboardError(
-                f"--pretend-unknown needs a release the table knows; {release} is "
-                f"not one of {', '.join(releases.SUPPORTED_RELEASES)}"
-            )
         report.add(
             "Pretending",
             f"The table is read without {release}"
@@ -702,13 +702,15 @@ def onboard(args: argparse.Namespace) -> Report:
                 else f": no other release shares its body ({fingerprint})."
             ),
         )
-    else:
-        real = None
     if known is not None:
         drafted_text = add_release_to_body(original, fingerprint, release)
         verdict = (
             f"Known split body {known.name} (fingerprint {fingerprint}): vLLM "
-            f"{release} joins that entry; its facts carry over."
+            + (
+                f"{release} is listed there already."
+                if release in known.releases
+                else f"{release} joins that entry; its facts carry over."
+            )
         )
         entry_body = dataclasses.replace(
             known, releases=tuple(sorted({*known.releases, release}, key=Version))
@@ -776,7 +778,7 @@ def onboard(args: argparse.Namespace) -> Report:
         )
         if differences:
             report.fail("the draft differs from the real entry")
-    report.timings["draft and diffs"] = time.monotonic() - started
+    report.timings["draft and diffs"] = time.monotonic() - phase
 
     # 3-4. Environment, smoke check, tests.
     if not args.no_env:
