@@ -33,8 +33,12 @@ from __future__ import annotations
 
 import argparse
 import ast
+import base64
+import csv
 import dataclasses
 import difflib
+import hashlib
+import io
 import json
 import os
 import re
@@ -597,13 +601,17 @@ def relabel_wheel(wheel: Path, local: str, into: Path) -> Path:
     parts = wheel.name.removesuffix(".whl").split("-")  # name, version, [build], tags
     target = into / ("-".join(["vllm", labelled, *parts[2:]]) + ".whl")
     old_info, new_info = f"vllm-{release}.dist-info/", f"vllm-{labelled}.dist-info/"
+    record_name = f"{new_info}RECORD"
+    rows: list[list[str]] = []
     with (
         zipfile.ZipFile(wheel) as source,
         zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as out,
     ):
         for item in source.infolist():
-            data = source.read(item.filename)
             name = item.filename.replace(old_info, new_info)
+            if name == record_name:
+                continue  # written last, for the files as relabelled
+            data = source.read(item.filename)
             if item.filename == f"vllm/{drafting.VERSION_FILE}":
                 for quote in "'\"":
                     data = data.replace(
@@ -615,13 +623,13 @@ def relabel_wheel(wheel: Path, local: str, into: Path) -> Path:
                     f"\nVersion: {release}\n".encode(),
                     f"\nVersion: {labelled}\n".encode(),
                 )
-            if name.endswith("/RECORD"):
-                lines = [
-                    line.split(",")[0].replace(old_info, new_info) + ",,"
-                    for line in data.decode().splitlines()
-                ]
-                data = ("\n".join(lines) + "\n").encode()
             out.writestr(name, data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest())
+            rows.append([name, f"sha256={digest.decode().rstrip('=')}", str(len(data))])
+        rows.append([record_name, "", ""])
+        record = io.StringIO()
+        csv.writer(record, lineterminator="\n").writerows(rows)
+        out.writestr(record_name, record.getvalue())
     return target
 
 

@@ -179,3 +179,50 @@ def test_the_version_is_read_where_vllm_writes_it(tmp_path: Path) -> None:
     (package / "_version.py").write_text("__version__ = version = '0.34.0'\n")
     assert drafting.read_release(package).version == "0.34.0"
     assert interpreters.read_sites(package)[0] == "0.34.0"
+
+
+def test_a_relabelled_wheel_is_a_valid_wheel_of_the_local_version(
+    tmp_path: Path,
+) -> None:
+    """What ``onboard --local-version`` installs: the same files, a new version,
+    a RECORD pip can read (vLLM's wheels name files with commas, which the CSV
+    quotes) whose hashes match."""
+    import base64
+    import csv
+    import hashlib
+    import io
+    import zipfile
+
+    files = {
+        "vllm/_version.py": b"__version__ = version = '0.33.0'\n",
+        "vllm/kernels/config,E=8,N=64.json": b"{}\n",
+        "vllm-0.33.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: vllm\n"
+        b"Version: 0.33.0\n",
+    }
+    record = io.StringIO()
+    csv.writer(record, lineterminator="\n").writerows(
+        [[name, "", ""] for name in files] + [["vllm-0.33.0.dist-info/RECORD", "", ""]]
+    )
+    wheel = tmp_path / "vllm-0.33.0-cp38-abi3-linux_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as out:
+        for name, data in files.items():
+            out.writestr(name, data)
+        out.writestr("vllm-0.33.0.dist-info/RECORD", record.getvalue())
+
+    labelled = onboard.relabel_wheel(wheel, "vendor1", tmp_path / "out")
+    assert labelled.name == "vllm-0.33.0+vendor1-cp38-abi3-linux_x86_64.whl"
+    info = "vllm-0.33.0+vendor1.dist-info"
+    with zipfile.ZipFile(labelled) as contents:
+        rows = list(csv.reader(contents.read(f"{info}/RECORD").decode().splitlines()))
+        listed = {row[0] for row in rows}
+        assert listed == set(contents.namelist())
+        for name, digest, size in rows:
+            if name == f"{info}/RECORD":
+                continue
+            data = contents.read(name)
+            expected = base64.urlsafe_b64encode(hashlib.sha256(data).digest())
+            assert digest == f"sha256={expected.decode().rstrip('=')}"
+            assert size == str(len(data))
+        assert b"Version: 0.33.0+vendor1\n" in contents.read(f"{info}/METADATA")
+        assert contents.read("vllm/kernels/config,E=8,N=64.json") == b"{}\n"
+    assert drafting.read_release(labelled).version == "0.33.0+vendor1"
