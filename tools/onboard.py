@@ -595,12 +595,23 @@ def relabel_wheel(wheel: Path, local: str, into: Path) -> Path:
     and RECORD; every other file is copied byte for byte.
     """
     code = drafting.read_release(wheel)
-    release = code.version or ""
-    labelled = f"{release}+{local}"
+    with zipfile.ZipFile(wheel) as source:
+        metadata_name = next(
+            name
+            for name in source.namelist()
+            if name.endswith(".dist-info/METADATA") and name.count("/") == 1
+        )
+        metadata = source.read(metadata_name).decode()
+    match = re.search(r"^Version: (\S+)$", metadata, re.M)
+    if match is None:
+        raise OnboardError(f"{wheel} has no Version in its METADATA")
+    release = match.group(1)
+    labelled = f"{Version(release).public}+{local}"
     into.mkdir(parents=True, exist_ok=True)
     parts = wheel.name.removesuffix(".whl").split("-")  # name, version, [build], tags
     target = into / ("-".join(["vllm", labelled, *parts[2:]]) + ".whl")
-    old_info, new_info = f"vllm-{release}.dist-info/", f"vllm-{labelled}.dist-info/"
+    old_info = metadata_name.split("/")[0] + "/"
+    new_info = f"vllm-{labelled}.dist-info/"
     record_name = f"{new_info}RECORD"
     rows: list[list[str]] = []
     with (
@@ -615,7 +626,7 @@ def relabel_wheel(wheel: Path, local: str, into: Path) -> Path:
             if item.filename == f"vllm/{drafting.VERSION_FILE}":
                 for quote in "'\"":
                     data = data.replace(
-                        f"{quote}{release}{quote}".encode(),
+                        f"{quote}{code.version}{quote}".encode(),
                         f"{quote}{labelled}{quote}".encode(),
                     )
             if name.endswith("/METADATA"):
