@@ -15,6 +15,7 @@ from . import __version__, audit, metrics, settings
 from .errors import MambaAlignError
 from .fingerprint import CodeShape
 from .geometry import state_block_size
+from .policy import StopPolicy, step_budget
 from .releases import (
     BATCH_INVARIANT_VARIABLE,
     SUPPORTED_RELEASES,
@@ -26,7 +27,8 @@ from .releases import (
 )
 from .retention import Retention, read_retention
 from .settings import Mode
-from .split import SplitFunction, state_grid_split, step_budget
+from .signature import SplitFunction
+from .split import state_grid_split
 
 # The attribute upstream's fix (PR #54076) adds; if vLLM set it itself, the fix landed.
 STATE_BLOCK_ATTRIBUTE = "mamba_state_block_size"
@@ -258,9 +260,8 @@ def attach(scheduler: Any, recognition: Recognition) -> None:
         return
     if not body.wide_block_exemption:
         _refuse_stall(scheduler, body, state_grid)
-    route = state_grid_split(
-        scheduler, recognition.split, mode, state_grid, body, retention
-    )
+    policy = StopPolicy.for_scheduler(mode, body, retention, scheduler, state_grid)
+    route = state_grid_split(scheduler, recognition.split, policy, retention, body)
     _bind_split(scheduler, route)
     setattr(scheduler, STATE_BLOCK_ATTRIBUTE, state_grid)
     invariance = batch_invariance_note(mode, retention.dense, recognition.vllm_version)

@@ -55,15 +55,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import settings
+from .checkpoints import own_slot_write
 from .errors import MambaAlignError
 from .releases import PrefillRule, SplitBody, in_prefill
 from .retention import Retention
-from .split import (
-    SplitFunction,
-    backend_checkpoint_rule,
-    present_as,
-    spec_reserves_checkpoints,
-)
+from .signature import SplitFunction, present_as
 
 # Where the audit lives on a scheduler instance (next to SPLIT_ATTRIBUTE's fix).
 AUDIT_ATTRIBUTE = "_vllm_mamba_align_audit"
@@ -208,7 +204,8 @@ class Audit:
         self.backend_checkpoint = backend_checkpoint
         """The B boundary inside a request's chunk ``(start, end)`` whose state
         the GPU backend writes into that boundary's own slot (0: none), where
-        the Mamba spec reserves checkpoint blocks (:func:`_backend_write`);
+        the Mamba spec reserves checkpoint blocks
+        (:func:`checkpoints.own_slot_write`);
         None: no in-chunk state is counted as written (upper bounds)."""
         self.cache_block = cache_block
         self.prefill_rule = prefill_rule
@@ -513,51 +510,6 @@ def _observe_split(
     return present_as(route, stock)
 
 
-def _backend_write(
-    scheduler: Any, stock_split: SplitFunction, body: SplitBody, grid: int
-) -> Callable[[Any, int, int], int] | None:
-    """Which boundary inside a chunk the GPU backend writes into its own slot,
-    read off vLLM's rule and the request's block table; None where the Mamba
-    spec reserves no checkpoint block or the backend's position is unknown.
-
-    The backend writes its state (position: :func:`split.backend_checkpoint_rule`)
-    into column ``cdiv(end, B) - 2``, and nothing when vLLM left that column
-    null (e.g. 0.29.0 with a drafter moves a speculative scratch block out of
-    it). The column is that boundary's own slot only when the position is the
-    last boundary before the chunk's end block; any other write makes no
-    boundary exist.
-    """
-    if not spec_reserves_checkpoints(scheduler):
-        return None
-    position_of = backend_checkpoint_rule(scheduler, stock_split, body, grid)
-    if position_of is None:
-        return None
-    try:
-        groups = scheduler.kv_cache_config.kv_cache_groups
-        managers = scheduler.kv_cache_manager.coordinator.single_type_managers
-        blocks_of = next(
-            manager.req_to_blocks
-            for group, manager in zip(groups, managers, strict=True)
-            if getattr(group.kv_cache_spec, "num_prefill_checkpoint_blocks", 0) > 0
-        )
-    except (AttributeError, StopIteration, TypeError, ValueError):
-        return None
-
-    def written(request: Any, start: int, end: int) -> int:
-        position = position_of(start, end)
-        if not start < position < end or position % grid:
-            return 0
-        column = -(-end // grid) - 2
-        if position // grid - 1 != column:
-            return 0
-        blocks = blocks_of.get(request.request_id)
-        if not blocks or column >= len(blocks) or blocks[column].is_null:
-            return 0
-        return position
-
-    return written
-
-
 def _vllm_method(scheduler: Any, name: str) -> Any:
     """vLLM's own method, bound to ``scheduler``."""
     for klass in type(scheduler).__mro__:
@@ -588,7 +540,7 @@ def install(
     options.setdefault("export", metrics.audit_exporter(scheduler))
     options.setdefault(
         "backend_checkpoint",
-        _backend_write(scheduler, stock_split, body, state_block),
+        own_slot_write(scheduler, stock_split, body, state_block),
     )
     audit = Audit(
         state_block,

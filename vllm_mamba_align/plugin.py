@@ -54,7 +54,8 @@ Sites, one card each (why / how / upstream / delete when):
    ``is_mamba_prefill_checkpoint_valid``; bodies of 0.30.0+). Why: the fix must
    not add a stop where vLLM's backend checkpoints a chunk's interior itself;
    watching vLLM's own decision beats re-deriving it. How: a wrapt wrapper that
-   counts True answers per thread and returns the answer unchanged (split.py).
+   counts True answers per thread and returns the answer unchanged
+   (checkpoints.py).
    Upstream: PR #54076. Delete when: as 2.
 """
 
@@ -70,6 +71,7 @@ import wrapt
 from . import settings
 from .activation import SPLIT_ATTRIBUTE, Recognition, attach
 from .activation import SPLIT_METHOD as SPLIT_METHOD  # re-exported
+from .checkpoints import observe_checkpoint_decision
 from .fingerprint import analyse_function
 from .releases import (
     GROUP_INFO_METHOD,
@@ -83,7 +85,6 @@ from .releases import (
     unverified_body,
 )
 from .settings import Mode
-from .split import observe_checkpoint_decision
 from .worker_seed import add_request_wrapper, classify, group_info_wrapper
 
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"

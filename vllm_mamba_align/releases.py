@@ -1,7 +1,8 @@
 """Everything the project knows about vLLM releases, in one place.
 
-Read by the plugin (plugin.py, activation.py, split.py, audit.py, worker_seed.py),
-by ``doctor`` and by the tests; nothing else re-derives these facts.
+Read by the plugin (plugin.py, activation.py, policy.py, split.py, audit/,
+worker_seed.py), by ``doctor`` and by the tests; nothing else re-derives these
+facts.
 
 - **Split bodies**: every vLLM release from 0.15.1 has
   ``Scheduler._mamba_block_aligned_split``; its body changed 11 times. An entry
@@ -11,6 +12,9 @@ by ``doctor`` and by the tests; nothing else re-derives these facts.
   than the step budget may advance sub-block, its parameters).
 - **The prefill predicate** (:func:`in_prefill`): the one judgement of "is this
   chunk prefill" for the fix's stop and the audit's counts.
+- The backend's in-chunk checkpoint (how a body decides it, which grid it
+  uses, which backends have it) lives in checkpoints.py; its names are
+  re-exported here for the tools and tests.
 - **Worker-seed sites**: the fingerprints of Model Runner V2's
   ``MambaHybridModelState.add_request`` and ``_get_mamba_group_info`` per
   release, and what each means (:func:`classify_seed`).
@@ -31,6 +35,10 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
+from .checkpoints import CHECKPOINT_BACKENDS_SINCE as CHECKPOINT_BACKENDS_SINCE
+from .checkpoints import CheckpointGrid as CheckpointGrid
+from .checkpoints import InternalCheckpoint as InternalCheckpoint
+from .checkpoints import checkpoint_backends as checkpoint_backends
 from .fingerprint import SPLIT_PARAMETERS, CodeShape
 
 
@@ -52,68 +60,6 @@ def in_prefill(rule: PrefillRule, request: Any, start: int) -> bool:
     if rule is PrefillRule.NO_OUTPUT_YET:
         return not request.num_output_tokens
     return bool(start < max(request.num_prompt_tokens, request.num_tokens - 1))
-
-
-class InternalCheckpoint(enum.Enum):
-    """How to tell that vLLM's backend materializes interior states itself.
-
-    When it does, the chunk may span several state blocks: the PR's extra stop
-    must not apply.
-    """
-
-    NONE = "none"
-    """No internal prefill checkpointing in this body (before 0.29.0)."""
-    ALIGNED_START = "mamba_has_prefill_checkpoint_blocks and start on the grid"
-    """0.29.0's rule, re-derived from the scheduler's own flag."""
-    OBSERVED = "vLLM's own is_mamba_prefill_checkpoint_valid() decision"
-    """0.30.0+: watch the decision vLLM takes inside the split."""
-
-
-class CheckpointGrid(enum.Enum):
-    """Which hash grid the GPU backend puts its one in-chunk prefill state on
-    (bodies with :attr:`InternalCheckpoint.OBSERVED`).
-
-    The backend places it at ``get_mamba_prefill_checkpoint_position(chunk end,
-    grid)`` and writes it only if ``is_mamba_prefill_checkpoint_valid`` agrees
-    with the same hash block; the grid differs across releases.
-    """
-
-    PREFIX_MATCH_UNIT = "cache_config.prefix_match_unit, else the Mamba block"
-    """0.30.0, 0.31.0: the backend's own choice, grid and hash block alike
-    (models/kimi_k3/nvidia/kda_metadata.py:620-621 in 0.30.0,
-    model_executor/layers/mamba/checkpoint.py:86 in 0.31.0). With
-    prefix_match_unit unset it is not the engine's hash block."""
-    CACHE_HIT_ALIGNMENT = "the engine's cache-hit alignment and hash block"
-    """0.32.0+: ``cache_config.cache_hit_alignment_tokens`` (the hash block
-    under partial hash hits, else the scheduler block) and
-    ``cache_config.hash_block_size``, as resolved by the engine
-    (model_executor/layers/mamba/checkpoint.py:111-133 in 0.32.0)."""
-
-
-CHECKPOINT_BACKENDS_SINCE: dict[str, str] = {
-    "flashkda": "0.29.0",
-    "mamba2": "0.32.0",
-    "gdn-flashinfer": "0.33.0",
-}
-"""GPU backends that declare ``MambaSpec.num_prefill_checkpoint_blocks`` and
-the first release where they do: KDA on flashkda (models/kimi_k3/nvidia/kda.py:
-599 in 0.29.0, :805 in 0.30.0, :747 in 0.31.0, :835 in 0.32.0), Mamba2
-(model_executor/layers/mamba/mamba_mixer2.py:1107 in 0.32.0), GDN
-(model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py:748 in 0.33.0; 0.32.0
-builds the checkpoint metadata for GDN but its layer declares no block)."""
-
-
-def checkpoint_backends(version: str | None) -> tuple[str, ...]:
-    """The backends of :data:`CHECKPOINT_BACKENDS_SINCE` a release has."""
-    try:
-        release = Version(version or "").release
-    except InvalidVersion:
-        return ()
-    return tuple(
-        backend
-        for backend, since in CHECKPOINT_BACKENDS_SINCE.items()
-        if release >= Version(since).release
-    )
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..activation import SPLIT_METHOD
+from ..checkpoints import flashkda_position
 from ..fingerprint import analyse_function
 from ..releases import (
     CHECKPOINT_BACKENDS_SINCE,
@@ -1233,16 +1234,12 @@ class Simulation:
             InternalCheckpoint.ALIGNED_START
         ):
             # 0.29.0: only KDA on flashkda declares checkpoint blocks
-            # (models/kimi_k3/nvidia/kda.py:599); its metadata builder
-            # (models/kimi_k3/nvidia/kda_metadata.py:582-605) checkpoints the
-            # last B boundary below the chunk end, if the chunk does not end on
-            # the grid, the boundary is inside the chunk and 16-aligned from its
-            # start (FLASHKDA_CHUNK_SIZE); column seq_len // B - 1; a null
+            # (models/kimi_k3/nvidia/kda.py:599); its position rule is
+            # checkpoints.flashkda_position; column seq_len // B - 1; a null
             # column is gathered as NULL_BLOCK_ID (nothing written).
             def rule_0_29(start: int, end: int) -> tuple[int, int] | None:
-                position = end // grid * grid
-                offset = position - start
-                if end % grid == 0 or not 0 < offset < end - start or offset % 16:
+                position = flashkda_position(start, end, grid)
+                if position < 0:
                     return None
                 return position, end // grid - 1
 

@@ -1,0 +1,187 @@
+"""The stop policy table: every decision of the fix, per mode, body, retention
+and scheduler facts, pinned without vLLM.
+
+``policy.StopPolicy`` is the one place the fix decides where a chunk stops; the
+route (split.py) only reads it. Each row below is one split body under one set
+of scheduler facts; each cell the decisions that are on for one mode under one
+retention. A changed decision for any release shows up here as a changed cell.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+import pytest
+
+from vllm_mamba_align.checkpoints import CheckpointGrid, InternalCheckpoint
+from vllm_mamba_align.policy import FIXING_MODES, SchedulerFacts, StopPolicy
+from vllm_mamba_align.releases import BODIES, SplitBody
+from vllm_mamba_align.retention import Retention
+from vllm_mamba_align.settings import Mode
+
+B = 1640
+"""A state block with B % 16 == 8 (0.29.0's flashkda guard applies to it)."""
+
+RETENTIONS = {
+    "dense": Retention(None, B, 16, "test"),
+    "zero": Retention(0, B, 16, "test"),
+    "R=4B": Retention(4 * B, B, 16, "test"),
+}
+"""vLLM's retention kinds (retention.py): every boundary kept, only reachable
+boundaries, and also every multiple of an interval R > B."""
+
+FACTS = {
+    "plain": SchedulerFacts(step_budget=8192),
+    "ckpt": SchedulerFacts(reserves_checkpoints=True, step_budget=8192),
+    "draft": SchedulerFacts(speculative_blocks=2, step_budget=8192),
+    "ckpt+draft": SchedulerFacts(
+        reserves_checkpoints=True, speculative_blocks=2, step_budget=8192
+    ),
+    "off-grid": SchedulerFacts(
+        reserves_checkpoints=True, backend_off_manager_grid=True, step_budget=8192
+    ),
+    "narrow": SchedulerFacts(step_budget=B - 1),
+}
+"""Scheduler facts: checkpoint blocks in a Mamba spec, an EAGLE/MTP drafter's
+scratch blocks, 0.30.0-0.31.0's backend off the manager's hash grid, a step
+budget narrower than B."""
+
+LETTERS = {
+    "stop_at_boundaries": "b",
+    "stop_anywhere": "a",
+    "mid_block_stop": "m",
+    "guard_unwritten": "u",
+    "mid_block_stop_missing": "M",
+    "guard_scratch": "s",
+    "watch_decisions": "w",
+    "align_short_chunks": "c",
+    "checkpoint_blocks_unalign": "k",
+}
+"""One letter per decision, in the policy's field order; "-": none is on."""
+
+
+def cell(policy: StopPolicy) -> str:
+    return "".join(LETTERS[name] for name in policy.active()) or "-"
+
+
+def reachable(body: SplitBody, facts: SchedulerFacts) -> bool:
+    """Whether a scheduler of this body can have these facts: checkpoint blocks
+    from 0.29.0 (a body with internal checkpointing), the backend off the
+    manager's grid only on 0.30.0-0.31.0."""
+    if facts.backend_off_manager_grid:
+        return body.checkpoint_grid is CheckpointGrid.PREFIX_MATCH_UNIT
+    if facts.reserves_checkpoints:
+        return body.internal_checkpoint is not InternalCheckpoint.NONE
+    return True
+
+
+def table_rows() -> list[str]:
+    """``body facts|full: dense zero R=4B|kept: ...|grid: ...``."""
+    rows = []
+    for body in BODIES:
+        for facts_name, facts in FACTS.items():
+            if not reachable(body, facts):
+                continue
+            cells = [
+                " ".join(
+                    f"{cell(StopPolicy.decide(mode, body, retention, facts, B)):<5}"
+                    for retention in RETENTIONS.values()
+                )
+                for mode in FIXING_MODES
+            ]
+            row = f"{body.name:<13} {facts_name:<10}|" + "|".join(cells)
+            rows.append(row.rstrip())
+    return rows
+
+
+# body         facts     |full: dense zero R=4B|kept: the same  |grid: the same
+EXPECTED = [
+    "0.15.1-0.16.0 plain     |bac   bac   bac  |bac   b     b    |aM    M     M",
+    "0.15.1-0.16.0 draft     |bac   bac   bac  |bac   b     b    |aM    M     M",
+    "0.15.1-0.16.0 narrow    |ba    ba    ba   |ba    b     b    |aM    M     M",
+    "0.17.1-0.22.1 plain     |bac   bac   bac  |bac   b     b    |aM    M     M",
+    "0.17.1-0.22.1 draft     |bac   bac   bac  |bac   b     b    |aM    M     M",
+    "0.17.1-0.22.1 narrow    |ba    ba    ba   |ba    b     b    |aM    M     M",
+    "0.23.0        plain     |bac   bac   bac  |bac   b     b    |aM    M     M",
+    "0.23.0        draft     |bac   bac   bac  |bac   b     b    |aM    M     M",
+    "0.23.0        narrow    |ba    ba    ba   |ba    b     b    |aM    M     M",
+    "0.24.0-0.25.1 plain     |bac   bac   bac  |bac   b     b    |aM    M     M",
+    "0.24.0-0.25.1 draft     |bac   bac   bac  |bac   b     b    |aM    M     M",
+    "0.24.0-0.25.1 narrow    |ba    ba    ba   |ba    b     b    |aM    M     M",
+    "0.26.0        plain     |bac   bac   bac  |bac   b     b    |a     -     -",
+    "0.26.0        draft     |bac   bac   bac  |bac   b     b    |aM    M     M",
+    "0.26.0        narrow    |ba    ba    ba   |ba    b     b    |a     -     -",
+    "0.27.1-0.28.0 plain     |bac   bac   bac  |bac   b     b    |a     -     -",
+    "0.27.1-0.28.0 draft     |bac   bac   bac  |bac   b     b    |a     -     -",
+    "0.27.1-0.28.0 narrow    |ba    ba    ba   |ba    b     b    |a     -     -",
+    "0.29.0        plain     |back  back  back |back  bk    bk   |ak    k     k",
+    "0.29.0        ckpt      |bauck bauck bauck|bauck buk   buk  |auk   uk    uk",
+    "0.29.0        draft     |back  back  back |back  bk    bk   |ak    k     k",
+    "0.29.0        ckpt+draft|bauck bauck bauck|bauck buk   buk  |auk   uk    uk",
+    "0.29.0        narrow    |bak   bak   bak  |bak   bk    bk   |ak    k     k",
+    "0.30.0        plain     |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "0.30.0        ckpt      |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "0.30.0        draft     |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "0.30.0        ckpt+draft|baswc baswc baswc|baswc bsw   bsw  |amsw  msw   msw",
+    "0.30.0        off-grid  |bawc  bawc  bawc |bawc  bawc  bawc |amw   amw   amw",
+    "0.30.0        narrow    |baw   baw   baw  |baw   bw    bw   |amw   mw    mw",
+    "0.31.0        plain     |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "0.31.0        ckpt      |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "0.31.0        draft     |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "0.31.0        ckpt+draft|baswc baswc baswc|baswc bsw   bsw  |amsw  msw   msw",
+    "0.31.0        off-grid  |bawc  bawc  bawc |bawc  bawc  bawc |amw   amw   amw",
+    "0.31.0        narrow    |baw   baw   baw  |baw   bw    bw   |amw   mw    mw",
+    "0.32.0        plain     |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "0.32.0        ckpt      |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "0.32.0        draft     |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "0.32.0        ckpt+draft|bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "0.32.0        narrow    |baw   baw   baw  |baw   bw    bw   |amw   mw    mw",
+    "0.33.0        plain     |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "0.33.0        ckpt      |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "0.33.0        draft     |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "0.33.0        ckpt+draft|bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "0.33.0        narrow    |baw   baw   baw  |baw   bw    bw   |amw   mw    mw",
+]
+
+
+def test_the_policy_table_is_pinned() -> None:
+    found = table_rows()
+    if found != EXPECTED:
+        diff = "\n".join(difflib.unified_diff(EXPECTED, found, lineterm=""))
+        pytest.fail(f"the stop policy changed:\n{diff}")
+
+
+def test_every_decision_is_a_documented_boolean_field() -> None:
+    """Each decision is a card: a field of its own with a docstring in the
+    module source (why, releases, vLLM's reference, delete when)."""
+    import inspect
+
+    from vllm_mamba_align import policy
+
+    source = inspect.getsource(policy.StopPolicy)
+    for name in LETTERS:
+        card = source.split(f"    {name}: bool\n", 1)
+        assert len(card) == 2, f"{name} is not a field of StopPolicy"
+        text = " ".join(card[1].split('"""')[1].split())
+        assert "Releases:" in text, f"{name}: no releases on its card"
+        assert "Delete when:" in text, f"{name}: no deletion condition"
+
+
+@pytest.mark.parametrize("mode", [Mode.OFF, Mode.AUDIT])
+def test_modes_that_bind_no_fix_have_no_policy(mode: Mode) -> None:
+    with pytest.raises(ValueError, match="binds no fix"):
+        StopPolicy.decide(mode, BODIES[-1], RETENTIONS["dense"], FACTS["plain"], B)
+
+
+def test_a_policy_is_one_frozen_value() -> None:
+    import dataclasses
+
+    found = StopPolicy.decide(
+        Mode.FULL, BODIES[-1], RETENTIONS["dense"], FACTS["plain"], B
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        found.stop_at_boundaries = False  # type: ignore[misc]
+    same = StopPolicy.decide(
+        Mode.FULL, BODIES[-1], RETENTIONS["dense"], FACTS["plain"], B
+    )
+    assert found == same and hash(found) == hash(same)

@@ -1,0 +1,143 @@
+"""The route (split.py) on both of vLLM's split signatures, without vLLM.
+
+0.24.0-0.25.1 give ``_mamba_block_aligned_split`` a fifth parameter
+(``num_uncached_common_prefix_tokens``); every other release has four. One
+route serves both: here it drives a vLLM-free split function of each shape,
+which ends chunks on the grid it reads from ``self.cache_config.block_size``
+the way vLLM's does, and records what it was called with.
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from vllm_mamba_align.policy import SchedulerFacts, StopPolicy
+from vllm_mamba_align.releases import BODIES, SplitBody
+from vllm_mamba_align.retention import Retention
+from vllm_mamba_align.settings import Mode
+from vllm_mamba_align.split import state_grid_split
+
+B, C, P = 1648, 816, 16764
+FIVE = next(body for body in BODIES if body.extra_parameter is not None)
+FOUR = BODIES[-1]
+
+
+class Scheduler:
+    """The attributes a route reads on a scheduler with no checkpoint blocks."""
+
+    def __init__(self) -> None:
+        self.cache_config = SimpleNamespace(block_size=C, prefix_match_unit=None)
+        self.kv_cache_config = SimpleNamespace(kv_cache_groups=())
+        self.max_num_scheduled_tokens = 8192
+        self.scheduler_config = SimpleNamespace(long_prefill_token_threshold=0)
+        self.mamba_has_prefill_checkpoint_blocks = False
+        self.calls: list[tuple[Any, ...]] = []
+
+
+def aligned_end(self: Scheduler, request: Any, num_new_tokens: int, start: int) -> int:
+    """vLLM's rule in short: a non-final prefill chunk ends on the grid."""
+    end = start + num_new_tokens
+    if end < request.num_prompt_tokens:
+        end = end // self.cache_config.block_size * self.cache_config.block_size
+    return end - start
+
+
+def split_with_prefix_tokens(
+    self: Scheduler,
+    request: Any,
+    num_new_tokens: int,
+    num_new_local_computed_tokens: int = 0,
+    num_external_computed_tokens: int = 0,
+    num_uncached_common_prefix_tokens: int = 0,
+) -> int:
+    """The shape of 0.24.0-0.25.1's split."""
+    self.calls.append((self.cache_config.block_size, num_uncached_common_prefix_tokens))
+    start = (
+        request.num_computed_tokens
+        + num_new_local_computed_tokens
+        + num_external_computed_tokens
+    )
+    return aligned_end(self, request, num_new_tokens, start)
+
+
+def split(
+    self: Scheduler,
+    request: Any,
+    num_new_tokens: int,
+    num_new_local_computed_tokens: int = 0,
+    num_external_computed_tokens: int = 0,
+) -> int:
+    """The shape of every other release's split."""
+    self.calls.append((self.cache_config.block_size,))
+    start = (
+        request.num_computed_tokens
+        + num_new_local_computed_tokens
+        + num_external_computed_tokens
+    )
+    return aligned_end(self, request, num_new_tokens, start)
+
+
+def request(computed: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id="r",
+        num_prompt_tokens=P,
+        num_tokens=P,
+        num_output_tokens=0,
+        num_computed_tokens=computed,
+    )
+
+
+def bind(stock: Any, body: SplitBody, mode: Mode) -> tuple[Scheduler, Any]:
+    scheduler = Scheduler()
+    retention = Retention(None, B, B, "test")
+    policy = StopPolicy.decide(mode, body, retention, SchedulerFacts(8192), B)
+    route = state_grid_split(scheduler, stock, policy, retention, body)  # type: ignore[arg-type]
+    return scheduler, route
+
+
+def test_the_fifth_parameter_is_passed_through_on_the_state_grid() -> None:
+    scheduler, route = bind(split_with_prefix_tokens, FIVE, Mode.FULL)
+    shared = scheduler.cache_config
+    # vLLM ends the chunk on the B grid (4 * B); full stops it at the first B.
+    assert route(request(), 8192, 0, 0, 37) == B
+    assert scheduler.calls == [(B, 37)], "vLLM's split saw B and the fifth argument"
+    assert scheduler.cache_config is shared, "the shared config is back in place"
+    assert route(request(), 8192) == B
+    assert scheduler.calls[-1] == (B, 0), "not passed: vLLM's own default"
+
+
+def test_the_route_presents_the_installed_signature() -> None:
+    for stock, body in ((split_with_prefix_tokens, FIVE), (split, FOUR)):
+        _, route = bind(stock, body, Mode.FULL)
+        expected = list(inspect.signature(stock).parameters)[1:]
+        assert list(inspect.signature(route).parameters) == expected
+        assert route.__wrapped__ is stock and route.__name__ == stock.__name__
+
+
+def test_four_parameters_reach_a_four_parameter_split() -> None:
+    scheduler, route = bind(split, FOUR, Mode.FULL)
+    assert route(request(), 8192, 0, 0) == B
+    assert scheduler.calls == [(B,)]
+
+
+@pytest.mark.parametrize("mode", [Mode.GRID, Mode.KEPT])
+def test_a_mid_block_start_stops_at_the_next_boundary_with_five_parameters(
+    mode: Mode,
+) -> None:
+    """0.24.0-0.25.1 have no stop after a mid-block start (a connector's hit):
+    grid adds it, kept stops there under dense retention."""
+    scheduler, route = bind(split_with_prefix_tokens, FIVE, mode)
+    assert route(request(100), 8192, 0, 0, 5) == B - 100
+    assert scheduler.calls == [(B, 5)]
+
+
+def test_a_decode_passes_straight_through() -> None:
+    scheduler, route = bind(split_with_prefix_tokens, FIVE, Mode.FULL)
+    decoding = request(P)
+    decoding.num_tokens = P + 1
+    assert route(decoding, 1, 0, 0, 0) == 1
+    assert scheduler.calls == [(B, 0)]

@@ -1,0 +1,336 @@
+"""The backend's in-chunk prefill checkpoint: when vLLM takes it, where it goes.
+
+From 0.29.0 a GPU Mamba/GDN backend whose spec declares
+``num_prefill_checkpoint_blocks > 0`` writes ONE state inside a prefill chunk
+vLLM decides to checkpoint internally (``use_internal_checkpoint`` in
+``Scheduler._mamba_block_aligned_split``): the state at a checkpoint position,
+into the request's Mamba block column ``cdiv(end, B) - 2``, skipped when that
+column holds the null block. Every vLLM rule about it is written here once and
+read by the fix (split.py, policy.py), the audit (audit/) and the simulation
+(tools/).
+
+Importing this module needs neither vLLM nor torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from packaging.version import InvalidVersion, Version
+
+if TYPE_CHECKING:
+    from .protocols import Request, Scheduler
+    from .releases import SplitBody
+
+
+class InternalCheckpoint(enum.Enum):
+    """How to tell that vLLM's backend materializes interior states itself.
+
+    When it does, the chunk may span several state blocks: the PR's extra stop
+    must not apply.
+    """
+
+    NONE = "none"
+    """No internal prefill checkpointing in this body (before 0.29.0)."""
+    ALIGNED_START = "mamba_has_prefill_checkpoint_blocks and start on the grid"
+    """0.29.0's rule, re-derived from the scheduler's own flag."""
+    OBSERVED = "vLLM's own is_mamba_prefill_checkpoint_valid() decision"
+    """0.30.0+: watch the decision vLLM takes inside the split."""
+
+
+class CheckpointGrid(enum.Enum):
+    """Which hash grid the GPU backend puts its one in-chunk prefill state on
+    (bodies with :attr:`InternalCheckpoint.OBSERVED`).
+
+    The backend places it at ``get_mamba_prefill_checkpoint_position(chunk end,
+    grid)`` and writes it only if ``is_mamba_prefill_checkpoint_valid`` agrees
+    with the same hash block; the grid differs across releases.
+    """
+
+    PREFIX_MATCH_UNIT = "cache_config.prefix_match_unit, else the Mamba block"
+    """0.30.0, 0.31.0: the backend's own choice, grid and hash block alike
+    (models/kimi_k3/nvidia/kda_metadata.py:620-621 in 0.30.0,
+    model_executor/layers/mamba/checkpoint.py:86 in 0.31.0). With
+    prefix_match_unit unset it is not the engine's hash block."""
+    CACHE_HIT_ALIGNMENT = "the engine's cache-hit alignment and hash block"
+    """0.32.0+: ``cache_config.cache_hit_alignment_tokens`` (the hash block
+    under partial hash hits, else the scheduler block) and
+    ``cache_config.hash_block_size``, as resolved by the engine
+    (model_executor/layers/mamba/checkpoint.py:111-133 in 0.32.0)."""
+
+
+CHECKPOINT_BACKENDS_SINCE: dict[str, str] = {
+    "flashkda": "0.29.0",
+    "mamba2": "0.32.0",
+    "gdn-flashinfer": "0.33.0",
+}
+"""GPU backends that declare ``MambaSpec.num_prefill_checkpoint_blocks`` and
+the first release where they do: KDA on flashkda (models/kimi_k3/nvidia/kda.py:
+599 in 0.29.0, :805 in 0.30.0, :747 in 0.31.0, :835 in 0.32.0), Mamba2
+(model_executor/layers/mamba/mamba_mixer2.py:1107 in 0.32.0), GDN
+(model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py:748 in 0.33.0; 0.32.0
+builds the checkpoint metadata for GDN but its layer declares no block)."""
+
+
+def checkpoint_backends(version: str | None) -> tuple[str, ...]:
+    """The backends of :data:`CHECKPOINT_BACKENDS_SINCE` a release has."""
+    try:
+        release = Version(version or "").release
+    except InvalidVersion:
+        return ()
+    return tuple(
+        backend
+        for backend, since in CHECKPOINT_BACKENDS_SINCE.items()
+        if release >= Version(since).release
+    )
+
+
+FLASHKDA_CHUNK_SIZE = 16
+"""0.29.0's flashkda kernel writes its in-chunk state only this many tokens
+apart from the chunk start (models/kimi_k3/nvidia/kda_metadata.py:582-605)."""
+
+
+def flashkda_position(start: int, end: int, grid: int) -> int:
+    """0.29.0's flashkda rule: where the backend writes its in-chunk state for a
+    chunk ``[start, end)`` vLLM checkpoints internally (-1: nowhere).
+
+    The last B boundary below the chunk end, if the chunk does not end on the
+    grid, the boundary lies inside the chunk and its offset from the chunk start
+    is a multiple of :data:`FLASHKDA_CHUNK_SIZE`
+    (models/kimi_k3/nvidia/kda_metadata.py:582-605 in 0.29.0). It goes into
+    column ``end // B - 1``.
+    """
+    position = end // grid * grid
+    offset = position - start
+    if end % grid == 0 or offset <= 0 or offset % FLASHKDA_CHUNK_SIZE:
+        return -1
+    return position
+
+
+class _CheckpointDecisions(threading.local):
+    """How many times vLLM decided for internal checkpointing, on this thread."""
+
+    taken: int = 0
+
+
+checkpoint_decisions = _CheckpointDecisions()
+
+
+def observe_checkpoint_decision(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Wrapper of the scheduler module's ``is_mamba_prefill_checkpoint_valid``.
+
+    On 0.30.0+ the split uses internal checkpointing exactly when this returns
+    True (it is the last operand of a short-circuit ``and``). Counting its True
+    answers keeps the plugin in step with vLLM's decision instead of re-deriving
+    it: a split call whose count moved took the decision.
+    """
+    result = wrapped(*args, **kwargs)
+    if result:
+        checkpoint_decisions.taken += 1
+    return result
+
+
+CheckpointRule = Callable[[int, int], int]
+"""(chunk start, chunk end) -> where the backend's in-chunk checkpoint goes, for
+a chunk vLLM decided to checkpoint internally (-1: nowhere)."""
+
+
+def spec_reserves_checkpoints(scheduler: Scheduler) -> bool:
+    """Whether a Mamba group's spec declares prefill checkpoint blocks, which
+    its manager reserves for a chunk that starts on the grid and ends off it,
+    whatever the scheduler's own ``mamba_has_prefill_checkpoint_blocks`` says."""
+    return any(
+        getattr(group.kv_cache_spec, "num_prefill_checkpoint_blocks", 0) > 0
+        for group in scheduler.kv_cache_config.kv_cache_groups
+    )
+
+
+def backend_off_manager_grid(scheduler: Scheduler, body: SplitBody, grid: int) -> bool:
+    """Whether vLLM's backend puts its in-chunk state on another hash grid than
+    its Mamba manager reserves and publishes the block for.
+
+    0.30.0-0.31.0 (:attr:`CheckpointGrid.PREFIX_MATCH_UNIT`) with checkpoint
+    blocks, prefix_match_unit unset and an engine hash block other than B (the
+    GCD of the groups' blocks, so C < B): for a chunk that spans two state
+    blocks the manager reserves the checkpoint block at its own position
+    (single_type_kv_cache_manager.py:1775-1779 in 0.30.0, :1783-1787 in
+    0.31.0) and keys it there (``_cache_partial_tail_block``, :2047-2092 in
+    0.31.0), while the backend writes the state of another position into it:
+    vLLM publishes a wrong state by itself. No chunk of one block is
+    checkpointed internally, so the fix then stops at every boundary, in
+    ``kept`` mode too, and never counts on the backend's state.
+    """
+    if body.checkpoint_grid is not CheckpointGrid.PREFIX_MATCH_UNIT:
+        return False
+    if not getattr(scheduler, "mamba_has_prefill_checkpoint_blocks", False):
+        return False
+    backend = getattr(scheduler.cache_config, "prefix_match_unit", None) or grid
+    return bool(backend != scheduler.hash_block_size)
+
+
+_POSITION_PARAMETERS = ("num_tokens", "hash_block_size", "drop_eagle_block")
+"""``get_mamba_prefill_checkpoint_position``'s parameters, 0.30.0-0.32.0."""
+_VALID_PARAMETERS = {
+    "query_start",
+    "query_end",
+    "checkpoint_position",
+    "hash_block_size",
+    "mamba_block_size",
+    "checkpoint_alignment",
+}
+"""``is_mamba_prefill_checkpoint_valid``'s parameters, 0.30.0-0.33.0."""
+
+
+def backend_checkpoint_rule(
+    scheduler: Scheduler, stock: Callable[..., int], body: SplitBody, grid: int
+) -> CheckpointRule | None:
+    """Where vLLM's GPU backend writes its one in-chunk prefill state.
+
+    None: the body has no internal checkpointing, or its position is not known
+    here (the fix then stops at every boundary, which is always safe: a cut
+    chunk is no longer final and vLLM decides again for the next one).
+
+    - 0.30.0+ (:class:`CheckpointGrid`): the backend puts the state at
+      ``get_mamba_prefill_checkpoint_position(chunk end, grid)`` and writes it
+      (into column ``cdiv(end, B) - 2``) only where
+      ``is_mamba_prefill_checkpoint_valid`` holds for its hash block
+      (models/kimi_k3/nvidia/kda_metadata.py:630-652 in 0.30.0,
+      model_executor/layers/mamba/checkpoint.py:21-58 in 0.31.0 and 0.32.0,
+      :21-63 in 0.33.0); both taken with vLLM's own functions, as the
+      scheduler module imported them (:func:`_observed_rule`).
+    - 0.29.0: :func:`flashkda_position`.
+    """
+    rule = body.internal_checkpoint
+    if rule is InternalCheckpoint.ALIGNED_START:
+        return lambda start, end: flashkda_position(start, end, grid)
+    if rule is not InternalCheckpoint.OBSERVED or body.checkpoint_grid is None:
+        return None
+    names = getattr(stock, "__globals__", {})
+    position_of: Callable[..., int] | None = names.get(
+        "get_mamba_prefill_checkpoint_position"
+    )
+    # The plugin counts the module's validity calls (observe_checkpoint_decision):
+    # ask the function it wraps, so these calls are not counted as decisions.
+    valid: Callable[..., bool] | None = names.get("is_mamba_prefill_checkpoint_valid")
+    valid = getattr(valid, "__wrapped__", valid)
+    if position_of is None or valid is None:
+        return None
+    try:
+        parameters = tuple(inspect.signature(position_of).parameters)
+        valid_parameters = set(inspect.signature(valid).parameters)
+    except (TypeError, ValueError):
+        return None
+    lookahead = parameters == (*_POSITION_PARAMETERS, "num_hash_lookahead_tokens")
+    if not (lookahead or parameters == _POSITION_PARAMETERS):
+        return None  # a helper this module has not been checked against
+    if valid_parameters != _VALID_PARAMETERS:
+        return None
+    by_prefix_unit = body.checkpoint_grid is CheckpointGrid.PREFIX_MATCH_UNIT
+    if by_prefix_unit and lookahead:
+        return None  # 0.30.0/0.31.0's grid with 0.33.0's helper: unknown code
+    if backend_off_manager_grid(scheduler, body, grid):
+        return None
+    return _observed_rule(
+        scheduler, grid, position_of, valid, by_prefix_unit, lookahead
+    )
+
+
+def _observed_rule(
+    scheduler: Scheduler,
+    grid: int,
+    helper: Callable[..., int],
+    check: Callable[..., bool],
+    by_prefix_unit: bool,
+    lookahead: bool,
+) -> CheckpointRule:
+    """0.30.0+'s position, by vLLM's own helper and validity check. The
+    helper's parameters are the release's: three up to 0.32.0, a fourth
+    (``num_hash_lookahead_tokens``, ``lookahead``) in 0.33.0."""
+
+    def observed(start: int, end: int) -> int:
+        if by_prefix_unit:
+            # 0.30.0, 0.31.0: the backend's grid and hash block (the same as
+            # the manager's: see backend_off_manager_grid).
+            hash_block = scheduler.cache_config.prefix_match_unit or grid
+            block = hash_block
+        else:
+            # 0.32.0+: cache_hit_alignment_tokens, which the scheduler's split
+            # reads as ckpt_block_size (scheduler.py:473-475 in 0.32.0,
+            # :576-578 in 0.33.0), and the engine's hash block.
+            hash_block = scheduler.hash_block_size
+            partial = scheduler.mamba_partial_cache_hit
+            block = hash_block if partial else scheduler.block_size
+        drop = scheduler.use_eagle_block_drop
+        if lookahead:
+            tokens = scheduler.num_hash_lookahead_tokens
+            position: int = helper(end, block, drop, num_hash_lookahead_tokens=tokens)
+        else:
+            position = helper(end, block, drop)
+        if not check(
+            query_start=start,
+            query_end=end,
+            checkpoint_position=position,
+            hash_block_size=hash_block,
+            mamba_block_size=grid,
+            checkpoint_alignment=scheduler.mamba_prefill_checkpoint_alignment,
+        ):
+            return -1  # the backend declines: nothing is written
+        return position
+
+    return observed
+
+
+OwnSlotWrite = Callable[["Request", int, int], int]
+"""(request, chunk start, chunk end) -> the B boundary whose state the backend
+writes into that boundary's own slot inside the chunk (0: none)."""
+
+
+def own_slot_write(
+    scheduler: Scheduler, stock: Callable[..., int], body: SplitBody, grid: int
+) -> OwnSlotWrite | None:
+    """Which boundary inside a chunk the GPU backend writes into its own slot,
+    read off vLLM's rule and the request's block table; None where the Mamba
+    spec reserves no checkpoint block or the backend's position is unknown.
+
+    The backend writes its state (position: :func:`backend_checkpoint_rule`)
+    into column ``cdiv(end, B) - 2``, and nothing when vLLM left that column
+    null (e.g. 0.29.0 with a drafter moves a speculative scratch block out of
+    it). The column is that boundary's own slot only when the position is the
+    last boundary before the chunk's end block; any other write makes no
+    boundary exist.
+    """
+    if not spec_reserves_checkpoints(scheduler):
+        return None
+    position_of = backend_checkpoint_rule(scheduler, stock, body, grid)
+    if position_of is None:
+        return None
+    try:
+        groups = scheduler.kv_cache_config.kv_cache_groups
+        managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+        blocks_of = next(
+            manager.req_to_blocks
+            for group, manager in zip(groups, managers, strict=True)
+            if getattr(group.kv_cache_spec, "num_prefill_checkpoint_blocks", 0) > 0
+        )
+    except (AttributeError, StopIteration, TypeError, ValueError):
+        return None
+
+    def written(request: Request, start: int, end: int) -> int:
+        position = position_of(start, end)
+        if not start < position < end or position % grid:
+            return 0
+        column = -(-end // grid) - 2
+        if position // grid - 1 != column:
+            return 0
+        blocks = blocks_of.get(request.request_id)
+        if not blocks or column >= len(blocks) or blocks[column].is_null:
+            return 0
+        return position
+
+    return written

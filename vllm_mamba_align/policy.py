@@ -1,0 +1,241 @@
+"""Where the fix stops a prefill chunk on one scheduler: one frozen value.
+
+:class:`StopPolicy` holds every stop decision of the fix for one scheduler,
+taken once at bind time from the mode, the installed split body
+(releases.py), vLLM's state retention (retention.py) and a few facts of the
+scheduler (:class:`SchedulerFacts`). The route (split.py) reads it on every
+call and decides nothing else. Each field is a card: why it exists (the
+defect, with vLLM's reference), which releases need it, and when it can be
+deleted. ``tests/unit/test_policy_table.py`` pins the whole table over
+mode, body, retention and scheduler facts.
+
+Importing this module needs neither vLLM nor torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from .checkpoints import (
+    FLASHKDA_CHUNK_SIZE,
+    InternalCheckpoint,
+    backend_off_manager_grid,
+    spec_reserves_checkpoints,
+)
+from .protocols import Scheduler
+from .releases import PrefillRule, SplitBody
+from .retention import Retention
+from .settings import Mode
+
+FIXING_MODES = (Mode.FULL, Mode.KEPT, Mode.GRID)
+"""The modes that bind the fix (``off`` and ``audit`` leave vLLM's split as it is)."""
+
+
+def step_budget(scheduler: Scheduler) -> tuple[int, str]:
+    """The most prefill tokens one request may get in a step, and what sets it
+    (vLLM's split computes the same bound)."""
+    budget = int(scheduler.max_num_scheduled_tokens)
+    source = f"--max-num-batched-tokens={budget}"
+    threshold = int(scheduler.scheduler_config.long_prefill_token_threshold or 0)
+    if 0 < threshold < budget:
+        budget, source = threshold, f"--long-prefill-token-threshold={threshold}"
+    return budget, source
+
+
+def speculative_blocks(scheduler: Scheduler) -> int:
+    """The most speculative scratch blocks a Mamba group's spec reserves per
+    request (an EAGLE/MTP drafter's; 0 without one)."""
+    return max(
+        (
+            getattr(group.kv_cache_spec, "num_speculative_blocks", 0)
+            for group in scheduler.kv_cache_config.kv_cache_groups
+        ),
+        default=0,
+    )
+
+
+@dataclass(frozen=True)
+class SchedulerFacts:
+    """What the policy reads off one scheduler, once, at bind time."""
+
+    reserves_checkpoints: bool = False
+    """A Mamba group's spec declares prefill checkpoint blocks
+    (:func:`checkpoints.spec_reserves_checkpoints`)."""
+    speculative_blocks: int = 0
+    """Speculative scratch blocks per request (:func:`speculative_blocks`)."""
+    backend_off_manager_grid: bool = False
+    """:func:`checkpoints.backend_off_manager_grid`."""
+    step_budget: int = 1 << 30
+    """:func:`step_budget`."""
+
+    @classmethod
+    def of(cls, scheduler: Scheduler, body: SplitBody, grid: int) -> SchedulerFacts:
+        return cls(
+            reserves_checkpoints=spec_reserves_checkpoints(scheduler),
+            speculative_blocks=speculative_blocks(scheduler),
+            backend_off_manager_grid=backend_off_manager_grid(scheduler, body, grid),
+            step_budget=step_budget(scheduler)[0],
+        )
+
+
+@dataclass(frozen=True)
+class StopPolicy:
+    """Every stop decision of the fix for one scheduler (B = ``grid``)."""
+
+    grid: int
+    """B, the Mamba state grid the route runs vLLM's split on."""
+    prefill: PrefillRule
+    """The installed body's prefill test: only prefill chunks are stopped."""
+
+    stop_at_boundaries: bool
+    """Stop a prefill chunk at the next B boundary it would cross, also from an
+    aligned start. Why: the allocator gives a request one real Mamba block per
+    step, so boundaries crossed inside a chunk are never materialized
+    (single_type_kv_cache_manager.py, ``MambaManager``, every release).
+    Releases: all. Modes: full, kept. Upstream: PR #54076 (step 3). Delete
+    when: every supported release has the PR."""
+    stop_anywhere: bool
+    """Stop at every boundary, not only where vLLM's retention keeps the state.
+    Why: ``full`` promises canonical states; under dense retention every
+    boundary is kept anyway; and where the backend's in-chunk state lands on
+    another grid than its manager publishes (:attr:`SchedulerFacts.\
+backend_off_manager_grid`, 0.30.0-0.31.0) a longer chunk gets a wrongly
+    published checkpoint. Releases: all (the last case 0.30.0-0.31.0). Delete
+    when: as :attr:`stop_at_boundaries`."""
+    mid_block_stop: bool
+    """grid mode: put back vLLM's own stop at the boundary after a chunk that
+    starts mid-block (a partial hit, a KV connector's hit) when vLLM
+    checkpoints that chunk internally. Why: 0.30.0+ drop that stop for such a
+    chunk (scheduler.py:645-649 in 0.33.0) although the backend writes one
+    state, so the start's block is published as the boundary's state it never
+    held. Releases: 0.30.0+ (:attr:`InternalCheckpoint.OBSERVED`). Delete when:
+    vLLM keeps its stop for internally checkpointed chunks."""
+    guard_unwritten: bool
+    """End a chunk from a boundary on the grid where 0.29.0's flashkda backend
+    would not write its in-chunk state. Why: it writes only 16-aligned from the
+    chunk start (:func:`checkpoints.flashkda_position`), yet vLLM publishes the
+    reserved checkpoint block either way; with B % 16 != 0 a chunk across an
+    odd number of blocks publishes a hash over an unwritten slot. The manager
+    reserves that block by the Mamba spec even where the scheduler's own flag
+    is off with a drafter (scheduler.py:329-338 and
+    single_type_kv_cache_manager.py:1565-1580 in 0.29.0): the guard goes by
+    the spec. Releases: 0.29.0. Modes: every fixing mode. Delete when: 0.29.0
+    is no longer supported."""
+    mid_block_stop_missing: bool
+    """grid mode: add the stop at the boundary after a chunk that starts
+    mid-block, which vLLM lacks. Why: before 0.26.0 there is no such stop, so
+    the start's block (holding a KV connector's loaded state) is published as
+    the boundary's; 0.26.0 still lacks it in its drafter tail (unaligned before
+    0.27.1: with MTP, C = B = 168 and a 176-token prompt next to a decode,
+    stock runs 0 -> 166 -> 176 and publishes the block of 168 holding
+    state@166). Releases: 0.15.1-0.25.1; 0.26.0 with a drafter. Delete when:
+    0.26.0 and older are no longer supported."""
+    guard_scratch: bool
+    """Cut a chunk vLLM checkpoints internally at its first boundary when a
+    running request's speculative scratch blocks would stand in its interior
+    boundary columns. Why: in such a step 0.30.0-0.31.0's manager leaves them
+    where they stood and publishes them as those states
+    (single_type_kv_cache_manager.py:1873 in 0.30.0, :1882 in 0.31.0; see
+    :attr:`SplitBody.relocates_scratch_in_checkpoint_steps`); a cut step
+    checkpoints nothing, so vLLM moves them as in any other step. Releases:
+    0.30.0-0.31.0 with a drafter and checkpoint blocks. Modes: every fixing
+    mode. Delete when: 0.31.0 and older are no longer supported."""
+    watch_decisions: bool
+    """Read vLLM's internal-checkpoint decision for each call (the count of
+    :data:`checkpoints.checkpoint_decisions`) instead of re-deriving it. Why:
+    0.30.0+ decide with ``is_mamba_prefill_checkpoint_valid`` inside the split;
+    a stop must not cut a chunk whose only boundary the backend writes.
+    Releases: 0.30.0+, whenever any stop applies. Delete when: as
+    :attr:`stop_at_boundaries`."""
+    align_short_chunks: bool
+    """Refuse (0 tokens) a prefill chunk from a boundary that the step budget
+    squeezes short of the next one, where vLLM would leave it unaligned. Why: its
+    boundary's state would come from two chunks; vLLM's split waits for a whole
+    block itself except 0.29.0 once checkpoint blocks exist, and bodies before
+    0.27.1 with an EAGLE/MTP drafter in the last block but one. Releases: all,
+    where boundary states must be canonical (full; kept under dense retention)
+    and B fits the budget. Delete when: as :attr:`stop_at_boundaries`."""
+    checkpoint_blocks_unalign: bool
+    """For :attr:`align_short_chunks`: vLLM leaves a chunk short of the prefill
+    end unaligned anywhere once the scheduler has checkpoint blocks. Releases:
+    0.29.0 (:attr:`InternalCheckpoint.ALIGNED_START`). Delete when: 0.29.0 is
+    no longer supported."""
+
+    @property
+    def any_stop(self) -> bool:
+        """Whether the route changes vLLM's answer at all after its call."""
+        return (
+            self.stop_at_boundaries
+            or self.mid_block_stop
+            or self.guard_unwritten
+            or self.mid_block_stop_missing
+            or self.guard_scratch
+        )
+
+    @classmethod
+    def decide(
+        cls,
+        mode: Mode,
+        body: SplitBody,
+        retention: Retention,
+        facts: SchedulerFacts,
+        grid: int,
+    ) -> StopPolicy:
+        """The policy for a fixing mode; no vLLM needed."""
+        if mode not in FIXING_MODES:
+            raise ValueError(f"mode {mode.value} binds no fix")
+        rule = body.internal_checkpoint
+        observed = rule is InternalCheckpoint.OBSERVED
+        stop_at_boundaries = mode in (Mode.FULL, Mode.KEPT)
+        stop_anywhere = (
+            mode is Mode.FULL or retention.dense or facts.backend_off_manager_grid
+        )
+        drafter = facts.speculative_blocks > 0
+        policy = cls(
+            grid=grid,
+            prefill=body.prefill,
+            stop_at_boundaries=stop_at_boundaries,
+            stop_anywhere=stop_anywhere,
+            mid_block_stop=mode is Mode.GRID and observed,
+            guard_unwritten=rule is InternalCheckpoint.ALIGNED_START
+            and grid % FLASHKDA_CHUNK_SIZE != 0
+            and facts.reserves_checkpoints,
+            mid_block_stop_missing=mode is Mode.GRID
+            and not (
+                body.stops_after_mid_block_start
+                and (body.aligns_drafter_tail or not drafter)
+            ),
+            guard_scratch=observed
+            and not body.relocates_scratch_in_checkpoint_steps
+            and facts.reserves_checkpoints
+            and drafter,
+            watch_decisions=False,
+            align_short_chunks=stop_at_boundaries
+            and stop_anywhere
+            and 0 < grid <= facts.step_budget,
+            checkpoint_blocks_unalign=rule is InternalCheckpoint.ALIGNED_START,
+        )
+        if observed and policy.any_stop:
+            return replace(policy, watch_decisions=True)
+        return policy
+
+    @classmethod
+    def for_scheduler(
+        cls,
+        mode: Mode,
+        body: SplitBody,
+        retention: Retention,
+        scheduler: Scheduler,
+        grid: int,
+    ) -> StopPolicy:
+        """The policy for one freshly built scheduler (bind time)."""
+        facts = SchedulerFacts.of(scheduler, body, grid)
+        return cls.decide(mode, body, retention, facts, grid)
+
+    def active(self) -> tuple[str, ...]:
+        """The names of the stop decisions that are on, in field order."""
+        return tuple(
+            field.name
+            for field in fields(self)
+            if field.type == "bool" and getattr(self, field.name)
+        )
