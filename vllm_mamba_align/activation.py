@@ -6,9 +6,13 @@ known. Logs exactly one line through vLLM's logger saying what it found and did.
 
 from __future__ import annotations
 
+import ast
+import functools
 import inspect
 import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from . import __version__, audit, metrics, settings
@@ -49,6 +53,37 @@ class Recognition:
     verified: bool
     split: Any = None
     """vLLM's own ``_mamba_block_aligned_split`` function, as found (unwrapped)."""
+
+
+def upstream_fix_present(scheduler_class: type) -> bool:
+    """Whether vLLM's own scheduler code derives ``mamba_state_block_size``
+    itself (upstream's fix, PR #54076, is in this vLLM): some module of the
+    class's MRO assigns that attribute.
+
+    The one check both activation and ``vllm-mamba-align doctor`` use. Read
+    from the source, not an instance: the plugin sets the same attribute on the
+    schedulers it fixes. Each file is parsed once per process.
+    """
+    for klass in scheduler_class.__mro__:
+        module = sys.modules.get(klass.__module__)
+        source_file = getattr(module, "__file__", None)
+        if source_file and _assigns_state_block(source_file):
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=16)
+def _assigns_state_block(source_file: str) -> bool:
+    try:
+        tree = ast.parse(Path(source_file).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return False
+    return any(
+        isinstance(node, ast.Attribute)
+        and isinstance(node.ctx, ast.Store)
+        and node.attr == STATE_BLOCK_ATTRIBUTE
+        for node in ast.walk(tree)
+    )
 
 
 def _logger() -> Any:
@@ -217,8 +252,8 @@ def attach(scheduler: Any, recognition: Recognition) -> None:
     if not _needs_align_split(scheduler):
         _log(scheduler, recognition, "inactive (no Mamba layers in align mode)", None)
         return
-    if hasattr(scheduler, STATE_BLOCK_ATTRIBUTE):
-        upstream = getattr(scheduler, STATE_BLOCK_ATTRIBUTE)
+    if upstream_fix_present(type(scheduler)):
+        upstream = getattr(scheduler, STATE_BLOCK_ATTRIBUTE, None)
         _log(
             scheduler,
             recognition,

@@ -5,14 +5,14 @@ touching a GPU: vLLM's version, which known split body its code matches, whether
 vLLM's plugin loader would load this plugin, the mode, the Model Runner V2 worker's
 state-seed site, and whether the upstream fix is already in vLLM.
 
-The verdict ("would refuse") is computed by the plugin's own decision code
-(:func:`plugin.recognize` and :func:`activation.hybrid_refusal`), never a copy, so
-the doctor cannot disagree with what happens at ``vllm serve``.
+The verdict ("would refuse") and the upstream-fix check are computed by the
+plugin's own decision code (:func:`plugin.recognize`,
+:func:`activation.hybrid_refusal` and :func:`activation.upstream_fix_present`),
+never a copy, so the doctor cannot disagree with what happens at ``vllm serve``.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import importlib
 import json
@@ -21,7 +21,6 @@ import platform
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 from . import __version__, settings
 from .errors import MambaAlignError
@@ -188,28 +187,6 @@ def worker_seed_status(vllm_root: Path, mode: str | None) -> tuple[str, str]:
     )
 
 
-def _upstream_fix_present(scheduler_module: Any) -> bool:
-    """Whether vLLM's own scheduler source assigns ``self.mamba_state_block_size``.
-
-    Reads the module's file, not an instance: the plugin sets the same attribute.
-    """
-    from .activation import STATE_BLOCK_ATTRIBUTE
-
-    source_file = getattr(scheduler_module, "__file__", None)
-    if source_file is None:
-        return False
-    try:
-        tree = ast.parse(Path(source_file).read_text())
-    except (OSError, SyntaxError, ValueError):
-        return False
-    return any(
-        isinstance(node, ast.Attribute)
-        and isinstance(node.ctx, ast.Store)
-        and node.attr == STATE_BLOCK_ATTRIBUTE
-        for node in ast.walk(tree)
-    )
-
-
 def _retention() -> tuple[str, dict[str, str]]:
     """vLLM's default state retention, and what each mode does under it."""
     from .retention import installed_setting, mode_meaning
@@ -234,7 +211,11 @@ def collect() -> Report:
     """Inspect the installed vLLM. Raises :class:`VllmMissing` without it."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     root = _vllm_root()
-    from .activation import describe_batch_invariance, hybrid_refusal
+    from .activation import (
+        describe_batch_invariance,
+        hybrid_refusal,
+        upstream_fix_present,
+    )
     from .plugin import SCHEDULER_MODULE, SPLIT_METHOD, recognize
 
     notes: list[str] = []
@@ -281,7 +262,7 @@ def collect() -> Report:
             "Python: install vllm-mamba-align into vLLM's environment"
         )
 
-    upstream = _upstream_fix_present(module)
+    upstream = upstream_fix_present(scheduler_class)
     refusal: str | None = None
     if mode_error is not None:
         refusal = mode_error

@@ -101,13 +101,15 @@ def test_first_would_be_poisoned_slot_is_warned_at_once_and_only_once() -> None:
 def test_the_reporter_thread_logs_while_the_scheduler_is_idle() -> None:
     lines: list[str] = []
     exported: list[audit.AuditSnapshot] = []
-    found = audit.Audit(B, C, interval=0.05, log=lines.append, export=exported.append)
 
     class Scheduler:  # weakly referenced, like vLLM's
         pass
 
     owner = Scheduler()
-    found.start_reporter(owner)
+    found = audit.Audit(
+        B, C, interval=0.05, log=lines.append, export=exported.append, owner=owner
+    )
+    found.start_reporter()
     found.count_chunk(SimpleNamespace(), 8160, 16320)  # then nothing is scheduled
     deadline = time.monotonic() + 10
     while not lines and time.monotonic() < deadline:
@@ -140,11 +142,11 @@ def test_the_audit_interval_setting_is_checked(
 def test_a_chunk_from_off_the_grid_across_a_boundary_poisons_one_slot() -> None:
     found = audit.Audit(B, C, log=lambda line: None)
     found.count_chunk(SimpleNamespace(), 0, 8160)  # aligned start: skips 4
-    assert (found.poisoned_slots, found.skipped_boundaries) == (0, 4)
+    assert (found.counts.poisoned_slots, found.counts.skipped_boundaries) == (0, 4)
     found.count_chunk(SimpleNamespace(), 8160, 16320)  # off-grid start, crosses 5
-    assert (found.poisoned_slots, found.skipped_boundaries) == (1, 8)
+    assert (found.counts.poisoned_slots, found.counts.skipped_boundaries) == (1, 8)
     found.count_chunk(SimpleNamespace(), 16320, 16480)  # ends on the boundary
-    assert (found.poisoned_slots, found.skipped_boundaries) == (1, 8)
+    assert (found.counts.poisoned_slots, found.counts.skipped_boundaries) == (1, 8)
 
 
 def test_only_boundaries_the_retention_keeps_are_counted() -> None:
@@ -154,9 +156,9 @@ def test_only_boundaries_the_retention_keeps_are_counted() -> None:
     found = audit.Audit(B, C, retention=sparse, log=lambda line: None)
     found.count_chunk(request, 0, 8160)
     found.count_chunk(request, 8160, 16320)
-    assert (found.poisoned_slots, found.skipped_boundaries) == (0, 0)
+    assert (found.counts.poisoned_slots, found.counts.skipped_boundaries) == (0, 0)
     found.count_chunk(request, 16320, 16752)  # crosses 16,480 from off the grid
-    assert (found.poisoned_slots, found.skipped_boundaries) == (1, 0)
+    assert (found.counts.poisoned_slots, found.counts.skipped_boundaries) == (1, 0)
 
 
 def test_the_boundary_the_backend_writes_counts_as_written() -> None:
@@ -171,11 +173,11 @@ def test_the_boundary_the_backend_writes_counts_as_written() -> None:
         backend_checkpoint=lambda request, start, end: writes[start, end],
     )
     found.count_chunk(SimpleNamespace(), 0, 8160)  # 4 inside, 6,592 written
-    assert (found.poisoned_slots, found.skipped_boundaries) == (0, 3)
+    assert (found.counts.poisoned_slots, found.counts.skipped_boundaries) == (0, 3)
     found.count_chunk(SimpleNamespace(), 8160, 16320)  # 8,240 is the start's slot
-    assert (found.poisoned_slots, found.skipped_boundaries) == (0, 7)
+    assert (found.counts.poisoned_slots, found.counts.skipped_boundaries) == (0, 7)
     found.count_chunk(SimpleNamespace(), 16320, 16752)  # nothing written
-    assert (found.poisoned_slots, found.skipped_boundaries) == (1, 7)
+    assert (found.counts.poisoned_slots, found.counts.skipped_boundaries) == (1, 7)
 
 
 class Output:
@@ -202,21 +204,20 @@ def test_one_token_chunks_are_counted_while_the_body_calls_them_prefill(
 ) -> None:
     """One-token chunks skip the split observer: the step's output shows them,
     judged by the body's own prefill rule (releases.in_prefill)."""
-    found = audit.Audit(B, C, rule, log=lambda line: None)
     request = live_request(prompt=3, computed=1)  # vLLM advanced it by 1
-    found.live_requests = {"r": request}
+    found = audit.Audit(B, C, rule, log=lambda line: None, live_requests={"r": request})
     found.after_schedule(Output({"r": 1}, new=("r",)))
     request.num_computed_tokens = 2
     found.after_schedule(Output({"r": 1}))
     request.num_computed_tokens = 3  # the prompt's last token
     found.after_schedule(Output({"r": 1}))
-    assert found.prefill_chunks == 3
+    assert found.counts.prefill_chunks == 3
     # The first decode: after update_from_output the request has an output.
     request.num_output_tokens, request.num_tokens = 1, 4
     request.num_computed_tokens = 4
     found.after_schedule(Output({"r": 1}))
-    assert found.prefill_chunks == 3, "a decode is not a prefill chunk"
-    assert found.prefill_tokens == 3 and found.requests == 1
+    assert found.counts.prefill_chunks == 3, "a decode is not a prefill chunk"
+    assert found.counts.prefill_tokens == 3 and found.counts.requests == 1
 
 
 def test_a_replay_is_prefill_only_where_the_body_says_so() -> None:
@@ -226,9 +227,10 @@ def test_a_replay_is_prefill_only_where_the_body_says_so() -> None:
         (PrefillRule.BEFORE_PREFILL_END, 1),
         (PrefillRule.NO_OUTPUT_YET, 0),
     ):
-        found = audit.Audit(B, C, rule, log=lambda line: None)
         request = live_request(prompt=3000, computed=2000, outputs=40)
-        found._pending["r"] = request  # as if the observer had noted it
-        found.live_requests = {"r": request}
-        found._count_scheduled(request, 2000)
-        assert found.prefill_chunks == counted
+        found = audit.Audit(
+            B, C, rule, log=lambda line: None, live_requests={"r": request}
+        )
+        found.ledger.pending["r"] = request  # as if the observer had noted it
+        found.ledger.count_scheduled(request, 2000)
+        assert found.counts.prefill_chunks == counted
