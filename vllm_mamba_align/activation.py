@@ -20,6 +20,7 @@ from .errors import MambaAlignError
 from .fingerprint import CodeShape
 from .geometry import state_block_size
 from .policy import StopPolicy, step_budget
+from .protocols import Scheduler
 from .releases import (
     BATCH_INVARIANT_VARIABLE,
     SUPPORTED_RELEASES,
@@ -92,7 +93,7 @@ def _logger() -> Any:
     return init_logger("vllm.plugins.mamba_align")
 
 
-def _needs_align_split(scheduler: Any) -> bool:
+def _needs_align_split(scheduler: Scheduler) -> bool:
     flag = getattr(scheduler, "need_mamba_block_aligned_split", None)
     if flag is not None:
         return bool(flag)
@@ -142,7 +143,7 @@ def _refuse_unknown_code(recognition: Recognition) -> MambaAlignError:
     )
 
 
-def _refuse_stall(scheduler: Any, body: SplitBody, state_grid: int) -> None:
+def _refuse_stall(scheduler: Scheduler, body: SplitBody, state_grid: int) -> None:
     """Stall guard for bodies without vLLM's "block too wide for one chunk" rule.
 
     Those bodies (0.15.1-0.26.0) floor every non-final chunk to the grid; on the B
@@ -174,7 +175,7 @@ def hybrid_refusal(recognition: Recognition) -> MambaAlignError | None:
     return None
 
 
-def _geometry(scheduler: Any, state_grid: int | None) -> str:
+def _geometry(scheduler: Scheduler, state_grid: int | None) -> str:
     cache_block = scheduler.cache_config.block_size
     hash_block = getattr(scheduler, "hash_block_size", cache_block)
     grid = "none" if state_grid is None else state_grid
@@ -212,7 +213,7 @@ def _log(
     )
 
 
-def _runs_recognized_split(scheduler: Any, recognition: Recognition) -> bool:
+def _runs_recognized_split(scheduler: Scheduler, recognition: Recognition) -> bool:
     """Whether this scheduler's class calls the split the plugin recognized.
 
     False for a scheduler class that overrides the split with its own code.
@@ -222,7 +223,7 @@ def _runs_recognized_split(scheduler: Any, recognition: Recognition) -> bool:
     return wrapped is not None and wrapped is recognition.split
 
 
-def _refuse_override(scheduler: Any) -> MambaAlignError:
+def _refuse_override(scheduler: Scheduler) -> MambaAlignError:
     return MambaAlignError(
         f"vllm-mamba-align: {type(scheduler).__qualname__} overrides "
         f"{SPLIT_METHOD} with code the plugin has not verified, so the plugin "
@@ -232,7 +233,7 @@ def _refuse_override(scheduler: Any) -> MambaAlignError:
     )
 
 
-def _bind_split(scheduler: Any, route: SplitFunction) -> None:
+def _bind_split(scheduler: Scheduler, route: SplitFunction) -> None:
     """Bind this scheduler's split calls straight to ``route``.
 
     vLLM calls ``self._mamba_block_aligned_split`` for every running request at
@@ -246,7 +247,7 @@ def _bind_split(scheduler: Any, route: SplitFunction) -> None:
     scheduler.__dict__[SPLIT_METHOD] = route
 
 
-def attach(scheduler: Any, recognition: Recognition) -> None:
+def attach(scheduler: Scheduler, recognition: Recognition) -> None:
     """Decide for one freshly built scheduler; raise to refuse it, never half-apply."""
     mode = settings.read_mode()
     if not _needs_align_split(scheduler):

@@ -10,9 +10,9 @@ executors).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from .errors import MambaAlignError
+from .protocols import KVCacheConfig
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class MambaGroup:
         return f"group {self.group_index} [{layers}]: block_size={self.block_size}"
 
 
-def mamba_groups(kv_cache_config: Any) -> list[MambaGroup]:
+def mamba_groups(kv_cache_config: KVCacheConfig) -> list[MambaGroup]:
     """Every Mamba spec in the config, looking inside ``UniformTypeKVCacheSpecs``."""
     from vllm.v1 import kv_cache_interface
 
@@ -51,7 +51,7 @@ def mamba_groups(kv_cache_config: Any) -> list[MambaGroup]:
     return found
 
 
-def state_block_size(kv_cache_config: Any) -> int | None:
+def state_block_size(kv_cache_config: KVCacheConfig) -> int | None:
     """B, the block size shared by all Mamba groups; None when there are none.
 
     Raises when the groups disagree: no single grid can then keep every slot's

@@ -58,6 +58,10 @@ class Coordinator(Protocol):
     """The KV-cache coordinator (``vllm/v1/core/kv_cache_coordinator.py``)."""
 
     @property
+    def retention_interval(self) -> int | None:
+        """The state retention the Mamba manager applies (0.27.1+)."""
+
+    @property
     def single_type_managers(self) -> Sequence[Any]:
         """One manager per KV-cache group, in the groups' order."""
 

@@ -31,7 +31,6 @@ import enum
 import sys
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
@@ -40,6 +39,7 @@ from .checkpoints import CheckpointGrid as CheckpointGrid
 from .checkpoints import InternalCheckpoint as InternalCheckpoint
 from .checkpoints import checkpoint_backends as checkpoint_backends
 from .fingerprint import SPLIT_PARAMETERS, CodeShape
+from .protocols import Request
 
 
 class PrefillRule(enum.Enum):
@@ -51,7 +51,7 @@ class PrefillRule(enum.Enum):
     """0.17.1 onwards: also resumed requests replaying their output tokens."""
 
 
-def in_prefill(rule: PrefillRule, request: Any, start: int) -> bool:
+def in_prefill(rule: PrefillRule, request: Request, start: int) -> bool:
     """Whether a chunk of ``request`` starting at ``start`` is prefill, by ``rule``.
 
     The fix (which stops only prefill chunks) and the audit (which counts only

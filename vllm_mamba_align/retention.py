@@ -40,6 +40,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .protocols import Request, Scheduler
+
 RETENTION_VARIABLE = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
 """Where 0.27.1-0.28.0 read the setting (later releases: the cache config)."""
 
@@ -58,7 +60,7 @@ class Retention:
     block."""
     source: str
     """Where the value came from, for the start line and ``doctor``."""
-    replay: Callable[[Any], Sequence[int]] = lambda request: (
+    replay: Callable[[Request], Sequence[int]] = lambda request: (
         request.num_prompt_tokens - 1,
     )
     """vLLM's replay positions of a request (where a re-ask or a longer sibling
@@ -79,7 +81,7 @@ class Retention:
         interval = self.interval
         return bool(interval) and boundary % interval == 0  # type: ignore[operator]
 
-    def reachable(self, request: Any) -> tuple[int, ...]:
+    def reachable(self, request: Request) -> tuple[int, ...]:
         """The B boundaries vLLM keeps for ``request`` whatever the segments say."""
         grid = self.state_block
         positions = list(self.replay(request))
@@ -96,12 +98,12 @@ class Retention:
                 kept.add(boundary)
         return tuple(sorted(kept))
 
-    def keeps(self, request: Any, boundary: int) -> bool:
+    def keeps(self, request: Request, boundary: int) -> bool:
         """Whether vLLM publishes ``request``'s state at ``boundary`` (a multiple
         of B) when a chunk ends there."""
         return self.keeps_segment(boundary) or boundary in self.reachable(request)
 
-    def first_kept_after(self, request: Any, start: int) -> int | None:
+    def first_kept_after(self, request: Request, start: int) -> int | None:
         """The first boundary above ``start`` vLLM keeps for ``request``, if any."""
         grid = self.state_block
         if self.dense:
@@ -112,7 +114,7 @@ class Retention:
             candidates.append((start // interval + 1) * interval)
         return min(candidates, default=None)
 
-    def kept_in(self, request: Any, low: int, high: int) -> list[int]:
+    def kept_in(self, request: Request, low: int, high: int) -> list[int]:
         """The boundaries ``low < b <= high`` vLLM keeps for ``request``, sorted."""
         grid = self.state_block
         first = (low // grid + 1) * grid
@@ -124,7 +126,7 @@ class Retention:
             kept.update(range((low // interval + 1) * interval, high + 1, interval))
         return sorted(kept)
 
-    def count_kept_between(self, request: Any, low: int, high: int) -> int:
+    def count_kept_between(self, request: Request, low: int, high: int) -> int:
         """How many boundaries ``low < b < high`` vLLM keeps for ``request``."""
         grid = self.state_block
         if self.dense:
@@ -164,7 +166,7 @@ def _mamba_manager(coordinator: Any) -> Any:
     return None
 
 
-def read_retention(scheduler: Any, state_block: int) -> Retention:
+def read_retention(scheduler: Scheduler, state_block: int) -> Retention:
     """The retention this scheduler's KV-cache manager applies, read where it
     reads it: the coordinator's ``retention_interval`` (0.27.1+), the Mamba
     manager's hit alignment (0.29.0+; the scheduler block before), vLLM's own
@@ -202,7 +204,7 @@ def read_retention(scheduler: Any, state_block: int) -> Retention:
 
 def _replay_rule(
     coordinator: Any, scheduler_block: int, eagle: bool
-) -> Callable[[Any], Sequence[int]]:
+) -> Callable[[Request], Sequence[int]]:
     """vLLM's own replay positions for this coordinator (``P - 1`` before 0.30.0)."""
     method = getattr(coordinator, "get_replay_boundaries", None)
     if callable(method):  # 0.30.0-0.31.0
