@@ -19,8 +19,9 @@ This module is the route only: vLLM's call on the B-grid view, then the policy's
 stops. The split runs for every running request at every step (decodes
 included), so the route is a plain closure bound to one scheduler: no wrapper
 layers, no argument packing, a few integer operations on top of vLLM's own call.
-One route serves both of vLLM's signatures (signature.py), and carries vLLM's
-``__name__``, ``__qualname__``, ``__doc__`` and ``__wrapped__``.
+The route is bound with the installed method's parameters, four or five
+(signature.py), and carries vLLM's ``__name__``, ``__qualname__``, ``__doc__``
+and ``__wrapped__``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from .policy import StopPolicy
 from .protocols import CacheConfig, Request, Scheduler
 from .releases import SplitBody, in_prefill
 from .retention import Retention
-from .signature import SplitFunction, present_as
+from .signature import Route, SplitFunction, StockCall, bind_route
 
 BoundaryStop = Callable[[Request, int, int, int], int]
 """(request, chunk start, vLLM's token count, decisions before the call) -> the
@@ -256,24 +257,40 @@ def state_grid_split(
     returns. (A proxy of the whole scheduler would work too, but costs about 10 us
     per call in attribute look-ups.)
     """
+    checkpoint_at = backend_checkpoint_rule(scheduler, stock, body, policy.grid)
+    boundary_stop = boundary_stops(scheduler, policy, retention, checkpoint_at)
+    return bind_route(
+        lambda call: _route(scheduler, call, policy, boundary_stop),
+        stock,
+        body.extra_parameter,
+    )
+
+
+def _route(
+    scheduler: Scheduler,
+    call: StockCall,
+    policy: StopPolicy,
+    boundary_stop: BoundaryStop,
+) -> Route:
+    """vLLM's call on the B-grid view, then the policy's stops."""
     grid, observed, any_stop = policy.grid, policy.watch_decisions, policy.any_stop
     align_short_chunks, decisions = policy.align_short_chunks, checkpoint_decisions
     view = _StateGridCacheConfig(scheduler.cache_config, grid)
     falls_short = _falls_short(scheduler, policy)
-    checkpoint_at = backend_checkpoint_rule(scheduler, stock, body, grid)
-    boundary_stop = boundary_stops(scheduler, policy, retention, checkpoint_at)
 
     def split(
         request: Request,
         num_new_tokens: int,
         num_new_local_computed_tokens: int = 0,
         num_external_computed_tokens: int = 0,
-        num_uncached_common_prefix_tokens: int | None = None,
     ) -> int:
         nonlocal view
-        local, external = num_new_local_computed_tokens, num_external_computed_tokens
         if align_short_chunks and falls_short(
-            request, request.num_computed_tokens + local + external, num_new_tokens
+            request,
+            request.num_computed_tokens
+            + num_new_local_computed_tokens
+            + num_external_computed_tokens,
+            num_new_tokens,
         ):
             return 0
         shared = scheduler.cache_config
@@ -283,24 +300,22 @@ def state_grid_split(
         taken_before = decisions.taken if observed and num_new_tokens > 1 else 0
         scheduler.cache_config = view
         try:
-            if num_uncached_common_prefix_tokens is None:
-                num_tokens: int = stock(
-                    scheduler, request, num_new_tokens, local, external
-                )
-            else:  # 0.24.0-0.25.1's fifth parameter, passed through
-                num_tokens = stock(
-                    scheduler,
-                    request,
-                    num_new_tokens,
-                    local,
-                    external,
-                    num_uncached_common_prefix_tokens,
-                )
+            num_tokens = call(
+                scheduler,
+                request,
+                num_new_tokens,
+                num_new_local_computed_tokens,
+                num_external_computed_tokens,
+            )
         finally:
             scheduler.cache_config = shared
         if num_tokens <= 1 or not any_stop:
             return num_tokens
-        start = request.num_computed_tokens + local + external
+        start = (
+            request.num_computed_tokens
+            + num_new_local_computed_tokens
+            + num_external_computed_tokens
+        )
         return boundary_stop(request, start, num_tokens, taken_before)
 
-    return present_as(split, stock)
+    return split

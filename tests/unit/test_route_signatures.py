@@ -1,8 +1,9 @@
 """The route (split.py) on both of vLLM's split signatures, without vLLM.
 
 0.24.0-0.25.1 give ``_mamba_block_aligned_split`` a fifth parameter
-(``num_uncached_common_prefix_tokens``); every other release has four. One
-route serves both: here it drives a vLLM-free split function of each shape,
+(``num_uncached_common_prefix_tokens``); every other release has four. The
+route is written once and bound with the installed method's parameters
+(signature.py): here it drives a vLLM-free split function of each shape,
 which ends chunks on the grid it reads from ``self.cache_config.block_size``
 the way vLLM's does, and records what it was called with.
 """
@@ -115,6 +116,8 @@ def test_the_route_presents_the_installed_signature() -> None:
         _, route = bind(stock, body, Mode.FULL)
         expected = list(inspect.signature(stock).parameters)[1:]
         assert list(inspect.signature(route).parameters) == expected
+        code = route.__code__  # the function's own parameters, not a copy
+        assert list(code.co_varnames[: code.co_argcount]) == expected
         assert route.__wrapped__ is stock and route.__name__ == stock.__name__
 
 

@@ -64,7 +64,7 @@ from ..errors import MambaAlignError
 from ..protocols import Request, Scheduler, SchedulerOutput
 from ..releases import PrefillRule, SplitBody
 from ..retention import Retention
-from ..signature import SplitFunction, present_as
+from ..signature import Route, SplitFunction, StockCall, bind_route
 from .counting import (
     REQUEST_CHAIN,
     REQUEST_FLAGS,
@@ -265,41 +265,43 @@ _lock = threading.Lock()
 
 
 def _observe_split(
-    ledger: StepLedger, scheduler: Scheduler, stock: SplitFunction
+    ledger: StepLedger, scheduler: Scheduler, stock: SplitFunction, body: SplitBody
 ) -> SplitFunction:
     """The split observer bound to one scheduler: vLLM's call, then O(1) notes.
 
-    It passes every argument on unchanged (the fifth of 0.24.0-0.25.1 only when
-    vLLM passed one: signature.py), so the answer is vLLM's; prefill chunks are
-    noted until the step's output says whether they ran. One-token calls
-    (decodes, most calls) are left to the ledger's look at the output.
+    It has vLLM's method's parameters (signature.py) and passes every argument
+    on unchanged, so the answer is vLLM's; prefill chunks are noted until the
+    step's output says whether they ran. One-token calls (decodes, most calls)
+    are left to the ledger's look at the output.
     """
     note = ledger.note
 
-    def observed_split(
-        request: Request,
-        num_new_tokens: int,
-        num_new_local_computed_tokens: int = 0,
-        num_external_computed_tokens: int = 0,
-        num_uncached_common_prefix_tokens: int | None = None,
-    ) -> int:
-        local, external = num_new_local_computed_tokens, num_external_computed_tokens
-        if num_uncached_common_prefix_tokens is None:
-            num_tokens: int = stock(scheduler, request, num_new_tokens, local, external)
-        else:  # 0.24.0-0.25.1's fifth parameter, passed through
-            num_tokens = stock(
+    def observer(call: StockCall) -> Route:
+        def observed_split(
+            request: Request,
+            num_new_tokens: int,
+            num_new_local_computed_tokens: int = 0,
+            num_external_computed_tokens: int = 0,
+        ) -> int:
+            num_tokens = call(
                 scheduler,
                 request,
                 num_new_tokens,
-                local,
-                external,
-                num_uncached_common_prefix_tokens,
+                num_new_local_computed_tokens,
+                num_external_computed_tokens,
             )
-        if num_new_tokens > 1 and num_tokens > 0:
-            note(request, request.num_computed_tokens + local + external)
-        return num_tokens
+            if num_new_tokens > 1 and num_tokens > 0:
+                start = (
+                    request.num_computed_tokens
+                    + num_new_local_computed_tokens
+                    + num_external_computed_tokens
+                )
+                note(request, start)
+            return num_tokens
 
-    return present_as(observed_split, stock)
+        return observed_split
+
+    return bind_route(observer, stock, body.extra_parameter)
 
 
 def _vllm_method(scheduler: Scheduler, name: str) -> Callable[..., Any]:
@@ -380,7 +382,7 @@ def install(
         _audits[scheduler] = audit
     setattr(scheduler, AUDIT_ATTRIBUTE, audit)
     audit.start_reporter()
-    return _observe_split(audit.ledger, scheduler, stock_split)
+    return _observe_split(audit.ledger, scheduler, stock_split, body)
 
 
 def audit_of(scheduler: object) -> Audit | None:
