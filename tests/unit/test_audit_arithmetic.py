@@ -234,3 +234,13 @@ def test_a_replay_is_prefill_only_where_the_body_says_so() -> None:
         found.ledger.pending["r"] = request  # as if the observer had noted it
         found.ledger.count_scheduled(request, 2000)
         assert found.counts.prefill_chunks == counted
+
+
+def test_the_ledger_reads_the_schedulers_own_request_table() -> None:
+    """vLLM's ``requests`` table is empty when the audit is built and fills as
+    requests arrive: the audit reads that table itself, not a copy."""
+    requests: dict[str, Any] = {}
+    found = audit.Audit(B, C, log=lambda line: None, live_requests=requests)
+    requests["r"] = live_request(prompt=3, computed=1)  # vLLM advanced it by 1
+    found.after_schedule(Output({"r": 1}, new=("r",)))
+    assert found.counts.prefill_chunks == 1

@@ -151,7 +151,8 @@ class Audit:
         owner: object | None = None,
     ) -> None:
         self.counts = Counts(state_block, cache_block, retention, backend_checkpoint)
-        self.ledger = StepLedger(self.counts, prefill_rule, live_requests or {})
+        requests = {} if live_requests is None else live_requests  # vLLM's own table
+        self.ledger = StepLedger(self.counts, prefill_rule, requests)
         self.interval = interval
         self.clock = clock
         self.log = log
