@@ -112,6 +112,9 @@ def install_plugin_wheel(session: nox.Session) -> str:
     """Install the plugin from a wheel built from this checkout, once per nox run
     (the wheel is pure Python: every session and interpreter takes the same)."""
     if not _built_wheels:
+        # setuptools reuses build/ in the checkout: a module deleted since the
+        # last build would ride along in the wheel.
+        shutil.rmtree(REPO / "build", ignore_errors=True)
         out = tempfile.mkdtemp(prefix="vllm-mamba-align-dist-")
         session.run(
             "python", "-m", "pip", "wheel", "--no-deps", "-q", "-w", out, str(REPO)
