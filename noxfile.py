@@ -71,6 +71,10 @@ IMAGE_PYTHON = "3.12"
 end-to-end tests run there too (torch from PyPI, its CUDA build, run on CPU)."""
 
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100"]
+SUITE_TOOLS = [*TEST_TOOLS, "pytest-xdist>=3"]
+WORKERS = str(min(os.cpu_count() or 1, 4))
+"""The real-vLLM suites run on every core (pytest-xdist): its tests are
+independent processes' work, each building its own schedulers."""
 PLATFORM_PLUGIN = REPO / "tests" / "support" / "cpu_platform_plugin"
 # End to end: vLLM's CPU build with its model runner, and a test-only plugin
 # that bridges two gaps of its CPU backend (tests/support/cpu_e2e_workarounds).
@@ -148,13 +152,20 @@ def unit(session: nox.Session) -> None:
 def run_suite(session: nox.Session, release: str, record: bool) -> None:
     """The suite on one release; ``record`` writes matrix/<release>.json."""
     env = install_vllm(session, release)
-    session.install(*TEST_TOOLS)
+    session.install(*SUITE_TOOLS)
     env["MAMBA_ALIGN_WHEEL"] = install_plugin_wheel(session)
     junit = Path(tempfile.mkdtemp()) / "junit.xml"
     started = time.monotonic()
     try:
         session.run(
-            "python", "-m", "pytest", f"--junitxml={junit}", *session.posargs, env=env
+            "python",
+            "-m",
+            "pytest",
+            "-n",
+            WORKERS,
+            f"--junitxml={junit}",
+            *session.posargs,
+            env=env,
         )
     finally:
         drop = os.environ.get("MAMBA_ALIGN_DROP_ENVS") == "1"

@@ -55,12 +55,28 @@ def registered_plugin() -> None:
     vllm_mamba_align.register()
 
 
+_WORKER_CALLS: list[int] = []
+"""``schedule()`` calls counted by pytest-xdist's workers, as each goes down."""
+
+
+def pytest_sessionfinish(session: Any) -> None:
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:  # an xdist worker: hand its count to the controller
+        from vllm_mamba_align.tools.simulation import Simulation
+
+        output["schedule_calls"] = Simulation.schedule_calls
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    _WORKER_CALLS.append(getattr(node, "workeroutput", {}).get("schedule_calls", 0))
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     from vllm_mamba_align.tools.simulation import Simulation
 
-    terminalreporter.write_line(
-        f"real vLLM schedule() calls in this run: {Simulation.schedule_calls}"
-    )
+    calls = Simulation.schedule_calls + sum(_WORKER_CALLS)
+    terminalreporter.write_line(f"real vLLM schedule() calls in this run: {calls}")
 
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
