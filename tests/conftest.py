@@ -90,6 +90,27 @@ def plugins(*names: str) -> str:
     return ",".join(n for n in (*names, *PLATFORM_PLUGINS.split(",")) if n)
 
 
+def load_onboard_tool() -> Any:
+    """``tools/onboard.py`` (a script beside the package) as module ``onboard``.
+
+    The tool puts its own checkout first on ``sys.path``; the tests keep theirs.
+    """
+    import importlib.util
+    import sys
+
+    script = os.path.join(os.path.dirname(TESTS_DIR), "tools", "onboard.py")
+    spec = importlib.util.spec_from_file_location("onboard", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["onboard"] = module
+    path = list(sys.path)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = path
+    return module
+
+
 def run_python(code: str, **env: str) -> Any:
     """Run ``code`` in a fresh interpreter of this environment (a new vLLM process).
 

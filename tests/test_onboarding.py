@@ -10,15 +10,14 @@ extra parameter and the checkpoint grid, each read from the code alone.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import vllm
+from conftest import load_onboard_tool
 from packaging.version import Version
 
 from vllm_mamba_align import releases
@@ -32,21 +31,6 @@ REAL = releases.expected_body(vllm.__version__)
 known_release = pytest.mark.skipif(
     REAL is None, reason=f"vLLM {vllm.__version__} is not in the release table"
 )
-
-
-def _onboard() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "onboard", REPO / "tools" / "onboard.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["onboard"] = module
-    path = list(sys.path)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path[:] = path  # the tool puts its checkout first; tests keep theirs
-    return module
 
 
 def release_wheel(folder: Path) -> Path:
@@ -122,7 +106,7 @@ def test_a_wheel_relabelled_with_a_local_version_is_recognized_by_its_code(
     tmp_path: Path,
 ) -> None:
     """A vendor or dev rebuild (``<release>+<tag>``) of a release's code."""
-    onboard = _onboard()
+    onboard = load_onboard_tool()
     wheel = release_wheel(tmp_path / "release")
     labelled = onboard.relabel_wheel(wheel, "vendor1", tmp_path / "vendor")
     version = f"{RELEASE}+vendor1"

@@ -5,12 +5,10 @@ changes nothing else."""
 from __future__ import annotations
 
 import ast
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from conftest import load_onboard_tool
 
 from vllm_mamba_align import releases
 from vllm_mamba_align.releases import (
@@ -22,25 +20,7 @@ from vllm_mamba_align.releases import (
 )
 from vllm_mamba_align.tools import drafting
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _onboard() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "onboard", REPO / "tools" / "onboard.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["onboard"] = module
-    path = list(sys.path)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path[:] = path  # the tool puts its checkout first; tests keep theirs
-    return module
-
-
-onboard = _onboard()
+onboard = load_onboard_tool()
 TABLE = Path(releases.__file__).read_text()
 
 
