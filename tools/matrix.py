@@ -40,7 +40,7 @@ EARLY_SWEEPS = "74cf0ef"
 commit (0.33.0's wheel was built at 1eebed1, whose code differs by a comment)."""
 
 
-def _commit() -> str:
+def commit() -> str:
     """The checkout's commit, short, with ``+`` when it has uncommitted changes."""
     try:
         head = subprocess.run(
@@ -101,7 +101,7 @@ def record(release: str, junit: Path, seconds: float) -> None:
         "skipped": skipped,
         "seed_site": site.value,
         "seconds": round(seconds),
-        "commit": _commit(),
+        "commit": commit(),
         "date": date.today().isoformat(),
         "machine": machine(),
         "python": platform.python_version().rsplit(".", 1)[0],
