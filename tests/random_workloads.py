@@ -36,11 +36,13 @@ from vllm_mamba_align.releases import (
     supports_lookahead_hashes,
     supports_retention_setting,
 )
+from vllm_mamba_align.retention import read_retention
 from vllm_mamba_align.settings import DEFAULT_MODE
 from vllm_mamba_align.tools.modes import DEFAULT
 from vllm_mamba_align.tools.simulation import (
     MAX_MODEL_LEN,
     Geometry,
+    KeepDecision,
     Simulation,
     available_checkpoint_backends,
     base_vllm_config,
@@ -349,12 +351,42 @@ def draw_workload(
     )
 
 
+class RetentionWatch:
+    """The plugin's model of vLLM's state retention (``retention.Retention``,
+    which ``kept`` mode and the audit decide by) held against every decision
+    vLLM takes on a Mamba slot, at the moment it takes it."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.model = read_retention(sim.scheduler, sim.state_block)
+        self.decisions = 0
+        self.wrong: list[str] = []
+        sim.keep_decision_hooks.append(self)
+
+    def __call__(self, request: Any, decision: KeepDecision) -> None:
+        self.decisions += 1
+        predicted = self.model.keeps(request, decision.boundary)
+        if predicted != decision.kept:
+            self.wrong.append(
+                f"{decision.req_id}: vLLM {'keeps' if decision.kept else 'drops'} "
+                f"state@{decision.boundary}, the plugin predicts it "
+                f"{'keeps' if predicted else 'drops'} it "
+                f"(P = {request.num_prompt_tokens}, junction "
+                f"{getattr(request, 'shared_prefix_boundary', 0)})"
+            )
+
+    @staticmethod
+    def of(sim: Simulation) -> RetentionWatch:
+        return next(h for h in sim.keep_decision_hooks if isinstance(h, RetentionWatch))
+
+
 def simulate(mode: str, workload: Workload) -> Simulation:
-    """Run the workload in one mode; :class:`Unrunnable` where this release
-    cannot run it."""
+    """Run the workload in one mode, the plugin's retention model watched
+    (:class:`RetentionWatch`); :class:`Unrunnable` where this release cannot
+    run it."""
     with scheduler_mode(mode):
         try:
             sim = Simulation(workload.geometry)
+            RetentionWatch(sim)
         except MambaAlignError as error:
             # The stall guard (0.15.1-0.26.0, B wider than the step budget) has
             # its own test; such a scheduler refuses to start, it never stalls.
@@ -402,8 +434,11 @@ def drive(sim: Simulation, workload: Workload) -> None:
 def check_mode(mode: str, workload: Workload, sim: Simulation) -> None:
     """What every fixed mode holds on its own: no wrong publication, no wrong
     reuse, no wrong state handed to a store, every prefill finished; ``full``
-    and ``kept`` materialize every boundary vLLM keeps; ``full``'s kept states
-    are canonical where one step can prefill a whole state block."""
+    and ``kept`` materialize every boundary vLLM keeps (as vLLM decided it,
+    slot by slot); ``full``'s kept states are canonical where one step can
+    prefill a whole state block. And the plugin's retention model predicted
+    every one of vLLM's keep-or-drop decisions."""
+    assert not RetentionWatch.of(sim).wrong, RetentionWatch.of(sim).wrong[:5]
     assert not sim.poisoned, [str(p) for p in sim.poisoned.values()]
     assert not sim.wrong_reuse, sim.wrong_reuse
     assert not sim.wrong_offloads, sim.wrong_offloads
@@ -421,13 +456,15 @@ def dimensions(workload: Workload, sim: Simulation) -> list[str]:
     """The labels of what this case exercised (for the sweep's shares and the
     property tests' statistics)."""
     geometry = workload.geometry
-    retention = sim.retention
+    interval = sim.retention_interval
     labels = [
         "C < B" if geometry.cache_block < geometry.state_block else "C = B",
         "retention dense"
-        if retention.dense
-        else f"retention {'0' if retention.interval == 0 else 'R > 0'}",
+        if keeps_every_boundary(workload, sim)
+        else f"retention {'0' if interval == 0 else 'R > 0'}",
     ]
+    if any(not d.kept for d in sim.keep_decisions):
+        labels.append("vLLM dropped a boundary state")
     if geometry.speculative is not None:
         drop = " with EAGLE block drop" if sim.scheduler_drops_eagle else ""
         labels.append(f"drafter ({geometry.speculative[0]}){drop}")
@@ -452,6 +489,15 @@ def dimensions(workload: Workload, sim: Simulation) -> list[str]:
     if sim.same_step_reuse:
         labels.append("vLLM served a same-step hit (its own defect, before 0.17)")
     return labels
+
+
+def keeps_every_boundary(workload: Workload, sim: Simulation) -> bool:
+    """Whether vLLM's retention setting keeps every B boundary here: none
+    (dense), or an interval R of which every B boundary is a multiple."""
+    interval = sim.retention_interval
+    return interval is None or (
+        interval > 0 and workload.geometry.state_block % interval == 0
+    )
 
 
 def resumed_requests_unsplit() -> bool:

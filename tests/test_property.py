@@ -25,6 +25,7 @@ from hypothesis import event, find, given, reject, settings
 from hypothesis import strategies as st
 from random_workloads import (
     HypothesisDraw,
+    RetentionWatch,
     Unrunnable,
     VllmDefect,
     Workload,
@@ -32,12 +33,13 @@ from random_workloads import (
     dimensions,
     drafter_tail_unaligned,
     draw_workload,
+    keeps_every_boundary,
     scratch_blocks_published_possible,
     unwritten_checkpoints_possible,
 )
 from random_workloads import simulate as run_case
 
-from vllm_mamba_align.releases import CheckpointGrid
+from vllm_mamba_align.releases import CheckpointGrid, supports_retention_setting
 from vllm_mamba_align.settings import DEFAULT_MODE
 from vllm_mamba_align.tools.modes import DEFAULT
 from vllm_mamba_align.tools.simulation import Simulation
@@ -70,18 +72,18 @@ def test_fixed_scheduler_never_poisons_and_always_finishes(workload: Workload) -
         check_mode(mode, workload, sim)
     for label in dimensions(workload, runs["full"]):
         event(label)
-    retention = runs["kept"].retention
+    interval = runs["kept"].retention_interval
     checkpointed = workload.geometry.prefill_checkpoint is not None
     # vLLM's own stops already land on every kept boundary at retention 0, so
     # kept adds none; where they do not (0.29.0's replay stop when B divides P;
     # with backend checkpoints a final chunk that runs past the replay boundary)
     # kept stops there and grid loses the state.
-    if retention.interval == 0 and not checkpointed and not runs["grid"].missing_kept:
+    if interval == 0 and not checkpointed and not runs["grid"].missing_kept:
         for req_id, record in runs["grid"].records.items():
             assert runs["kept"].chunk_ends(req_id) == [c.end for c in record.chunks]
-    elif retention.interval == 0:
+    elif interval == 0:
         event("retention 0: grid lost a kept state that kept saved")
-    if retention.dense:
+    if keeps_every_boundary(workload, runs["kept"]):
         for req_id, record in runs["full"].records.items():
             assert runs["kept"].chunk_ends(req_id) == [c.end for c in record.chunks]
 
@@ -96,6 +98,22 @@ def test_without_a_mode_setting_the_default_mode_schedules(workload: Workload) -
     chosen = simulate(DEFAULT_MODE.value, workload)
     for req_id, record in chosen.records.items():
         assert unset.chunk_ends(req_id) == [c.end for c in record.chunks]
+
+
+@given(workloads())
+def test_the_plugin_predicts_every_state_vllm_keeps_or_drops(
+    workload: Workload,
+) -> None:
+    """``kept`` mode and the audit decide by the plugin's model of vLLM's state
+    retention (``retention.Retention``). Here it is held against every keep or
+    drop decision vLLM's Mamba manager takes when it caches a request's
+    blocks, at that moment, in random workloads (the fixed scenarios are
+    test_retention.py's)."""
+    sim = simulate("kept", workload)
+    watch = RetentionWatch.of(sim)
+    assert not watch.wrong, watch.wrong[:5]
+    dropped = any(not d.kept for d in sim.keep_decisions)
+    event("vLLM dropped a state" if dropped else "vLLM kept every state")
 
 
 @given(workloads(unset_hash_block=True))
@@ -181,3 +199,16 @@ def test_the_property_catches_lost_kept_states() -> None:
         settings=settings(max_examples=400, database=None),
     )
     assert simulate("grid", found).missing_kept
+
+
+def test_the_property_sees_vllm_drop_states() -> None:
+    """The control of the retention check: random workloads reach states
+    vLLM's retention drops (so the plugin's model is asked both ways)."""
+    if not supports_retention_setting():
+        pytest.skip("this vLLM has no retention setting: every state is kept")
+    found = find(
+        workloads(),
+        lambda w: any(not d.kept for d in simulate("kept", w).keep_decisions),
+        settings=settings(max_examples=400, database=None),
+    )
+    assert any(not d.kept for d in simulate("kept", found).keep_decisions)

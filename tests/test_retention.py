@@ -16,6 +16,7 @@ import pytest
 from conftest import geometry_rule, scheduler_mode
 
 from vllm_mamba_align.releases import supports_retention_setting
+from vllm_mamba_align.retention import read_retention
 from vllm_mamba_align.tools.simulation import (
     Geometry,
     Simulation,
@@ -89,11 +90,12 @@ def scenario(mode: str, state_block: int, retention: int | str | None) -> Run:
         for block, _, claimed in sim.published_mamba_blocks()
         if claimed[0] % grid == 0 and sim.holds.get(block.block_id) == claimed
     }
+    retention = read_retention(sim.scheduler, sim.state_block)
     predicted = {
         state_id(requests[name], b)
         for name, record in sim.records.items()
         for b in cacheable_boundaries(len(requests[name]), grid)
-        if sim.retention.keeps(record.request, b)
+        if retention.keeps(record.request, b)
     }
     return Run(
         published=published,

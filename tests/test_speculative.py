@@ -278,6 +278,7 @@ def test_the_plugin_predicts_the_states_vllm_keeps_with_a_drafter(
     (retention.py: EAGLE's replay pair on the scheduler block when vLLM drops,
     0.33.0's junction block). ``full`` writes every boundary, so what vLLM
     publishes is exactly what it keeps: the two must agree, with a drafter."""
+    from vllm_mamba_align.retention import read_retention
     from vllm_mamba_align.tools.simulation import cacheable_boundaries, state_id
 
     _skip_unless_supported(drafter)
@@ -310,11 +311,12 @@ def test_the_plugin_predicts_the_states_vllm_keeps_with_a_drafter(
         for block, _, claimed in sim.published_mamba_blocks()
         if claimed[0] % B_SEGMENTS == 0 and sim.holds.get(block.block_id) == claimed
     }
+    retention = read_retention(sim.scheduler, sim.state_block)
     predicted = {
         state_id(requests[name], b)
         for name, record in sim.records.items()
         for b in cacheable_boundaries(len(requests[name]), B_SEGMENTS)
-        if sim.retention.keeps(record.request, b)
+        if retention.keeps(record.request, b)
     }
     assert published == predicted
     _assert_sound(sim, "full")

@@ -193,6 +193,7 @@ class Progress:
 
 def run_mode(s: Scenario, mode: str, progress_stream: TextIO) -> ModeResult:
     """The scenario on a fresh real scheduler in one mode."""
+    from ..retention import read_retention
     from .modes import scheduler_mode
     from .simulation import Simulation, prompt
 
@@ -224,7 +225,7 @@ def run_mode(s: Scenario, mode: str, progress_stream: TextIO) -> ModeResult:
         kept_states=sim.kept_writes,
         lost_kept=len(sim.missing_kept),
         noncanonical=len(sim.noncanonical_kept),
-        retention=sim.retention.describe(),
+        retention=read_retention(sim.scheduler, sim.state_block).describe(),
         wrong_reuse=list(sim.wrong_reuse),
         reask_reuse=sim.reused("re-ask"),
         sibling_reuse=sim.reused("sibling"),

@@ -12,7 +12,10 @@ holds the state after exactly ``e`` tokens; other slots keep what they held.
 
 The oracle then checks the invariant users care about: a Mamba block published
 under the hash of prefix ``[0, L)`` holds the state after exactly those ``L`` tokens,
-and a request that reuses a cached state reads the state of its own prefix.
+and a request that reuses a cached state reads the state of its own prefix. Which
+boundary states must be materialized it learns from vLLM itself: the keep-or-drop
+decision its Mamba manager takes on each slot when it caches a request's blocks;
+never from the plugin's model of vLLM's retention, prefill rule or release table.
 """
 
 from __future__ import annotations
@@ -30,20 +33,12 @@ import tempfile
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
-from ..activation import SPLIT_METHOD
 from ..checkpoints import flashkda_position
-from ..fingerprint import analyse_function
 from ..releases import (
     CHECKPOINT_BACKENDS_SINCE,
-    InternalCheckpoint,
-    PrefillRule,
-    SplitBody,
-    body_for,
     checkpoint_backends,
-    in_prefill,
     installed_version,
     requests_need_eos_token_id,
     retention_in_kv_config,
@@ -546,28 +541,6 @@ def _compute_checkpoints() -> Callable[..., tuple[list[int], list[int]]] | None:
     return compute
 
 
-def split_body_of(scheduler: Any) -> SplitBody:
-    """The release-table entry of the split this scheduler's class runs (vLLM's
-    function under the plugin's wrapper); a class with its own unrecognized
-    split gets the rules of every release from 0.17.1."""
-    function = inspect.getattr_static(type(scheduler), SPLIT_METHOD, None)
-    return _body_of_function(getattr(function, "__wrapped__", function))
-
-
-@functools.cache
-def _body_of_function(function: Any) -> SplitBody:
-    body = body_for(analyse_function(function).fingerprint) if function else None
-    if body is not None:
-        return body
-    return SplitBody(
-        ("unknown",),
-        "unknown",
-        PrefillRule.BEFORE_PREFILL_END,
-        InternalCheckpoint.NONE,
-        wide_block_exemption=True,
-    )
-
-
 CANONICAL = "canonical"
 FROM_TAIL = "computed around vLLM's partial-tail checkpoint (off the grid)"
 FROM_STORE = "continued from a state a KV connector loaded"
@@ -605,6 +578,19 @@ class RequestRecord:
     chunks: list[Chunk] = field(default_factory=list)
     reused_tokens: int | None = None
     prefilled_at_step: int | None = None
+
+
+@dataclass(frozen=True)
+class KeepDecision:
+    """vLLM's decision, when it cached a request's blocks, on one Mamba slot."""
+
+    req_id: str
+    boundary: int
+    """The state the slot stands for: after this many tokens (a multiple of B)."""
+    kept: bool
+    """Whether vLLM's retention keeps it (publishes it unless the slot is null)."""
+    block: Any
+    """The block in the slot then (the null block: nothing to publish)."""
 
 
 @dataclass
@@ -650,14 +636,22 @@ class Simulation:
         self.same_step_reuse: list[str] = []
         """Hits on a state written in the same step: vLLM's own, not the grid's."""
         self.steps = 0
-        self.prefill_rule = split_body_of(self.scheduler).prefill
-        """How the installed split tells prefill (releases.in_prefill's rule)."""
         self.prefill_now: set[str] = set()
-        """The requests whose chunk of the last step was prefill."""
-        from ..retention import read_retention
-
-        self.retention = read_retention(self.scheduler, self.state_block)
-        """What vLLM's KV-cache manager keeps here (read from the scheduler)."""
+        """The requests whose chunk of the last step was prefill: it computed
+        tokens the request already had, other than its last one (its prompt;
+        after a preemption also its earlier output), see :meth:`step`."""
+        self.keep_decisions: list[KeepDecision] = []
+        """Every Mamba slot vLLM decided to keep or drop when it cached a
+        request's blocks, in order (see :meth:`_watch_publications`)."""
+        self.keep_decision_hooks: list[Callable[[Any, KeepDecision], None]] = []
+        """Called with (request, decision) at the moment vLLM decides, while the
+        request is as vLLM sees it (a test holds a model of retention there)."""
+        self._unjudged: list[KeepDecision] = []
+        self._reached: dict[str, dict[int, bool | None]] = {}
+        """Request -> B boundary its prefill chunks reached (last time) -> None
+        if a chunk crossed it without writing its slot, else whether the
+        writer's own chunks were one B block each (the chunk that ended there,
+        or the one whose backend checkpoint wrote it)."""
         self.canonical: dict[int, str] = {}
         """Block id -> how its state was computed, through every writer, cache
         hits included: CANONICAL (one B block per chunk from token 0),
@@ -702,6 +696,7 @@ class Simulation:
         self._loaded_at: dict[str, int] = {}
         self._offloads_now: dict[str, list[tuple[int, int, int]]] = {}
         self._watch_connector()
+        self._watch_publications()
         self._hash_streams: dict[str, tuple[int, Any]] = {}
         """Request -> (hashes named so far, running digest of their tokens)."""
         self.drafts = geometry.speculative[1] if geometry.speculative else 0
@@ -799,14 +794,11 @@ class Simulation:
             self.scheduler.update_from_output(*self._in_flight.pop())
             return {}
 
-        # Which chunks are prefill, by the installed body's own rule, judged on
-        # each request as it is before this step.
-        before = {
-            req_id: SimpleNamespace(
-                num_output_tokens=r.request.num_output_tokens,
-                num_prompt_tokens=r.request.num_prompt_tokens,
-                num_tokens=r.request.num_tokens,
-            )
+        # Which chunks are prefill, judged on each request as it is before this
+        # step: those computing tokens it already has, other than its last one
+        # (a decode step computes the last, and drafts are not its tokens yet).
+        known = {
+            req_id: max(r.request.num_prompt_tokens, r.request.num_tokens - 1)
             for req_id, r in self.records.items()
         }
         output = self.scheduler.schedule()
@@ -851,15 +843,15 @@ class Simulation:
             request = self.records[req_id].request
             accepted[req_id] = self._accepted(req_id, request, proposed)
             self._write_verified_states(req_id, chunk, proposed, accepted[req_id])
-        rule = self.prefill_rule
         self.prefill_now = {
             req_id
             for req_id, chunk in chunks.items()
-            if req_id in before and in_prefill(rule, before[req_id], chunk.start)
+            if req_id in known and chunk.start < known[req_id]
         }
         for req_id, chunk in chunks.items():  # in the scheduler's order
             if req_id in self.prefill_now:
                 self._track_kept_states(req_id, chunk)
+        self._judge_kept_states()
         self._check_published_hashes()
         self._check_offloaded_states()
 
@@ -1230,9 +1222,7 @@ class Simulation:
                 return position, -(-end // grid) - 2
 
             return rule_0_30
-        if split_body_of(self.scheduler).internal_checkpoint is (
-            InternalCheckpoint.ALIGNED_START
-        ):
+        if "num_prefill_checkpoint_blocks" in type(spec).__dataclass_fields__:
             # 0.29.0: only KDA on flashkda declares checkpoint blocks
             # (models/kimi_k3/nvidia/kda.py:599); its position rule is
             # checkpoints.flashkda_position; column seq_len // B - 1; a null
@@ -1272,7 +1262,8 @@ class Simulation:
         self.checkpoint_writes += 1
 
     def _track_kept_states(self, req_id: str, chunk: Chunk) -> None:
-        """Check the kept boundaries of one prefill chunk, and how it computed them.
+        """Record the B boundaries one prefill chunk reached, and how it computed
+        them (:meth:`_judge_kept_states` judges those vLLM keeps).
 
         A state is canonical when it was computed one B block per chunk from
         token 0: then it is bit for bit what any other request computes for
@@ -1338,44 +1329,90 @@ class Simulation:
                 provenance = NON_CANONICAL
         self._chains[req_id] = (end, own, provenance)
         self.canonical[self._running_block(req_id, end).block_id] = provenance
-        for boundary in self.retention.kept_in(request, start, end):
-            if boundary < end and boundary != checkpoint:
+        reached = self._reached.setdefault(req_id, {})
+        for boundary in range((start // grid + 1) * grid, end + 1, grid):
+            if boundary == end:
+                reached[boundary] = own
+            elif boundary == checkpoint:
+                reached[boundary] = own_checkpoint
+            else:
+                reached[boundary] = None
+
+    def _watch_publications(self) -> None:
+        """Watch vLLM decide which Mamba states it keeps: every release caches a
+        request's full blocks through ``BlockPool.cache_full_blocks`` (0.15.1+),
+        with the Mamba manager's ``block_mask`` where its retention drops some
+        (0.27.1+: ``reachable_block_mask``; None or absent: every block). Slot
+        ``i`` of a call is the state after ``(i + 1) * B`` tokens; a kept slot
+        holding the null block is a state vLLM keeps that nobody wrote."""
+        pool = self.mamba_manager.block_pool
+        publish = pool.cache_full_blocks
+        signature = inspect.signature(publish)
+        grid = self.state_block
+
+        def cache_full_blocks(*args: Any, **kwargs: Any) -> Any:
+            given = signature.bind(*args, **kwargs).arguments
+            if given["kv_cache_group_id"] == self.mamba_group:
+                request = given["request"]
+                blocks = given["blocks"]
+                first = given["num_cached_blocks"]
+                mask = given.get("block_mask")
+                for index in range(first, given["num_full_blocks"]):
+                    decision = KeepDecision(
+                        request.request_id,
+                        (index + 1) * grid,
+                        mask is None or bool(mask[index - first]),
+                        blocks[index],
+                    )
+                    self.keep_decisions.append(decision)
+                    self._unjudged.append(decision)
+                    for hook in self.keep_decision_hooks:
+                        hook(request, decision)
+            return publish(*args, **kwargs)
+
+        pool.cache_full_blocks = cache_full_blocks
+
+    def _judge_kept_states(self) -> None:
+        """Every state vLLM decided to keep (so far) that a prefill chunk
+        reached: materialized in the slot vLLM publishes for it, and how it was
+        computed. A boundary vLLM drops is not judged; one no prefill chunk
+        reached (below a hit, past the prompt in decode) is not the split's."""
+        decisions, self._unjudged = self._unjudged, []
+        for decision in decisions:
+            req_id, boundary, block = decision.req_id, decision.boundary, decision.block
+            reached = self._reached.get(req_id, {})
+            if not decision.kept or boundary not in reached:
+                continue
+            own = reached[boundary]
+            if own is None:
                 self.missing_kept.append(f"{req_id}: {boundary} inside a chunk")
                 continue
-            # Materialized in the slot vLLM publishes for it. (When partial hash
-            # hits are off, vLLM hashes it once the request passes a multiple
-            # of the scheduler block; poisoning is checked on every publication.)
-            block = self._mamba_blocks(req_id)[boundary // grid - 1]
             if block.is_null or self.holds.get(block.block_id) != state_id(
-                tokens, boundary
+                self._tokens(req_id), boundary
             ):
                 self.missing_kept.append(f"{req_id}: {boundary} not written")
                 continue
             self.kept_writes += 1
-            if boundary > request.num_prompt_tokens:
-                # Past the prompt: the state holds a generated token, computed
-                # by a decode step that 0.15.1-0.16.0's predicate calls prefill
-                # while async scheduling keeps the sampled token in flight. No
-                # chunking makes it canonical; it is no prompt state.
-                self.noncanonical_kept_writes += not own
-                continue
-            if boundary == checkpoint:
-                self.noncanonical_kept_writes += not own_checkpoint
-                held = self.canonical.get(block.block_id, NON_CANONICAL)
-                if held == NON_CANONICAL:
-                    self.noncanonical_kept.append(f"{req_id}: state@{boundary}")
-                elif held == FROM_TAIL:
-                    self.tail_resumed_kept.append(f"{req_id}: state@{boundary}")
-                elif held == FROM_STORE:
-                    self.store_resumed_kept.append(f"{req_id}: state@{boundary}")
-                continue
             self.noncanonical_kept_writes += not own
-            if provenance == NON_CANONICAL:
+            if boundary > self.records[req_id].request.num_prompt_tokens:
+                # Past the prompt (a resumed request replaying its output): no
+                # chunking makes it canonical; it is no prompt state.
+                continue
+            held = self.canonical.get(block.block_id, NON_CANONICAL)
+            if held == NON_CANONICAL:
                 self.noncanonical_kept.append(f"{req_id}: state@{boundary}")
-            elif provenance == FROM_TAIL:
+            elif held == FROM_TAIL:
                 self.tail_resumed_kept.append(f"{req_id}: state@{boundary}")
-            elif provenance == FROM_STORE:
+            elif held == FROM_STORE:
                 self.store_resumed_kept.append(f"{req_id}: state@{boundary}")
+
+    @property
+    def retention_interval(self) -> int | None:
+        """vLLM's state retention here, as its KV-cache coordinator holds it
+        (0.27.1+; None: dense, every state kept, as in every earlier release)."""
+        coordinator = self.scheduler.kv_cache_manager.coordinator
+        interval: int | None = getattr(coordinator, "retention_interval", None)
+        return interval
 
     def _partial_tail(self, prompt_end: int) -> int:
         """vLLM's partial-tail checkpoint of a prompt, where its split stops
