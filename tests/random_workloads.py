@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from conftest import (
+from helpers import (
     async_republishes_partial_tail,
     geometry_rule,
     installed_body,

@@ -10,7 +10,7 @@ wrong publication, no wrong reuse, every kept state saved in ``full``/``kept``.
 from __future__ import annotations
 
 import pytest
-from conftest import async_republishes_partial_tail, geometry_rule, scheduler_mode
+from helpers import async_republishes_partial_tail, geometry_rule, scheduler_mode
 from random_workloads import drafters_build
 
 from vllm_mamba_align.tools.simulation import Geometry, Simulation, prompt
@@ -45,7 +45,7 @@ def _concurrent(
 
     Prompt lengths are off the hash grid (16) unless ``tail`` puts them on it:
     a prompt ending there meets vLLM's own async defect on some releases (see
-    conftest.async_republishes_partial_tail), tested apart."""
+    helpers.async_republishes_partial_tail), tested apart."""
     first = prompt(P, seed=1)
     with scheduler_mode(mode):
         sim = Simulation(_geometry(retention, speculative))

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from conftest import cache_block_for, geometry_rule, scheduler_mode
+from helpers import cache_block_for, geometry_rule, scheduler_mode
 from hypothesis import event, find, given, reject, settings
 from hypothesis import strategies as st
 from random_workloads import (

@@ -12,7 +12,7 @@ boundary whose state the backend writes.
 from __future__ import annotations
 
 import pytest
-from conftest import installed_body, scheduler_mode
+from helpers import installed_body, scheduler_mode
 
 from vllm_mamba_align.releases import (
     CheckpointGrid,

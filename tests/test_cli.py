@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import geometry_rule, run_python
+from helpers import geometry_rule, run_python
 
 from vllm_mamba_align import releases
 from vllm_mamba_align.cli import EXIT_OK, EXIT_REFUSE, EXIT_USAGE, main
@@ -26,13 +26,15 @@ def doctor(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
 
 
 def _installed_vllm() -> str:
-    import vllm
-
-    return str(vllm.__version__)
+    return str(releases.installed_version())
 
 
+REFERENCE = releases.SUPPORTED_RELEASES[-1]
+"""The newest verified release: doctor's exact wording is checked there."""
+REFERENCE_BODY = releases.expected_body(REFERENCE)
+assert REFERENCE_BODY is not None
 reference_release = pytest.mark.skipif(
-    _installed_vllm() != "0.33.0", reason="exact wording checked on 0.33.0"
+    _installed_vllm() != REFERENCE, reason=f"exact wording checked on {REFERENCE}"
 )
 upstream_geometry = pytest.mark.skipif(
     geometry_rule() != "any",
@@ -90,10 +92,11 @@ def test_doctor_recognizes_the_installed_release(
     monkeypatch.delenv("VLLM_MAMBA_ALIGN_MODE", raising=False)
     code, out = doctor(capsys)
     assert code == EXIT_OK, out
-    assert "vLLM            0.33.0" in out
-    assert "fingerprint f3405419e904a2f8: matches the verified body of vLLM 0.33.0" in (
-        out
-    )
+    assert f"vLLM            {REFERENCE}" in out
+    assert (
+        f"fingerprint {REFERENCE_BODY.fingerprint}: matches the verified body of "
+        f"vLLM {REFERENCE_BODY.name}"
+    ) in out
     assert "visible -> vllm_mamba_align:register" in out
     assert "VLLM_PLUGINS is unset" in out
     assert "mode            kept (the default: VLLM_MAMBA_ALIGN_MODE unset)" in out
@@ -114,9 +117,9 @@ def test_doctor_json(
     code, out = doctor(capsys, "--json")
     report = json.loads(out)
     assert code == EXIT_OK
-    assert report["vllm_version"] == "0.33.0"
-    assert report["split_body"] == "0.33.0"
-    assert report["split_fingerprint"] == "f3405419e904a2f8"
+    assert report["vllm_version"] == REFERENCE
+    assert report["split_body"] == REFERENCE_BODY.name
+    assert report["split_fingerprint"] == REFERENCE_BODY.fingerprint
     assert report["entry_point_visible"] is True
     assert report["vllm_plugins"] == "other_plugin"
     assert report["would_load"] is False
@@ -150,7 +153,7 @@ def test_doctor_json_names_the_default_mode(
 def test_doctor_exits_1_when_the_plugin_would_refuse_unknown_code(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Same table the plugin consults: forget 0.33.0 and both must refuse."""
+    """Same table the plugin consults: forget every release and both must refuse."""
     monkeypatch.setattr(releases, "_BY_FINGERPRINT", {})
     monkeypatch.delenv("VLLM_MAMBA_ALIGN_ALLOW_UNVERIFIED", raising=False)
     code, out = doctor(capsys)

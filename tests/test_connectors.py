@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import built_or_skipped, cache_block_for, installed_body, scheduler_mode
+from helpers import built_or_skipped, cache_block_for, installed_body, scheduler_mode
 from random_workloads import (
     connector_hits_resume_from_null_blocks,
     external_block_undercounted,

@@ -6,7 +6,7 @@ import platform
 import textwrap
 
 import pytest
-from conftest import built_or_skipped, run_python, scheduler_mode, vllm_refuses
+from helpers import built_or_skipped, run_python, scheduler_mode, vllm_refuses
 
 from vllm_mamba_align import MambaAlignError, __version__, register
 from vllm_mamba_align.releases import SUPPORTED_RELEASES

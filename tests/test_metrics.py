@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import geometry_rule, scheduler_mode
+from helpers import geometry_rule, scheduler_mode
 
 from vllm_mamba_align import audit, metrics
 from vllm_mamba_align.tools.simulation import Geometry, Simulation, prompt

@@ -6,7 +6,7 @@ import inspect
 import textwrap
 
 import pytest
-from conftest import plugins, run_python, scheduler_mode
+from helpers import plugins, run_python, scheduler_mode
 
 from vllm_mamba_align import __version__, register
 from vllm_mamba_align.plugin import SCHEDULER_MODULE, is_patched, patch_scheduler_module

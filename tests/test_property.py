@@ -20,7 +20,7 @@ cases per test). The 10^5-workload sweep is ``test_sweep.py``.
 from __future__ import annotations
 
 import pytest
-from conftest import geometry_rule, installed_body
+from helpers import geometry_rule, installed_body
 from hypothesis import event, find, given, reject, settings
 from hypothesis import strategies as st
 from random_workloads import (

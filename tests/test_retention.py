@@ -13,7 +13,7 @@ import functools
 from dataclasses import dataclass
 
 import pytest
-from conftest import geometry_rule, scheduler_mode
+from helpers import geometry_rule, scheduler_mode
 
 from vllm_mamba_align.releases import supports_retention_setting
 from vllm_mamba_align.retention import read_retention

@@ -13,7 +13,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-from conftest import run_python
+from helpers import run_python
 
 CHILD = textwrap.dedent(
     """

@@ -21,7 +21,7 @@ boundary up to 16480, then vLLM's partial tail (16752, or 16736 with the drop).
 from __future__ import annotations
 
 import pytest
-from conftest import built_or_skipped, geometry_rule, installed_body, scheduler_mode
+from helpers import built_or_skipped, geometry_rule, installed_body, scheduler_mode
 from random_workloads import drafters_build
 
 from vllm_mamba_align.releases import (

@@ -14,7 +14,7 @@ import functools
 from dataclasses import dataclass
 
 import pytest
-from conftest import geometry_rule, scheduler_mode
+from helpers import geometry_rule, scheduler_mode
 
 from vllm_mamba_align.tools.simulation import (
     Geometry,

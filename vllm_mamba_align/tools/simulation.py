@@ -470,6 +470,11 @@ def chunk_starts(output: Any) -> dict[str, int]:
     return starts
 
 
+SCHEDULER_BUILT_HOOKS: list[Callable[[Any], None]] = []
+"""Called with every scheduler :func:`build_scheduler` builds (a test suite
+shuts each one down when the test that built it ends)."""
+
+
 def build_scheduler(geometry: Geometry) -> Any:
     """A real Scheduler, configured the way vLLM's engine core configures it."""
     from vllm.v1.core import kv_cache_utils
@@ -520,13 +525,16 @@ def build_scheduler(geometry: Geometry) -> Any:
     if geometry.async_scheduling:
         sched.async_scheduling = True
     with retention_environment(geometry):
-        return Scheduler(
+        scheduler = Scheduler(
             vllm_config=config,
             kv_cache_config=kv_config,
             structured_output_manager=StructuredOutputManager(config),
             **block_sizes,
             log_stats=True,
         )
+    for hook in SCHEDULER_BUILT_HOOKS:
+        hook(scheduler)
+    return scheduler
 
 
 def _compute_checkpoints() -> Callable[..., tuple[list[int], list[int]]] | None:

@@ -1,0 +1,179 @@
+"""Helpers the tests share: fresh interpreters, what the installed vLLM starts
+with, stock vs patched. (Fixtures and hooks live in ``conftest.py``.)
+
+`stock_vllm` and `scheduler_mode` live in the package's tools
+(``vllm_mamba_align.tools.modes``), so the `simulate` command and the benchmarks
+compare modes with the same code as the tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from vllm_mamba_align.releases import SplitBody
+from vllm_mamba_align.tools.modes import scheduler_mode, stock_vllm
+
+__all__ = [
+    "async_republishes_partial_tail",
+    "built_or_skipped",
+    "cache_block_for",
+    "geometry_rule",
+    "installed_body",
+    "load_onboard_tool",
+    "plugins",
+    "run_python",
+    "scheduler_mode",
+    "stock_vllm",
+    "vllm_refuses",
+]
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+# Releases before 0.28.0 need the test-only CPU platform plugin; VLLM_PLUGINS
+# filters platform plugins too, so tests that set it must list that one as well.
+PLATFORM_PLUGINS = os.environ.get("MAMBA_ALIGN_TEST_PLATFORM_PLUGINS", "")
+
+
+def plugins(*names: str) -> str:
+    """A VLLM_PLUGINS value naming these plugins plus the test platform plugin."""
+    return ",".join(n for n in (*names, *PLATFORM_PLUGINS.split(",")) if n)
+
+
+def load_onboard_tool() -> Any:
+    """``tools/onboard.py`` (a script beside the package) as module ``onboard``.
+
+    The tool puts its own checkout first on ``sys.path``; the tests keep theirs.
+    """
+    import importlib.util
+    import sys
+
+    script = os.path.join(os.path.dirname(TESTS_DIR), "tools", "onboard.py")
+    spec = importlib.util.spec_from_file_location("onboard", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["onboard"] = module
+    path = list(sys.path)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = path
+    return module
+
+
+def run_python(code: str, **env: str) -> Any:
+    """Run ``code`` in a fresh interpreter of this environment (a new vLLM process).
+
+    Returns the CompletedProcess; ``tests/`` is importable there. Variables set to
+    "" are removed from the child's environment.
+    """
+    import subprocess
+    import sys
+
+    child_env = dict(os.environ)
+    repo = os.path.dirname(TESTS_DIR)  # this checkout's package, not another copy
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (repo, TESTS_DIR, child_env.get("PYTHONPATH", "")) if p
+    )
+    for key, value in env.items():
+        if value == "":
+            child_env.pop(key, None)
+        else:
+            child_env[key] = value
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def vllm_refuses(error: BaseException) -> bool:
+    """Whether an error raised while building a scheduler came from vLLM itself.
+
+    Some releases refuse some geometries at startup (0.20.2-0.27.1 assert when
+    C < B; see domain notes): such a geometry cannot occur with that release.
+    """
+    import traceback
+
+    if not isinstance(error, (AssertionError, ValueError, NotImplementedError)):
+        return False
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and f"{os.sep}vllm{os.sep}" in frames[-1].filename
+
+
+@contextlib.contextmanager
+def built_or_skipped() -> Iterator[None]:
+    """Skip the test when the installed vLLM refuses the geometry at startup."""
+    try:
+        yield
+    except Exception as error:
+        if vllm_refuses(error):
+            pytest.skip(f"this vLLM refuses the geometry at startup: {error}")
+        raise
+
+
+def geometry_rule() -> str:
+    """Which C < B geometries the installed vLLM starts with (releases.py).
+
+    "any" (0.28.0+), "divisor" (C must divide B: 0.15.1-0.19.1) or "equal"
+    (0.20.2-0.27.1 refuse C < B at startup). Read from the version: nothing is
+    built to find out.
+    """
+    from vllm_mamba_align.releases import cache_block_rule, installed_version
+
+    return cache_block_rule(installed_version()).value
+
+
+def cache_block_for(state_block: int, upstream: int = 816) -> int:
+    """A cache block C < B the installed vLLM starts with next to ``state_block``:
+    upstream's 816 where any C goes, B / 2 where C must divide B, else B."""
+    rule = geometry_rule()
+    if rule == "any":
+        return upstream
+    if rule == "divisor":
+        return state_block // 2
+    return state_block
+
+
+@functools.cache
+def installed_body() -> SplitBody:
+    """The release-table entry of the installed split function."""
+    import vllm.v1.core.sched.scheduler as module
+
+    from vllm_mamba_align.plugin import recognize
+
+    body = recognize(module.Scheduler).body
+    assert body is not None, "the tests run on verified releases"
+    return body
+
+
+@functools.cache
+def async_republishes_partial_tail() -> bool:
+    """Whether stock vLLM's async scheduling publishes a prompt's partial-tail
+    state a second time, on the block its first decode step then overwrites.
+
+    vLLM's own defect, measured here rather than listed (seen on 0.26.0
+    through 0.31.0, not on 0.18.1, 0.32.0 or 0.33.0): with a token in flight,
+    the decode step caches the request up to ``request.num_tokens`` (the
+    prompt, its sampled token not yet appended), which registers the prompt's
+    partial-tail block again on the running slot after the previous step's
+    copy-on-write moved it away. Needs a prompt ending on a hash block inside a
+    state block, and async scheduling.
+    """
+    from vllm_mamba_align.releases import supports_hash_block
+    from vllm_mamba_align.tools.simulation import Geometry, Simulation, prompt
+
+    if not supports_hash_block():
+        return False  # no partial-tail checkpoint (before 0.26.0)
+    geometry = Geometry(64, 64, hash_block=16, retention=None, async_scheduling=True)
+    with scheduler_mode("stock"):
+        sim = Simulation(geometry)
+        sim.add("probe", prompt(96, seed=1), max_tokens=3)
+        sim.run()
+    return any(p.claimed[0] == 96 for p in sim.poisoned.values())
