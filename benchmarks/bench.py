@@ -6,7 +6,7 @@ Run: ``python benchmarks/bench.py [--output benchmarks/RESULTS.md] [--quick]``
 ``measure.py`` measures (functions that return data); ``report.py`` writes the
 markdown; this script runs the one, then the other.
 
-How it measures (CPU only, no weights; see ``vllm_mamba_align/tools/simulation.py``):
+How it measures (CPU only, no weights; see ``vllm_mamba_align/tools/sim/``):
 
 - overhead: wall time of ``schedule()`` + ``update_from_output()`` per step on a
   64-request mixed prefill/decode batch. Each round pairs every mode with its own

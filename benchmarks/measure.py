@@ -1,7 +1,7 @@
 """Measurements of the plugin's benefit and cost: functions that return data.
 
 Every measurement runs the installed vLLM's real scheduler on CPU (no weights;
-``vllm_mamba_align.tools.simulation``), stock and each plugin mode in one
+``vllm_mamba_align.tools.sim``), stock and each plugin mode in one
 process (``vllm_mamba_align.tools.modes``). ``report.py`` turns the data into
 markdown; ``bench.py`` runs both.
 """
@@ -35,7 +35,7 @@ from vllm_mamba_align.tools.modes import (
     scheduler_mode,
     simulated_modes,
 )
-from vllm_mamba_align.tools.simulation import (
+from vllm_mamba_align.tools.sim import (
     MAX_MODEL_LEN,
     Geometry,
     Simulation,

@@ -84,13 +84,13 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
 
 
 _built: weakref.WeakSet[Any] = weakref.WeakSet()
-"""Schedulers built since the last test ended and still alive (tools.simulation
+"""Schedulers built since the last test ended and still alive (tools.sim
 reports each it builds)."""
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _record_built_schedulers() -> Iterator[None]:
-    from vllm_mamba_align.tools.simulation import SCHEDULER_BUILT_HOOKS
+    from vllm_mamba_align.tools.sim import SCHEDULER_BUILT_HOOKS
 
     SCHEDULER_BUILT_HOOKS.append(_built.add)
     yield
@@ -122,7 +122,7 @@ def schedulers_shut_down() -> Iterator[None]:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    from vllm_mamba_align.tools.simulation import Simulation
+    from vllm_mamba_align.tools.sim import Simulation
 
     calls = Simulation.schedule_calls + sum(_WORKER_CALLS)
     terminalreporter.write_line(f"real vLLM schedule() calls in this run: {calls}")

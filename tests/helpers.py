@@ -167,7 +167,7 @@ def async_republishes_partial_tail() -> bool:
     state block, and async scheduling.
     """
     from vllm_mamba_align.releases import supports_hash_block
-    from vllm_mamba_align.tools.simulation import Geometry, Simulation, prompt
+    from vllm_mamba_align.tools.sim import Geometry, Simulation, prompt
 
     if not supports_hash_block():
         return False  # no partial-tail checkpoint (before 0.26.0)

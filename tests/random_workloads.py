@@ -29,6 +29,7 @@ from packaging.version import Version
 
 from vllm_mamba_align import MambaAlignError
 from vllm_mamba_align.releases import (
+    DRAFTERS_BUILD_SINCE,
     InternalCheckpoint,
     PrefillRule,
     installed_version,
@@ -39,7 +40,7 @@ from vllm_mamba_align.releases import (
 from vllm_mamba_align.retention import read_retention
 from vllm_mamba_align.settings import DEFAULT_MODE
 from vllm_mamba_align.tools.modes import DEFAULT
-from vllm_mamba_align.tools.simulation import (
+from vllm_mamba_align.tools.sim import (
     MAX_MODEL_LEN,
     Geometry,
     KeepDecision,
@@ -218,13 +219,13 @@ def drafters_build() -> bool:
     """Whether this vLLM builds a SpeculativeConfig (MTP and EAGLE-3) for the
     tests' tiny model: 0.16.0 refuses it ("Mamba cache mode 'align' is
     currently not compatible with speculative decoding"), 0.18.1 and later
-    build it (from 0.27.1 on it must)."""
+    build it (from releases.DRAFTERS_BUILD_SINCE on it must)."""
     try:
         for method in ("mtp", "eagle"):
             base_vllm_config((method, 1))
     except Exception:
         version = installed_version()
-        if version is not None and Version(version) >= Version("0.27.1"):
+        if version is not None and Version(version) >= DRAFTERS_BUILD_SINCE:
             raise
         return False
     return True

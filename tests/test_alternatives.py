@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 from conftest import cache_block_for, geometry_rule, scheduler_mode
-
 from vllm_mamba_align.tools.simulation import (
     Geometry,
     Simulation,

@@ -13,7 +13,7 @@ import pytest
 from helpers import async_republishes_partial_tail, geometry_rule, scheduler_mode
 from random_workloads import drafters_build
 
-from vllm_mamba_align.tools.simulation import Geometry, Simulation, prompt
+from vllm_mamba_align.tools.sim import Geometry, Simulation, prompt
 
 B, P, BUDGET = 1648, 16764, 8192
 

@@ -1,6 +1,6 @@
 """Audit mode on the real scheduler: stock schedules, counts that match the oracle.
 
-The oracle (``vllm_mamba_align.tools.simulation``) models the worker's Mamba state
+The oracle (``vllm_mamba_align.tools.sim``) models the worker's Mamba state
 writes and checks every published Mamba hash against the state its block holds. Audit
 mode counts from chunk positions alone; these tests hold the two against each
 other on stock vLLM's own schedules.
@@ -37,7 +37,7 @@ from random_workloads import (
 from test_property import workloads
 
 from vllm_mamba_align import audit
-from vllm_mamba_align.tools.simulation import (
+from vllm_mamba_align.tools.sim import (
     Chunk,
     Geometry,
     Simulation,

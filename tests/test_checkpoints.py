@@ -20,7 +20,7 @@ from vllm_mamba_align.releases import (
     supports_hash_block,
     supports_retention_setting,
 )
-from vllm_mamba_align.tools.simulation import (
+from vllm_mamba_align.tools.sim import (
     CHECKPOINT_BACKENDS,
     Geometry,
     Simulation,

@@ -364,7 +364,7 @@ def test_the_manual_shows_simulates_real_output(
 def test_simulate_defaults_run_vllms_default_retention(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from vllm_mamba_align.tools.simulation import Geometry, retention_interval
+    from vllm_mamba_align.tools.sim import Geometry, retention_interval
 
     assert main(["simulate"]) == EXIT_OK
     out = capsys.readouterr().out
@@ -520,7 +520,7 @@ def test_simulate_short_prompt_default_share_fits(
 
 
 def test_the_oracle_names_prefix_states_in_linear_time_identically() -> None:
-    from vllm_mamba_align.tools.simulation import prefix_state_ids, prompt, state_id
+    from vllm_mamba_align.tools.sim import prefix_state_ids, prompt, state_id
 
     tokens = prompt(1000, seed=3)
     ids = list(prefix_state_ids(tokens, 16))

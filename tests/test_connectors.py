@@ -31,7 +31,7 @@ from random_workloads import (
 )
 
 from vllm_mamba_align.releases import supports_hash_block
-from vllm_mamba_align.tools.simulation import (
+from vllm_mamba_align.tools.sim import (
     Geometry,
     Simulation,
     available_checkpoint_backends,

@@ -10,7 +10,7 @@ from helpers import built_or_skipped, run_python, scheduler_mode, vllm_refuses
 
 from vllm_mamba_align import MambaAlignError, __version__, register
 from vllm_mamba_align.releases import SUPPORTED_RELEASES
-from vllm_mamba_align.tools.simulation import (
+from vllm_mamba_align.tools.sim import (
     Geometry,
     Simulation,
     build_scheduler,
@@ -89,7 +89,7 @@ module.Scheduler._mamba_block_aligned_split = namespace["_mamba_block_aligned_sp
 BUILD = """
 import vllm_mamba_align
 from vllm_mamba_align.plugin import is_patched
-from vllm_mamba_align.tools.simulation import (
+from vllm_mamba_align.tools.sim import (
     Geometry, Simulation, build_scheduler, prompt
 )
 vllm_mamba_align.register()
@@ -224,7 +224,7 @@ def test_a_vendor_build_with_a_known_body_is_accepted() -> None:
         import vllm
         vllm.__version__ = "0.1.dev20073+g8e685d198"
         import vllm_mamba_align
-        from vllm_mamba_align.tools.simulation import Geometry, Simulation, prompt
+        from vllm_mamba_align.tools.sim import Geometry, Simulation, prompt
         vllm_mamba_align.register()
         sim = Simulation(Geometry(cache_block=1648, state_block=1648))
         sim.add("a", prompt(5000, 1))

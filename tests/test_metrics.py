@@ -14,7 +14,7 @@ import pytest
 from helpers import geometry_rule, scheduler_mode
 
 from vllm_mamba_align import audit, metrics
-from vllm_mamba_align.tools.simulation import Geometry, Simulation, prompt
+from vllm_mamba_align.tools.sim import Geometry, Simulation, prompt
 
 prometheus_client = pytest.importorskip("prometheus_client")
 

@@ -23,7 +23,7 @@ LOAD_AND_START = textwrap.dedent(
     from vllm.v1.core.sched.scheduler import Scheduler
     print("init patched:", is_patched(vars(Scheduler)["__init__"]))
     print("split patched:", is_patched(vars(Scheduler)["_mamba_block_aligned_split"]))
-    from vllm_mamba_align.tools.simulation import Simulation, Geometry, prompt
+    from vllm_mamba_align.tools.sim import Simulation, Geometry, prompt
     sim = Simulation(Geometry(cache_block=1648, state_block=1648))
     sim.add("a", prompt(4000, 1))
     sim.run()
@@ -140,7 +140,7 @@ def test_split_calls_through_the_class_take_the_instance_route(mode: str) -> Non
     """A scheduler's own calls skip the class wrapper; calls through it agree."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_mamba_align.tools.simulation import Geometry, Simulation, prompt
+    from vllm_mamba_align.tools.sim import Geometry, Simulation, prompt
 
     stock = vars(Scheduler)["_mamba_block_aligned_split"].__wrapped__
     with scheduler_mode(mode):

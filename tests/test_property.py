@@ -42,7 +42,7 @@ from random_workloads import simulate as run_case
 from vllm_mamba_align.releases import CheckpointGrid, supports_retention_setting
 from vllm_mamba_align.settings import DEFAULT_MODE
 from vllm_mamba_align.tools.modes import DEFAULT
-from vllm_mamba_align.tools.simulation import Simulation
+from vllm_mamba_align.tools.sim import Simulation
 
 
 @st.composite

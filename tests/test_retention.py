@@ -17,7 +17,7 @@ from helpers import geometry_rule, scheduler_mode
 
 from vllm_mamba_align.releases import supports_retention_setting
 from vllm_mamba_align.retention import read_retention
-from vllm_mamba_align.tools.simulation import (
+from vllm_mamba_align.tools.sim import (
     Geometry,
     Simulation,
     StateId,

@@ -1,7 +1,7 @@
 """The serving path stays apart from the tools: it never imports them.
 
 ``register()``, a real scheduler built and started with the plugin active, and a
-``schedule()`` step must not import ``vllm_mamba_align.tools`` (simulation, modes,
+``schedule()`` step must not import ``vllm_mamba_align.tools`` (sim, modes,
 simulate), ``doctor`` or the CLI. The test builds its scheduler with the tools,
 then removes them from ``sys.modules`` and blocks their names, so any import of
 them from the serving path fails loudly, and it records every package module
@@ -19,13 +19,13 @@ CHILD = textwrap.dedent(
     """
     import sys
     import vllm_mamba_align
-    from vllm_mamba_align.tools.simulation import Geometry, Simulation, prompt
+    from vllm_mamba_align.tools.sim import Geometry, Simulation, prompt
 
     APART = ("vllm_mamba_align.tools", "vllm_mamba_align.doctor",
              "vllm_mamba_align.cli", "vllm_mamba_align.__main__")
     for name in [n for n in sys.modules if n.startswith(APART)]:
         del sys.modules[name]
-    for name in (*APART, "vllm_mamba_align.tools.simulation",
+    for name in (*APART, "vllm_mamba_align.tools.sim",
                  "vllm_mamba_align.tools.modes", "vllm_mamba_align.tools.simulate"):
         sys.modules[name] = None  # importing it now raises ImportError
     del vllm_mamba_align.tools

@@ -30,7 +30,7 @@ from vllm_mamba_align.releases import (
     supports_lookahead_hashes,
     supports_retention_setting,
 )
-from vllm_mamba_align.tools.simulation import (
+from vllm_mamba_align.tools.sim import (
     Geometry,
     Simulation,
     available_checkpoint_backends,
@@ -279,7 +279,7 @@ def test_the_plugin_predicts_the_states_vllm_keeps_with_a_drafter(
     0.33.0's junction block). ``full`` writes every boundary, so what vLLM
     publishes is exactly what it keeps: the two must agree, with a drafter."""
     from vllm_mamba_align.retention import read_retention
-    from vllm_mamba_align.tools.simulation import cacheable_boundaries, state_id
+    from vllm_mamba_align.tools.sim import cacheable_boundaries, state_id
 
     _skip_unless_supported(drafter)
     if retention != "default" and not supports_retention_setting():

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 from helpers import geometry_rule, scheduler_mode
 
-from vllm_mamba_align.tools.simulation import (
+from vllm_mamba_align.tools.sim import (
     Geometry,
     Simulation,
     cacheable_boundaries,

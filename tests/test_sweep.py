@@ -42,7 +42,7 @@ from random_workloads import (
 
 from vllm_mamba_align.releases import installed_version
 from vllm_mamba_align.tools.modes import DEFAULT
-from vllm_mamba_align.tools.simulation import Simulation
+from vllm_mamba_align.tools.sim import Simulation
 
 WORKLOADS = int(os.environ.get("MAMBA_ALIGN_SWEEP_WORKLOADS", "300"))
 """Runnable cases to check (cases this release cannot run are redrawn)."""

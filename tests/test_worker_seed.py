@@ -59,7 +59,7 @@ def _model_state() -> Any:
 
     import torch
 
-    from vllm_mamba_align.tools.simulation import base_vllm_config
+    from vllm_mamba_align.tools.sim import base_vllm_config
 
     config = copy.deepcopy(base_vllm_config())
     config.cache_config.block_size = C  # the engine's min over groups
@@ -68,7 +68,7 @@ def _model_state() -> Any:
 
 
 def _kv_cache_config() -> Any:
-    from vllm_mamba_align.tools.simulation import Geometry, kv_cache_config
+    from vllm_mamba_align.tools.sim import Geometry, kv_cache_config
 
     return kv_cache_config(Geometry(cache_block=C, state_block=B))
 

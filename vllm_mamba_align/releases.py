@@ -453,6 +453,13 @@ only: there vLLM refuses the variable for a model without one (e.g. a GDN
 hybrid), and every Mamba state is kept (kv_cache_coordinator.py:46 in 0.23.0)."""
 
 
+DRAFTERS_BUILD_SINCE = Version("0.27.1")
+"""From this release on vLLM must build a speculative config (MTP, EAGLE-3)
+for a hybrid model in align mode (0.16.0 refuses it: "Mamba cache mode 'align'
+is currently not compatible with speculative decoding"; 0.18.1-0.26.0 build
+it)."""
+
+
 def retention_variable_reaches_mamba() -> bool:
     """Whether the installed vLLM's retention environment variable (0.27.1,
     0.28.0; still read later) decides which Mamba states are kept."""
@@ -504,4 +511,4 @@ def requests_need_eos_token_id() -> bool:
 AMX_DISABLES_PREFIX_CACHING = "0.24.0 0.25.1"
 """Releases whose CPU platform turns prefix caching off for linear-attention
 models when the host CPU has AMX (no setting avoids it); the tools build configs
-as on a CPU without AMX (``tools.simulation``)."""
+as on a CPU without AMX (``tools.sim.engine``)."""

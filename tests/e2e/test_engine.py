@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from .models import VOCAB
+from .release import E2E_RELEASE
 
 HERE = Path(__file__).parent
 WORKAROUNDS = "cpu_e2e_workarounds"  # tests/support/cpu_e2e_workarounds
@@ -239,7 +240,7 @@ def test_log_shows_plugin_active_with_the_geometry_it_found(
         "nemotron_h", "heterogeneous", f"{WORKAROUNDS},{PLUGIN}", None, multiprocess
     )
     found = run.geometry()
-    assert found["vllm"] == "0.32.0"
+    assert found["vllm"] == E2E_RELEASE
     assert found["status"].startswith("ACTIVE, mode=kept")  # the default
     cache_block, state_block = int(found["c"]), int(found["b"])
     assert cache_block < state_block, found  # the heterogeneous geometry

@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .release import E2E_RELEASE
+
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "deploy" / "Dockerfile"
 
@@ -103,7 +105,7 @@ def test_the_build_step_installs_and_passes_doctor(tmp_path: Path) -> None:
     done = run_build_step(tmp_path, VLLM_PLUGINS="cpu_e2e_workarounds,mamba_align")
     assert done.returncode == 0, done.stdout[-6000:]
     assert "verdict: [ok]" in done.stdout
-    assert "install-plugin: before: vllm 0.32.0" in done.stdout
+    assert f"install-plugin: before: vllm {E2E_RELEASE}" in done.stdout
 
 
 def test_the_build_step_fails_when_vllm_would_not_load_the_plugin(

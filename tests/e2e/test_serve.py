@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 
 from .models import write_model
+from .release import E2E_RELEASE
 from .server import (
     SERVED_NAME,
     Completion,
@@ -303,7 +304,7 @@ def test_served_with_the_plugin_sibling_matches_a_fresh_run(
 ) -> None:
     run = served("default")
     (found,) = run.plugin_lines()  # one engine core, one scheduler
-    assert found["process"] == "EngineCore" and found["vllm"] == "0.32.0"
+    assert found["process"] == "EngineCore" and found["vllm"] == E2E_RELEASE
     assert found["status"].startswith("ACTIVE, mode=kept"), found  # the default
     assert int(found["c"]) < int(found["b"])  # the heterogeneous geometry
     check_fix(run, None)
@@ -377,7 +378,7 @@ def test_data_parallel_audit_counters_on_metrics_equal_each_engine_summary(
         assert info["mode"] == "audit" and info["model_name"] == SERVED_NAME
         assert info["state_block"] == str(summary["state_block"])
         assert info["cache_block"] == str(summary["cache_block"])
-        assert info["vllm_version"] == "0.32.0"
+        assert info["vllm_version"] == E2E_RELEASE
 
 
 @pytest.mark.parametrize("key", list(SETUPS))

@@ -6,7 +6,7 @@ kv_connector_module_path="support.prefix_store_connector", kv_role="kv_both")``
 (``tests/`` is on the path of the test run). Only the scheduler side is real:
 vLLM's scheduler asks it for external hits and tells it what it allocated; the
 GPU worker side (loading bytes into blocks) is modelled by the simulation's
-worker oracle (``vllm_mamba_align/tools/simulation.py``), so every worker
+worker model (``vllm_mamba_align/tools/sim/worker.py``), so every worker
 method here refuses to run.
 
 What the test controls, through ``kv_connector_extra_config``:

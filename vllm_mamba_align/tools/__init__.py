@@ -1,7 +1,8 @@
 """Tools on top of the plugin: never imported on the serving path.
 
-- ``simulation``: a real vLLM scheduler on CPU (config-only tiny hybrid model, no
-  GPU, no weights) and an oracle of the Mamba states its worker would hold.
+- ``sim``: a real vLLM scheduler on CPU (config-only tiny hybrid model, no
+  GPU, no weights), a model of the Mamba states its worker would write, and an
+  oracle that judges them by what vLLM does.
 - ``modes``: stock vLLM and each plugin mode in one process (``stock_vllm``,
   ``scheduler_mode``), for ``simulate``, the benchmarks and the tests.
 - ``simulate``: the ``vllm-mamba-align simulate`` command.

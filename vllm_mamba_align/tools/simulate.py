@@ -1,6 +1,6 @@
 """``vllm-mamba-align simulate``: stock and patched vLLM side by side on one geometry.
 
-Runs the installed vLLM's real scheduler on CPU (simulation.py: no GPU, no weights)
+Runs the installed vLLM's real scheduler on CPU (tools/sim: no GPU, no weights)
 once per mode on the same scenario: ``requests`` prompts of ``prompt`` tokens
 prefilled together, then an immediate re-ask of the first and two siblings sharing
 its first ``share`` tokens (at vLLM's default state retention the first sibling
@@ -92,7 +92,7 @@ DRAFTER_FORMS = "METHOD:K with METHOD mtp, multi-mtp or eagle and K from 1 to 8"
 
 def parse_drafter(raw: str) -> tuple[str, int]:
     """``--drafter``: ``mtp:2``, ``eagle:3``... (K defaults to 1)."""
-    from .simulation import SPECULATIVE_METHODS
+    from .sim import SPECULATIVE_METHODS
 
     method, _, count = raw.strip().lower().partition(":")
     try:
@@ -106,7 +106,7 @@ def parse_drafter(raw: str) -> tuple[str, int]:
 
 def validate(s: Scenario) -> list[str]:
     """Everything wrong with a scenario, as sentences (empty: fine)."""
-    from .simulation import MAX_MODEL_LEN
+    from .sim import MAX_MODEL_LEN
 
     problems = []
     for name, value in (
@@ -145,7 +145,7 @@ def validate(s: Scenario) -> list[str]:
 
 
 def _geometry(s: Scenario) -> Any:
-    from .simulation import Geometry
+    from .sim import Geometry
 
     # Enough blocks that nothing is evicted: every prompt's attention and Mamba
     # blocks, plus the re-ask and the sibling, twice over.
@@ -195,7 +195,7 @@ def run_mode(s: Scenario, mode: str, progress_stream: TextIO) -> ModeResult:
     """The scenario on a fresh real scheduler in one mode."""
     from ..retention import read_retention
     from .modes import scheduler_mode
-    from .simulation import Simulation, prompt
+    from .sim import Simulation, prompt
 
     began = time.monotonic()
     first = prompt(s.prompt, seed=1)
@@ -254,7 +254,7 @@ def picture(s: Scenario, results: list[ModeResult]) -> list[str]:
         return min(width - 1, max(0, round(position / scale) - 1))
 
     grid = ["-"] * width
-    from .simulation import cacheable_boundaries
+    from .sim import cacheable_boundaries
 
     for boundary in cacheable_boundaries(s.prompt, s.state_block):
         grid[column(boundary)] = "|"
@@ -304,7 +304,7 @@ def _reuse(tokens: int, result: ModeResult, request_id: str) -> str:
 
 
 def render(s: Scenario, results: list[ModeResult]) -> str:
-    from .simulation import cacheable_boundaries
+    from .sim import cacheable_boundaries
 
     boundaries = len(cacheable_boundaries(s.prompt, s.state_block))
     legal_reask = (s.prompt - 1) // s.state_block * s.state_block
