@@ -22,9 +22,10 @@ import dataclasses
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
-from helpers import cache_block_for, geometry_rule, scheduler_mode
+from helpers import cache_block_for, geometry_rule, installed_body, scheduler_mode
 from hypothesis import event, find, given, reject, settings
 from hypothesis import strategies as st
 from random_workloads import (
@@ -37,6 +38,7 @@ from random_workloads import (
 from test_property import workloads
 
 from vllm_mamba_align import audit
+from vllm_mamba_align.releases import in_prefill
 from vllm_mamba_align.tools.sim import (
     Chunk,
     Geometry,
@@ -69,12 +71,23 @@ class PublicationOracle(Simulation):
         self._wrong_now: set[tuple[int, bytes]] = set()
 
     def step(self) -> dict[str, Chunk]:
+        # The audit counts what the installed body calls prefill
+        # (releases.in_prefill), judged on each request as it is before the step.
+        rule = installed_body().prefill
+        before = {
+            req_id: SimpleNamespace(
+                num_output_tokens=r.request.num_output_tokens,
+                num_prompt_tokens=r.request.num_prompt_tokens,
+                num_tokens=r.request.num_tokens,
+            )
+            for req_id, r in self.records.items()
+        }
         chunks = super().step()
         self.all_chunks += [(r, c.start, c.end) for r, c in chunks.items()]
-        # Prefill by the installed body's rule (releases.in_prefill), as the
-        # simulation judged it before the step.
         self.prefill_chunks += [
-            (r, c.start, c.end) for r, c in chunks.items() if r in self.prefill_now
+            (r, c.start, c.end)
+            for r, c in chunks.items()
+            if r in before and in_prefill(rule, before[r], c.start)
         ]
         for record in self.records.values():
             request = record.request
