@@ -12,8 +12,9 @@ itself. With C = 816 and B = 1,648 stock still ends chunks on the 816 grid.
 from __future__ import annotations
 
 import pytest
-from conftest import cache_block_for, geometry_rule, scheduler_mode
-from vllm_mamba_align.tools.simulation import (
+from helpers import cache_block_for, geometry_rule, scheduler_mode
+
+from vllm_mamba_align.tools.sim import (
     Geometry,
     Simulation,
     cacheable_boundaries,

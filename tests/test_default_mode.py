@@ -14,14 +14,14 @@ import textwrap
 from typing import Any
 
 import pytest
-from conftest import cache_block_for, geometry_rule, run_python, scheduler_mode
-from vllm_mamba_align.tools.simulation import Geometry, Simulation, prompt
+from helpers import cache_block_for, geometry_rule, run_python, scheduler_mode
 
 from vllm_mamba_align import activation, metrics, settings
 from vllm_mamba_align.releases import installed_version
 from vllm_mamba_align.releases import (
     refuses_batch_invariance_for_mamba as refuses_for_mamba,
 )
+from vllm_mamba_align.tools.sim import Geometry, Simulation, prompt
 
 C, B, H = 816, 1648, 16
 SEED_PROMPT = 16764
