@@ -353,7 +353,7 @@ import vllm
 import vllm.v1.core.sched.scheduler as module
 import vllm_mamba_align
 from vllm_mamba_align.plugin import recognize
-from vllm_mamba_align.tools.simulation import Geometry, Simulation, prompt
+from vllm_mamba_align.tools.sim import Geometry, Simulation, prompt
 vllm_mamba_align.register()
 recognition = recognize(module.Scheduler)
 sim = Simulation(Geometry(cache_block=1648, state_block=1648))
