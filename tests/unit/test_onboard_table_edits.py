@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 import pytest
-from conftest import load_onboard_tool
+from helpers import load_onboard_tool
 
 from vllm_mamba_align import releases
 from vllm_mamba_align.releases import (
