@@ -73,7 +73,7 @@ _WORKER_CALLS: list[int] = []
 def pytest_sessionfinish(session: Any) -> None:
     output = getattr(session.config, "workeroutput", None)
     if output is not None:  # an xdist worker: hand its count to the controller
-        from vllm_mamba_align.tools.simulation import Simulation
+        from vllm_mamba_align.tools.sim import Simulation
 
         output["schedule_calls"] = Simulation.schedule_calls
 
