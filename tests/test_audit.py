@@ -275,6 +275,23 @@ def preempted(sim: Simulation) -> bool:
     return any(r.request.num_preemptions for r in sim.records.values())
 
 
+def assert_skips_match(
+    found: audit.AuditSnapshot, lost: list[str], never_cached: list[str]
+) -> None:
+    """The audit's skipped boundaries (and would-be-poisoned slots) are the
+    states vLLM keeps that no chunk wrote, counted when the split skips them.
+
+    vLLM decides later, when it caches the request's blocks, and never does for
+    a boundary past the last prefix it caches (a request that finishes first):
+    the audit counts those too, so they bound it from above."""
+    counted = found.poisoned_slots + found.skipped_boundaries
+    if never_cached:
+        event("a skipped boundary vLLM never cached (the request finished first)")
+        assert len(lost) <= counted <= len(lost) + len(never_cached)
+    else:
+        assert counted == len(lost)
+
+
 def check_audit_against_stock(workload: Workload) -> audit.AuditSnapshot:
     stock = run_workload("stock", workload)
     if preempted(stock) and not REPLAYS_VALIDATED:
@@ -306,14 +323,16 @@ def check_audit_against_stock(workload: Workload) -> audit.AuditSnapshot:
     assert modelled is not None
     if workload.geometry.prefill_checkpoint is None:
         assert found.poisoned_slots == stock.wrong_publications
-        assert found.poisoned_slots + found.skipped_boundaries == len(lost)
-        assert found.noncanonical_states == stock.noncanonical_kept_writes
+        assert_skips_match(found, lost, stock.skipped_never_cached)
+        written = stock.noncanonical_kept_writes
+        never_cached = len(stock.noncanonical_never_cached)
+        assert written <= found.noncanonical_states <= written + never_cached
     elif modelled.backend_checkpoint is not None:
         # The audit counts the boundary the backend writes inside a chunk as
         # written (its non-canonical count still judges chunks only).
         event("backend checkpoints: the audit models the in-chunk write")
         assert found.poisoned_slots == stock.wrong_publications
-        assert found.poisoned_slots + found.skipped_boundaries == len(lost)
+        assert_skips_match(found, lost, stock.skipped_never_cached)
     else:
         # Where the backend's position is not known (0.30.0-0.31.0 with the
         # backend off the manager's hash grid) the audit counts every boundary

@@ -305,6 +305,34 @@ class Oracle(SchedulerView):
                 self.store_resumed_kept.append(f"{req_id}: state@{boundary}")
 
     @property
+    def skipped_never_cached(self) -> list[str]:
+        """Boundaries a prefill chunk crossed without writing, on which vLLM has
+        taken no keep-or-drop decision (yet).
+
+        vLLM caches a request's Mamba slots only up to the prefix a later hit
+        could match (0.33.0 rounds it down to the scheduler block, the LCM of
+        the groups' blocks), so a request that finishes before that prefix
+        reaches a boundary never publishes it. The audit counts such a boundary
+        when the split skips it, before vLLM could decide; it is no lost state.
+        """
+        return self._never_cached(lambda own: own is None)
+
+    @property
+    def noncanonical_never_cached(self) -> list[str]:
+        """Likewise, boundaries a prefill chunk wrote not one B block per chunk
+        (what the audit counts as non-canonical) that vLLM never cached."""
+        return self._never_cached(lambda own: own is False)
+
+    def _never_cached(self, how: Callable[[bool | None], bool]) -> list[str]:
+        decided = {(d.req_id, d.boundary) for d in self.keep_decisions}
+        return [
+            f"{req_id}: {boundary}"
+            for req_id, reached in self._reached.items()
+            for boundary, own in reached.items()
+            if how(own) and (req_id, boundary) not in decided
+        ]
+
+    @property
     def retention_interval(self) -> int | None:
         """vLLM's state retention here, as its KV-cache coordinator holds it
         (0.27.1+; None: dense, every state kept, as in every earlier release)."""
