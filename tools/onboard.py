@@ -83,7 +83,7 @@ SUGGESTIONS = {
     "relocates_scratch_in_checkpoint_steps derive from the release number)",
     "test_connectors.py": "external hits: check the body's external-token handling",
     "test_async.py": "async scheduling: check the partial-tail publication",
-    "test_audit.py": "the audit's counts: audit.py reads the same facts as the fix",
+    "test_audit.py": "the audit's counts: audit/ reads the same facts as the fix",
     "test_fail_closed.py": "recognition and refusals: check the fingerprint and "
     "the stall guard (wide_block_exemption)",
     "test_property.py": "a random workload broke an invariant: reproduce it, then "

@@ -26,7 +26,7 @@ Sites, one card each (why / how / upstream / delete when):
 3. **Instance attributes of each align-mode hybrid scheduler** (the class and
    other schedulers are untouched):
    ``_mamba_block_aligned_split`` and ``_vllm_mamba_align_split`` hold the
-   bound route: the fix (split.py), audit's observer (audit.py) or, in ``off``,
+   bound route: the fix (split.py), audit's observer (audit/) or, in ``off``,
    vLLM's own function. Why: vLLM calls the split for every running request at
    every step; an instance attribute skips the wrapt layers (about 0.5 us a
    call). ``mamba_state_block_size`` = B, the attribute upstream's fix adds
