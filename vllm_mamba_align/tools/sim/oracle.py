@@ -103,6 +103,14 @@ class Oracle(SchedulerView):
         canonical, and not the split's doing."""
         self.missing_kept: list[str] = []
         """Prompt boundaries vLLM keeps whose state was never materialized."""
+        self.dropped_by_vllm: list[str] = []
+        """Boundaries a prefill chunk ended on and wrote into its running slot,
+        whose slot vLLM freed before it cached the request's blocks (its keep
+        decision then finds the null block): vLLM's own drop, after the split
+        did its part (seen on 0.33.0 with MTP: an 8-token prompt, C = 16, B = 8,
+        cached only once decoding reached 16)."""
+        self._ended_on: set[tuple[str, int]] = set()
+        """(request, boundary) where a prefill chunk ended and wrote its state."""
         self.store_resumed_kept: list[str] = []
         """Kept states computed from a connector-loaded state (its provenance
         is the store's, not this instance's)."""
@@ -231,6 +239,7 @@ class Oracle(SchedulerView):
         for boundary in range((start // grid + 1) * grid, end + 1, grid):
             if boundary == end:
                 reached[boundary] = own
+                self._ended_on.add((req_id, boundary))
             elif boundary == checkpoint:
                 reached[boundary] = own_checkpoint
             else:
@@ -284,6 +293,9 @@ class Oracle(SchedulerView):
             own = reached[boundary]
             if own is None:
                 self.missing_kept.append(f"{req_id}: {boundary} inside a chunk")
+                continue
+            if block.is_null and (req_id, boundary) in self._ended_on:
+                self.dropped_by_vllm.append(f"{req_id}: {boundary}")
                 continue
             if block.is_null or self.holds.get(block.block_id) != state_id(
                 self._tokens(req_id), boundary
