@@ -66,12 +66,18 @@ SAMPLED_TOKEN = 7
 """The token the modelled worker samples (and its drafter proposes), always."""
 
 
+def _config_dir(prefix: str, config: dict[str, Any]) -> str:
+    """A fresh folder holding ``config`` as its config.json (a model vLLM can
+    configure without weights)."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
 @functools.cache
 def model_dir() -> str:
-    path = tempfile.mkdtemp(prefix="tiny-qwen3-next-")
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(TINY_QWEN3_NEXT, f)
-    return path
+    return _config_dir("tiny-qwen3-next-", TINY_QWEN3_NEXT)
 
 
 # A tiny EAGLE-3 draft model for the tiny hybrid; only config.json is needed.
@@ -102,18 +108,13 @@ method ``eagle3``)."""
 @functools.cache
 def multi_mtp_model_dir(modules: int) -> str:
     """The tiny hybrid with ``modules`` MTP modules."""
-    path = tempfile.mkdtemp(prefix="tiny-qwen3-next-mtp-")
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump({**TINY_QWEN3_NEXT, "num_nextn_predict_layers": modules}, f)
-    return path
+    config = {**TINY_QWEN3_NEXT, "num_nextn_predict_layers": modules}
+    return _config_dir("tiny-qwen3-next-mtp-", config)
 
 
 @functools.cache
 def eagle_draft_dir() -> str:
-    path = tempfile.mkdtemp(prefix="tiny-eagle3-draft-")
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(TINY_EAGLE3_DRAFT, f)
-    return path
+    return _config_dir("tiny-eagle3-draft-", TINY_EAGLE3_DRAFT)
 
 
 def speculative_config(
