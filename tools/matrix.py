@@ -40,8 +40,14 @@ EARLY_SWEEPS = "74cf0ef"
 commit (0.33.0's wheel was built at 1eebed1, whose code differs by a comment)."""
 
 
+RECORDS = ("matrix", "benchmarks/sweep", "benchmarks/RESULTS.md")
+"""What the measuring runs themselves write: a run over every release changes
+them as it goes, which is no change to the code it measures."""
+
+
 def commit() -> str:
-    """The checkout's commit, short, with ``+`` when it has uncommitted changes."""
+    """The checkout's commit, short, with ``+`` when it has uncommitted changes
+    outside the records (:data:`RECORDS`)."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -51,7 +57,15 @@ def commit() -> str:
             check=True,
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            [
+                "git",
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                *(f":(exclude){path}" for path in RECORDS),
+            ],
             cwd=REPO,
             capture_output=True,
             text=True,
