@@ -109,6 +109,9 @@ class Oracle(SchedulerView):
         decision then finds the null block): vLLM's own drop, after the split
         did its part (seen on 0.33.0 with MTP: an 8-token prompt, C = 16, B = 8,
         cached only once decoding reached 16)."""
+        self.noncanonical_dropped = 0
+        """... of which the writer's own chunks were not one B block each (the
+        audit counts them as non-canonical kept states when it sees the chunk)."""
         self._ended_on: set[tuple[str, int]] = set()
         """(request, boundary) where a prefill chunk ended and wrote its state."""
         self.store_resumed_kept: list[str] = []
@@ -296,6 +299,7 @@ class Oracle(SchedulerView):
                 continue
             if block.is_null and (req_id, boundary) in self._ended_on:
                 self.dropped_by_vllm.append(f"{req_id}: {boundary}")
+                self.noncanonical_dropped += not own
                 continue
             if block.is_null or self.holds.get(block.block_id) != state_id(
                 self._tokens(req_id), boundary
