@@ -15,7 +15,8 @@ Pure counting from chunk positions: no clock, no thread, no vLLM. For a chunk
   gives such slots the null block, so those states never exist. Counted when
   the chunk is scheduled, before vLLM caches the request's blocks: a request
   that finishes before the cached prefix reaches the boundary never publishes
-  it (the counts are then an upper bound; the test suite's oracle holds both).
+  it, nor does vLLM when it frees the slot before caching reaches it (the
+  counts are then an upper bound; the test suite's oracle holds both).
 - **non-canonical kept state**: a kept state computed by another chunk sequence
   than one B block per chunk from the request's start.
 
