@@ -9,7 +9,9 @@ what vLLM does, never by the plugin's predictions.
   manager takes on each slot when it caches a request's blocks (watched at
   ``BlockPool.cache_full_blocks``), must be materialized where a prefill chunk
   reached it (:attr:`Oracle.missing_kept`), and how it was computed is tracked
-  (:attr:`Oracle.noncanonical_kept`).
+  (:attr:`Oracle.noncanonical_kept`). A slot vLLM freed itself after a chunk
+  wrote it, before caching it, is vLLM's drop, not the split's
+  (:attr:`Oracle.dropped_by_vllm`).
 - A boundary state handed to a KV connector to save must be the one its block
   holds (:attr:`Oracle.wrong_offloads`).
 
