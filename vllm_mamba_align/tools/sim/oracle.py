@@ -106,16 +106,20 @@ class Oracle(SchedulerView):
         self.missing_kept: list[str] = []
         """Prompt boundaries vLLM keeps whose state was never materialized."""
         self.dropped_by_vllm: list[str] = []
-        """Boundaries a prefill chunk ended on and wrote into its running slot,
-        whose slot vLLM freed before it cached the request's blocks (its keep
-        decision then finds the null block): vLLM's own drop, after the split
-        did its part (seen on 0.33.0 with MTP: an 8-token prompt, C = 16, B = 8,
-        cached only once decoding reached 16)."""
+        """Boundaries a prefill chunk wrote into their own slot (it ended there,
+        or the backend's checkpoint wrote it), whose slot vLLM freed before it
+        cached the request's blocks (its keep decision then finds the null
+        block): vLLM's own drop, after the split did its part (seen on 0.33.0
+        with MTP: an 8-token prompt, C = 16, B = 8, cached only once decoding
+        reached 16; on 0.30.0 for a flashkda checkpoint at 16 in a chunk 0-17,
+        C = 32)."""
         self.noncanonical_dropped = 0
         """... of which the writer's own chunks were not one B block each (the
         audit counts them as non-canonical kept states when it sees the chunk)."""
-        self._ended_on: set[tuple[str, int]] = set()
-        """(request, boundary) where a prefill chunk ended and wrote its state."""
+        self._written: set[tuple[str, int]] = set()
+        """(request, boundary) whose state a prefill chunk wrote into the
+        boundary's own slot: the chunk ended there, or the backend's in-chunk
+        checkpoint wrote it."""
         self.store_resumed_kept: list[str] = []
         """Kept states computed from a connector-loaded state (its provenance
         is the store's, not this instance's)."""
@@ -244,9 +248,10 @@ class Oracle(SchedulerView):
         for boundary in range((start // grid + 1) * grid, end + 1, grid):
             if boundary == end:
                 reached[boundary] = own
-                self._ended_on.add((req_id, boundary))
+                self._written.add((req_id, boundary))
             elif boundary == checkpoint:
                 reached[boundary] = own_checkpoint
+                self._written.add((req_id, boundary))
             else:
                 reached[boundary] = None
 
@@ -299,7 +304,7 @@ class Oracle(SchedulerView):
             if own is None:
                 self.missing_kept.append(f"{req_id}: {boundary} inside a chunk")
                 continue
-            if block.is_null and (req_id, boundary) in self._ended_on:
+            if block.is_null and (req_id, boundary) in self._written:
                 self.dropped_by_vllm.append(f"{req_id}: {boundary}")
                 self.noncanonical_dropped += not own
                 continue
