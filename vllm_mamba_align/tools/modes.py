@@ -63,6 +63,23 @@ def stock_vllm() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def environment_variable(name: str, value: str | None) -> Iterator[None]:
+    """``name`` set to ``value`` (None: unset) inside the block, as it was after."""
+    previous = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+
+@contextlib.contextmanager
 def scheduler_mode(mode: str) -> Iterator[None]:
     """Schedulers built and run inside use ``mode``: ``stock``, a plugin mode or
     :data:`DEFAULT` (the variable unset).
@@ -76,18 +93,8 @@ def scheduler_mode(mode: str) -> Iterator[None]:
         with stock_vllm():
             yield
         return
-    previous = os.environ.get(MODE_VARIABLE)
-    if mode == DEFAULT:
-        os.environ.pop(MODE_VARIABLE, None)
-    else:
-        os.environ[MODE_VARIABLE] = mode
-    try:
+    with environment_variable(MODE_VARIABLE, None if mode == DEFAULT else mode):
         yield
-    finally:
-        if previous is None:
-            os.environ.pop(MODE_VARIABLE, None)
-        else:
-            os.environ[MODE_VARIABLE] = previous
 
 
 def simulated_modes() -> list[str]:

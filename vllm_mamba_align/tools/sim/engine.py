@@ -27,6 +27,7 @@ from ...releases import (
     supports_hash_block,
     supports_lookahead_hashes,
 )
+from ..modes import environment_variable
 
 # A tiny hybrid (GDN + full attention) architecture; only config.json is needed.
 TINY_QWEN3_NEXT = {
@@ -421,18 +422,9 @@ def retention_environment(geometry: Geometry) -> Iterator[None]:
     if retention_in_kv_config() or geometry.retention == DEFAULT_RETENTION:
         yield
         return
-    previous = os.environ.get(RETENTION_VARIABLE)
-    if geometry.retention is None:
-        os.environ.pop(RETENTION_VARIABLE, None)
-    else:
-        os.environ[RETENTION_VARIABLE] = str(geometry.retention)
-    try:
+    value = None if geometry.retention is None else str(geometry.retention)
+    with environment_variable(RETENTION_VARIABLE, value):
         yield
-    finally:
-        if previous is None:
-            os.environ.pop(RETENTION_VARIABLE, None)
-        else:
-            os.environ[RETENTION_VARIABLE] = previous
 
 
 SCHEDULER_BUILT_HOOKS: list[Callable[[Any], None]] = []
