@@ -11,12 +11,18 @@ The plugin is installed from a freshly built wheel, as users install it.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import shutil
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import nox
 
@@ -50,6 +56,106 @@ nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["lint", "unit", "docs", "ci", "ci_image", "e2e"]
 
+
+@dataclass
+class Leg:
+    """One session of this nox run, as the closing table shows it."""
+
+    name: str
+    result: str = "failed"
+    seconds: float = 0.0
+    load_before: float = 0.0
+    load_after: float = 0.0
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    ran_tests: bool = False
+
+
+LEGS: list[Leg] = []
+
+
+def timed(function: Callable[..., None]) -> Callable[..., None]:
+    """Record a session's wall time, result, test counts and the load average
+    around it, for the table printed when nox ends (:func:`print_legs`)."""
+
+    @functools.wraps(function)
+    def run(session: nox.Session, *args: Any, **kwargs: Any) -> None:
+        leg = Leg(session.name, load_before=os.getloadavg()[0])
+        LEGS.append(leg)
+        started = time.monotonic()
+        try:
+            function(session, *args, **kwargs)
+            leg.result = "passed"
+        finally:
+            leg.seconds = time.monotonic() - started
+            leg.load_after = os.getloadavg()[0]
+
+    return run
+
+
+def pytest(
+    session: nox.Session, *args: str, env: dict[str, str], junit: Path | None = None
+) -> None:
+    """pytest in the session's environment, its counts added to the session's leg."""
+    junit = junit or Path(tempfile.mkdtemp(prefix="vllm-mamba-align-junit-")) / "j.xml"
+    try:
+        session.run("python", "-m", "pytest", f"--junitxml={junit}", *args, env=env)
+    finally:
+        if junit.exists() and LEGS:
+            leg = LEGS[-1]
+            for suite in ElementTree.parse(junit).getroot().iter("testsuite"):
+                tests, skipped = (
+                    int(suite.get("tests", 0)),
+                    int(suite.get("skipped", 0)),
+                )
+                failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+                leg.passed += tests - skipped - failed
+                leg.failed += failed
+                leg.skipped += skipped
+                leg.ran_tests = True
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
+
+
+@atexit.register
+def print_legs() -> None:
+    """One block a person reads: each session's result, tests, wall time and
+    the 1-minute load average before and after it, then the total."""
+    if not LEGS:
+        return
+    cores = os.cpu_count() or 1
+    rows = [
+        f"{'session':<30} {'result':<7} {'passed':>7} {'failed':>6} "
+        f"{'skipped':>7} {'time':>6}  load before -> after"
+    ]
+    for leg in LEGS:
+        counts = (
+            f"{leg.passed:>7} {leg.failed:>6} {leg.skipped:>7}"
+            if leg.ran_tests
+            else f"{'-':>7} {'-':>6} {'-':>7}"
+        )
+        rows.append(
+            f"{leg.name:<30} {leg.result:<7} {counts} {_minutes(leg.seconds):>6}  "
+            f"{leg.load_before:.2f} -> {leg.load_after:.2f}"
+        )
+    total = sum(leg.seconds for leg in LEGS)
+    one, five, fifteen = os.getloadavg()
+    passed = sum(leg.passed for leg in LEGS)
+    failed = sum(leg.failed for leg in LEGS)
+    skipped = sum(leg.skipped for leg in LEGS)
+    print("\n".join(["", "Sessions of this nox run (wall time m:ss):", *rows]))
+    print(
+        f"total wall time {_minutes(total)} on {cores} cores; load average now "
+        f"{one:.2f}, {five:.2f}, {fifteen:.2f} (1, 5, 15 min)"
+    )
+    if any(leg.ran_tests for leg in LEGS):
+        print(f"tests: {passed} passed, {failed} failed, {skipped} skipped")
+    sys.stdout.flush()
+
+
 REPO = Path(__file__).parent
 ENVS = REPO / "envs"
 TORCH = "torch==2.13.0"  # the CPU build on this kind of machine
@@ -57,12 +163,13 @@ VLLM_RELEASES = sorted(
     (p.stem.removeprefix("vllm-") for p in ENVS.glob("vllm-*.txt")),
     key=lambda v: tuple(int(x) for x in v.split(".")),
 )
-# What CI runs (its 90 minutes fit these comfortably): the newest release,
-# 0.31.0 (the backend's own checkpoint grid, and vLLM's scratch-block defect the
-# plugin routes around), the internal-checkpoint rule of 0.29.0, the first
-# wide-block body (0.27.1) and one release from before 0.20 (C must divide B
-# there).
-CI_RELEASES = ["0.33.0", "0.31.0", "0.29.0", "0.27.1", "0.18.1"]
+# What CI runs on every submission (fresh clone, 2 cores, 90 minutes; the legs and
+# their measured cost are in docs/maintaining/index.md): the newest release, and
+# one old body, 0.18.1 (the body six releases share; before 0.20, where C must
+# divide B, and the stall guard of bodies without the wide-block exemption).
+# Every other release runs in the release matrix (`nox -s tests`), before a
+# release and whenever the serving path changes.
+CI_RELEASES = ["0.33.0", "0.18.1"]
 PYTHON = "3.11"
 """The Python of the release environments (torch's CPU build on this machine is
 for 3.11)."""
@@ -135,6 +242,7 @@ def install_plugin_wheel(session: nox.Session) -> str:
 
 
 @nox.session
+@timed
 def lint(session: nox.Session) -> None:
     """ruff and mypy (strict) on the package."""
     session.install("ruff", "mypy", "wrapt", "packaging", "nox")
@@ -144,12 +252,13 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session(python=list(SUPPORTED_PYTHONS))
+@timed
 def unit(session: nox.Session) -> None:
     """The fast tier (tests/unit): no vLLM, no torch, seconds; on every Python."""
     session.install(*TEST_TOOLS)
     install_plugin_wheel(session)
     env = {"MAMBA_ALIGN_UNIT_ONLY": "1"}
-    session.run("python", "-m", "pytest", "tests/unit", *session.posargs, env=env)
+    pytest(session, "tests/unit", *session.posargs, env=env)
 
 
 def run_suite(session: nox.Session, release: str, record: bool) -> None:
@@ -160,16 +269,7 @@ def run_suite(session: nox.Session, release: str, record: bool) -> None:
     junit = Path(tempfile.mkdtemp()) / "junit.xml"
     started = time.monotonic()
     try:
-        session.run(
-            "python",
-            "-m",
-            "pytest",
-            "-n",
-            WORKERS,
-            f"--junitxml={junit}",
-            *session.posargs,
-            env=env,
-        )
+        pytest(session, "-n", WORKERS, *session.posargs, env=env, junit=junit)
     finally:
         drop = os.environ.get("MAMBA_ALIGN_DROP_ENVS") == "1"
         if record and junit.exists():
@@ -192,6 +292,7 @@ def run_suite(session: nox.Session, release: str, record: bool) -> None:
 
 @nox.session(python=PYTHON)
 @nox.parametrize("vllm", VLLM_RELEASES)
+@timed
 def tests(session: nox.Session, vllm: str) -> None:
     """The test suite against the real scheduler of one vLLM release; records
     the result in matrix/<release>.json (the release table's source)."""
@@ -200,6 +301,7 @@ def tests(session: nox.Session, vllm: str) -> None:
 
 @nox.session(python=PYTHON)
 @nox.parametrize("vllm", CI_RELEASES)
+@timed
 def ci(session: nox.Session, vllm: str) -> None:
     """The suite on the releases CI covers (records nothing)."""
     run_suite(session, vllm, record=False)
@@ -207,12 +309,14 @@ def ci(session: nox.Session, vllm: str) -> None:
 
 @nox.session(python=IMAGE_PYTHON)
 @nox.parametrize("vllm", CI_RELEASES[:1])
+@timed
 def ci_image(session: nox.Session, vllm: str) -> None:
     """The suite on the newest release, on the Python of vLLM's official image."""
     run_suite(session, vllm, record=False)
 
 
 @nox.session(python=IMAGE_PYTHON)
+@timed
 def e2e(session: nox.Session) -> None:
     """A real vLLM engine (vLLM's CPU build, E2E_RELEASE) with the plugin: tests/e2e."""
     session.install(TORCH)
@@ -222,10 +326,11 @@ def e2e(session: nox.Session) -> None:
     session.install(str(E2E_WORKAROUNDS))
     install_plugin_wheel(session)
     env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
-    session.run("python", "-m", "pytest", "tests/e2e", *session.posargs, env=env)
+    pytest(session, "tests/e2e", *session.posargs, env=env)
 
 
 @nox.session(venv_backend="none")
+@timed
 def fingerprints(session: nox.Session) -> None:
     """Every verified release's fingerprinted sites, read from its wheel on the
     registry, fingerprinted by Python 3.10, 3.11, 3.12 and 3.13 and compared with
@@ -259,6 +364,7 @@ def fingerprints(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+@timed
 def matrix_table(session: nox.Session) -> None:
     """Rewrite every generated table (README, docs/) from the recorded results."""
     session.run("python3", "tools/matrix.py", "table")
@@ -268,6 +374,7 @@ DOCS_TOOLS = ["mkdocs==1.6.1", "mkdocs-material==9.8.2", "pymdown-extensions==13
 
 
 @nox.session
+@timed
 def docs(session: nox.Session) -> None:
     """The manual (docs/, mkdocs-material), built with warnings as errors, after
     checking that every generated table matches the recorded results."""
@@ -281,6 +388,7 @@ def docs(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+@timed
 def onboard(session: nox.Session) -> None:
     """A vLLM release the plugin has not verified: its environment, fingerprints,
     drafted table entry and report (tools/onboard.py; the procedure around it is
@@ -304,6 +412,7 @@ SWEEP_RESULTS = REPO / "benchmarks" / "sweep"
 
 @nox.session
 @nox.parametrize("vllm", _newest_release_per_body())
+@timed
 def property_long(session: nox.Session, vllm: str) -> None:
     """The long profile, one release per split body: the random sweep's 100,000
     workloads on both cores (tests/test_sweep.py; 15-28 min per body measured
@@ -333,11 +442,12 @@ def property_long(session: nox.Session, vllm: str) -> None:
         )
         env["MAMBA_ALIGN_SWEEP_COMMIT"] = (commit or "").strip()
         tests = ["tests/test_sweep.py"]
-    session.run("python", "-m", "pytest", *tests, *session.posargs, env=env)
+    pytest(session, *tests, *session.posargs, env=env)
 
 
 @nox.session
 @nox.parametrize("vllm", VLLM_RELEASES[-1:])
+@timed
 def demo(session: nox.Session, vllm: str) -> None:
     """See it work on a laptop: a CPU vLLM, the plugin, then `simulate`.
 
@@ -353,6 +463,7 @@ def demo(session: nox.Session, vllm: str) -> None:
 
 @nox.session
 @nox.parametrize("vllm", VLLM_RELEASES[-1:])
+@timed
 def bench(session: nox.Session, vllm: str) -> None:
     """The benchmarks; writes benchmarks/RESULTS.md (its header gives the time)
     and the tables generated from it."""
