@@ -150,7 +150,11 @@ def test_split_calls_through_the_class_take_the_instance_route(mode: str) -> Non
     own = scheduler._mamba_block_aligned_split
     through_class = Scheduler._mamba_block_aligned_split(scheduler, request, 8192)
     assert own(request, 8192) == through_class
-    if mode == "off":  # nothing to fix: vLLM's own function, no plugin frame
+    # Nothing to fix: vLLM's own function, no plugin frame (off; grid where
+    # C == B and the body needs no added stop, test_decode_shortcut.py).
+    vllms_own = hasattr(own, "__func__")
+    if mode == "off" or vllms_own:
+        assert vllms_own and mode in ("off", "grid")
         assert own.__func__ is stock
         assert through_class == stock(scheduler, request, 8192)
     else:
@@ -159,7 +163,7 @@ def test_split_calls_through_the_class_take_the_instance_route(mode: str) -> Non
     for attribute in ("__name__", "__qualname__", "__doc__"):
         assert getattr(own, attribute) == getattr(stock, attribute)
     vllm_parameters = list(inspect.signature(stock).parameters)[1:]
-    if mode == "off":
+    if vllms_own:
         assert list(inspect.signature(own).parameters) == vllm_parameters
     else:
         assert own.__wrapped__ is stock

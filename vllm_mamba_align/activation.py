@@ -296,15 +296,38 @@ def attach(scheduler: Scheduler, recognition: Recognition) -> None:
         return
     if not body.wide_block_exemption:
         _refuse_stall(scheduler, body, state_grid)
+    _activate_fix(scheduler, recognition, mode, retention, state_grid)
+
+
+def _activate_fix(
+    scheduler: Scheduler,
+    recognition: Recognition,
+    mode: Mode,
+    retention: Retention,
+    state_grid: int,
+) -> None:
+    """Bind the fix of a fixing mode, or vLLM's own split where the fix would
+    schedule exactly as it does, and log the start line."""
+    body = recognition.body
+    assert body is not None
     policy = StopPolicy.for_scheduler(mode, body, retention, scheduler, state_grid)
-    route = state_grid_split(scheduler, recognition.split, policy, retention, body)
-    _bind_split(scheduler, route)
+    summary = mode_summary(mode, retention)
+    if policy.schedules_as_vllm(scheduler.cache_config.block_size):
+        # Nothing to change on this scheduler: vLLM's own function, no layer.
+        _bind_split(scheduler, recognition.split.__get__(scheduler, type(scheduler)))
+        summary += (
+            f"; here C = B and no stop applies to body {body.name}, so vLLM's own "
+            "split already schedules as the fix would and is bound unchanged"
+        )
+    else:
+        route = state_grid_split(scheduler, recognition.split, policy, retention, body)
+        _bind_split(scheduler, route)
     setattr(scheduler, STATE_BLOCK_ATTRIBUTE, state_grid)
     invariance = batch_invariance_note(mode, retention.dense, recognition.vllm_version)
     _log(
         scheduler,
         recognition,
-        f"ACTIVE, mode={mode.value}: {mode_summary(mode, retention)} "
+        f"ACTIVE, mode={mode.value}: {summary} "
         "(backport of vLLM PR #54076)" + (f"; {invariance}" if invariance else ""),
         state_grid,
     )

@@ -67,10 +67,18 @@ class SchedulerFacts:
     """:func:`checkpoints.backend_off_manager_grid`."""
     step_budget: int = 1 << 30
     """:func:`step_budget`."""
+    decides_checkpoints: bool = False
+    """The scheduler's own ``mamba_has_prefill_checkpoint_blocks``: without it
+    vLLM never decides to checkpoint a chunk internally (every body with
+    internal checkpointing tests this flag first), so nothing a stop guards
+    against that decision can happen."""
 
     @classmethod
     def of(cls, scheduler: Scheduler, body: SplitBody, grid: int) -> SchedulerFacts:
         return cls(
+            decides_checkpoints=bool(
+                getattr(scheduler, "mamba_has_prefill_checkpoint_blocks", False)
+            ),
             reserves_checkpoints=spec_reserves_checkpoints(scheduler),
             speculative_blocks=speculative_blocks(scheduler),
             backend_off_manager_grid=backend_off_manager_grid(scheduler, body, grid),
@@ -108,8 +116,10 @@ backend_off_manager_grid`, 0.30.0-0.31.0) a longer chunk gets a wrongly
     checkpoints that chunk internally. Why: 0.30.0+ drop that stop for such a
     chunk (scheduler.py:645-649 in 0.33.0) although the backend writes one
     state, so the start's block is published as the boundary's state it never
-    held. Releases: 0.30.0+ (:attr:`InternalCheckpoint.OBSERVED`). Delete when:
-    vLLM keeps its stop for internally checkpointed chunks."""
+    held. Releases: 0.30.0+ (:attr:`InternalCheckpoint.OBSERVED`), on a
+    scheduler that decides internal checkpoints at all
+    (:attr:`SchedulerFacts.decides_checkpoints`). Delete when: vLLM keeps its
+    stop for internally checkpointed chunks."""
     guard_unwritten: bool
     """End a chunk from a boundary on the grid where 0.29.0's flashkda backend
     would not write its in-chunk state. Why: it writes only 16-aligned from the
@@ -172,6 +182,18 @@ backend_off_manager_grid`, 0.30.0-0.31.0) a longer chunk gets a wrongly
             or self.guard_scratch
         )
 
+    def schedules_as_vllm(self, cache_block: int) -> bool:
+        """Whether the route would answer every call exactly as vLLM's own split:
+        the grid it runs vLLM's split on is vLLM's own (B == C), no stop follows
+        the call and no short chunk is refused. Then the fix binds vLLM's
+        function itself (grid mode on a C == B geometry, for instance), and a
+        split call costs what it costs on stock vLLM."""
+        return (
+            self.grid == cache_block
+            and not self.any_stop
+            and not self.align_short_chunks
+        )
+
     @classmethod
     def decide(
         cls,
@@ -196,7 +218,7 @@ backend_off_manager_grid`, 0.30.0-0.31.0) a longer chunk gets a wrongly
             prefill=body.prefill,
             stop_at_boundaries=stop_at_boundaries,
             stop_anywhere=stop_anywhere,
-            mid_block_stop=mode is Mode.GRID and observed,
+            mid_block_stop=mode is Mode.GRID and observed and facts.decides_checkpoints,
             guard_unwritten=rule is InternalCheckpoint.ALIGNED_START
             and grid % FLASHKDA_CHUNK_SIZE != 0
             and facts.reserves_checkpoints,

@@ -12,6 +12,15 @@ four common parameters, around a call of vLLM's function with those four
 method's parameters: on four-parameter releases the route is called directly
 and calls vLLM's function directly (nothing in between); on 0.24.0-0.25.1 a
 shell with the five parameters hands the fifth argument to that call.
+
+In front of every bound route stands the past-prefill shortcut. vLLM calls the
+split for every running request at every step, and nearly every such call is a
+decode, for which every released body answers ``num_new_tokens`` unchanged
+(it splits prefill chunks only). The shortcut answers those calls with the
+same number at the cost of the body's own prefill test, before the route
+swaps any config or consults any policy; only calls that may be prefill reach
+the route. ``tests/test_decode_shortcut.py`` holds the shortcut's answer equal
+to the full route's, for every mode, on requests at every phase.
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ import inspect
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from .releases import PrefillRule
 
 SplitFunction = Callable[..., int]
 """``_mamba_block_aligned_split`` as bound to one scheduler (no ``self``)."""
@@ -57,40 +68,147 @@ class _FifthArgument(threading.local):
     value: Any = 0
 
 
-def bind_route(
-    make: Callable[[StockCall], Route],
-    stock: SplitFunction,
-    extra_parameter: str | None,
-) -> SplitFunction:
-    """The route ``make`` builds around vLLM's call, bound with the parameters
-    of the installed method and presented as it (:func:`present_as`).
+FULL_ROUTE = "full_route"
+"""The attribute of a bound route holding the same route without the
+past-prefill shortcut (for the test that holds the two equal)."""
 
-    ``extra_parameter`` is the body's fifth parameter (None: four). With one,
-    the shell passes its fifth argument on to vLLM's call unchanged, and its
-    default is vLLM's own (0).
-    """
-    if extra_parameter is None:
-        return present_as(make(stock), stock)
-    fifth = _FifthArgument()
 
-    def call(scheduler: Any, request: Any, new: int, local: int, external: int) -> int:
-        return stock(scheduler, request, new, local, external, fifth.value)
+def _no_output_yet_shortcut(full: SplitFunction) -> SplitFunction:
+    """:data:`PrefillRule.NO_OUTPUT_YET` (0.15.1-0.16.0, four parameters)."""
 
-    route = make(call)
-
-    def split_with_prefix_tokens(
+    def no_output_yet(
         request: Any,
         num_new_tokens: int,
         num_new_local_computed_tokens: int = 0,
         num_external_computed_tokens: int = 0,
-        num_uncached_common_prefix_tokens: int = 0,
     ) -> int:
-        fifth.value = num_uncached_common_prefix_tokens
-        return route(
+        if request.num_output_tokens and not num_external_computed_tokens:
+            return num_new_tokens
+        return full(
             request,
             num_new_tokens,
             num_new_local_computed_tokens,
             num_external_computed_tokens,
         )
 
-    return present_as(split_with_prefix_tokens, stock)
+    return no_output_yet
+
+
+def _before_prefill_end_shortcut(full: SplitFunction) -> SplitFunction:
+    """:data:`PrefillRule.BEFORE_PREFILL_END` (0.17.1+), four parameters."""
+
+    def before_prefill_end(
+        request: Any,
+        num_new_tokens: int,
+        num_new_local_computed_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+    ) -> int:
+        if not num_external_computed_tokens:
+            start = request.num_computed_tokens + num_new_local_computed_tokens
+            if start >= request.num_prompt_tokens and start >= request.num_tokens - 1:
+                return num_new_tokens
+        return full(
+            request,
+            num_new_tokens,
+            num_new_local_computed_tokens,
+            num_external_computed_tokens,
+        )
+
+    return before_prefill_end
+
+
+def _before_prefill_end_shortcut_five(full: SplitFunction) -> SplitFunction:
+    """:data:`PrefillRule.BEFORE_PREFILL_END` with 0.24.0-0.25.1's fifth
+    parameter."""
+
+    def before_prefill_end_with_prefix_tokens(
+        request: Any,
+        num_new_tokens: int,
+        num_new_local_computed_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        num_uncached_common_prefix_tokens: int = 0,
+    ) -> int:
+        if not num_external_computed_tokens:
+            start = request.num_computed_tokens + num_new_local_computed_tokens
+            if start >= request.num_prompt_tokens and start >= request.num_tokens - 1:
+                return num_new_tokens
+        return full(
+            request,
+            num_new_tokens,
+            num_new_local_computed_tokens,
+            num_external_computed_tokens,
+            num_uncached_common_prefix_tokens,
+        )
+
+    return before_prefill_end_with_prefix_tokens
+
+
+def _past_prefill_shortcut(
+    full: SplitFunction, rule: PrefillRule, five: bool
+) -> SplitFunction:
+    """``full`` behind the body's own past-prefill test: calls that cannot be
+    prefill get ``num_new_tokens`` back at once.
+
+    Every released body returns ``num_new_tokens`` unchanged for such a call
+    (0.15.1-0.22.1 after asserting that no external tokens came with it: the
+    shortcut leaves any call with external tokens to the route, so that
+    assertion still speaks). The test is the body's own, as
+    :func:`releases.in_prefill` states it, written out in each shortcut
+    because it runs for every running request at every step: two
+    comparisons, no call.
+    """
+    if rule is PrefillRule.NO_OUTPUT_YET:
+        assert not five, "no five-parameter body has this prefill rule"
+        return _no_output_yet_shortcut(full)
+    if five:
+        return _before_prefill_end_shortcut_five(full)
+    return _before_prefill_end_shortcut(full)
+
+
+def bind_route(
+    make: Callable[[StockCall], Route],
+    stock: SplitFunction,
+    extra_parameter: str | None,
+    prefill: PrefillRule,
+) -> SplitFunction:
+    """The route ``make`` builds around vLLM's call, bound with the parameters
+    of the installed method, behind the past-prefill shortcut of the body's
+    ``prefill`` rule, and presented as vLLM's method (:func:`present_as`).
+
+    ``extra_parameter`` is the body's fifth parameter (None: four). With one,
+    the shell passes its fifth argument on to vLLM's call unchanged, and its
+    default is vLLM's own (0). The route without the shortcut stays reachable
+    as the bound route's :data:`FULL_ROUTE` attribute.
+    """
+    full: SplitFunction
+    if extra_parameter is None:
+        full = make(stock)
+    else:
+        fifth = _FifthArgument()
+
+        def call(
+            scheduler: Any, request: Any, new: int, local: int, external: int
+        ) -> int:
+            return stock(scheduler, request, new, local, external, fifth.value)
+
+        route = make(call)
+
+        def split_with_prefix_tokens(
+            request: Any,
+            num_new_tokens: int,
+            num_new_local_computed_tokens: int = 0,
+            num_external_computed_tokens: int = 0,
+            num_uncached_common_prefix_tokens: int = 0,
+        ) -> int:
+            fifth.value = num_uncached_common_prefix_tokens
+            return route(
+                request,
+                num_new_tokens,
+                num_new_local_computed_tokens,
+                num_external_computed_tokens,
+            )
+
+        full = split_with_prefix_tokens
+    shortcut = _past_prefill_shortcut(full, prefill, extra_parameter is not None)
+    setattr(shortcut, FULL_ROUTE, present_as(full, stock))
+    return present_as(shortcut, stock)

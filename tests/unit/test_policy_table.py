@@ -32,17 +32,26 @@ boundaries, and also every multiple of an interval R > B."""
 
 FACTS = {
     "plain": SchedulerFacts(step_budget=8192),
-    "ckpt": SchedulerFacts(reserves_checkpoints=True, step_budget=8192),
+    "ckpt": SchedulerFacts(
+        reserves_checkpoints=True, decides_checkpoints=True, step_budget=8192
+    ),
     "draft": SchedulerFacts(speculative_blocks=2, step_budget=8192),
     "ckpt+draft": SchedulerFacts(
-        reserves_checkpoints=True, speculative_blocks=2, step_budget=8192
+        reserves_checkpoints=True,
+        decides_checkpoints=True,
+        speculative_blocks=2,
+        step_budget=8192,
     ),
     "off-grid": SchedulerFacts(
-        reserves_checkpoints=True, backend_off_manager_grid=True, step_budget=8192
+        reserves_checkpoints=True,
+        decides_checkpoints=True,
+        backend_off_manager_grid=True,
+        step_budget=8192,
     ),
     "narrow": SchedulerFacts(step_budget=B - 1),
 }
-"""Scheduler facts: checkpoint blocks in a Mamba spec, an EAGLE/MTP drafter's
+"""Scheduler facts: checkpoint blocks in every Mamba spec (so the scheduler
+decides internal checkpoints), an EAGLE/MTP drafter's
 scratch blocks, 0.30.0-0.31.0's backend off the manager's hash grid, a step
 budget narrower than B."""
 
@@ -119,28 +128,28 @@ EXPECTED = [
     "0.29.0        draft     |back  back  back |back  bk    bk   |ak    k     k",
     "0.29.0        ckpt+draft|bauck bauck bauck|bauck buk   buk  |auk   uk    uk",
     "0.29.0        narrow    |bak   bak   bak  |bak   bk    bk   |ak    k     k",
-    "0.30.0        plain     |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "0.30.0        plain     |bawc  bawc  bawc |bawc  bw    bw   |a     -     -",
     "0.30.0        ckpt      |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
-    "0.30.0        draft     |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "0.30.0        draft     |bawc  bawc  bawc |bawc  bw    bw   |a     -     -",
     "0.30.0        ckpt+draft|baswc baswc baswc|baswc bsw   bsw  |amsw  msw   msw",
     "0.30.0        off-grid  |bawc  bawc  bawc |bawc  bawc  bawc |amw   amw   amw",
-    "0.30.0        narrow    |baw   baw   baw  |baw   bw    bw   |amw   mw    mw",
-    "0.31.0        plain     |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "0.30.0        narrow    |baw   baw   baw  |baw   bw    bw   |a     -     -",
+    "0.31.0        plain     |bawc  bawc  bawc |bawc  bw    bw   |a     -     -",
     "0.31.0        ckpt      |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
-    "0.31.0        draft     |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "0.31.0        draft     |bawc  bawc  bawc |bawc  bw    bw   |a     -     -",
     "0.31.0        ckpt+draft|baswc baswc baswc|baswc bsw   bsw  |amsw  msw   msw",
     "0.31.0        off-grid  |bawc  bawc  bawc |bawc  bawc  bawc |amw   amw   amw",
-    "0.31.0        narrow    |baw   baw   baw  |baw   bw    bw   |amw   mw    mw",
-    "0.32.0        plain     |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "0.31.0        narrow    |baw   baw   baw  |baw   bw    bw   |a     -     -",
+    "0.32.0        plain     |bawc  bawc  bawc |bawc  bw    bw   |a     -     -",
     "0.32.0        ckpt      |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
-    "0.32.0        draft     |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "0.32.0        draft     |bawc  bawc  bawc |bawc  bw    bw   |a     -     -",
     "0.32.0        ckpt+draft|bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
-    "0.32.0        narrow    |baw   baw   baw  |baw   bw    bw   |amw   mw    mw",
-    "0.33.0        plain     |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "0.32.0        narrow    |baw   baw   baw  |baw   bw    bw   |a     -     -",
+    "0.33.0        plain     |bawc  bawc  bawc |bawc  bw    bw   |a     -     -",
     "0.33.0        ckpt      |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
-    "0.33.0        draft     |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "0.33.0        draft     |bawc  bawc  bawc |bawc  bw    bw   |a     -     -",
     "0.33.0        ckpt+draft|bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
-    "0.33.0        narrow    |baw   baw   baw  |baw   bw    bw   |amw   mw    mw",
+    "0.33.0        narrow    |baw   baw   baw  |baw   bw    bw   |a     -     -",
 ]
 
 

@@ -20,6 +20,7 @@ from vllm_mamba_align.policy import SchedulerFacts, StopPolicy
 from vllm_mamba_align.releases import BODIES, SplitBody
 from vllm_mamba_align.retention import Retention
 from vllm_mamba_align.settings import Mode
+from vllm_mamba_align.signature import FULL_ROUTE
 from vllm_mamba_align.split import state_grid_split
 
 B, C, P = 1648, 816, 16764
@@ -138,9 +139,17 @@ def test_a_mid_block_start_stops_at_the_next_boundary_with_five_parameters(
     assert scheduler.calls == [(B, 5)]
 
 
-def test_a_decode_passes_straight_through() -> None:
+def test_a_decode_is_answered_before_the_route() -> None:
+    """The past-prefill shortcut answers a decode with its token count and
+    never reaches vLLM's function; the full route behind it calls vLLM on the
+    state grid, with the fifth argument."""
     scheduler, route = bind(split_with_prefix_tokens, FIVE, Mode.FULL)
     decoding = request(P)
     decoding.num_tokens = P + 1
     assert route(decoding, 1, 0, 0, 0) == 1
-    assert scheduler.calls == [(B, 0)]
+    assert scheduler.calls == [], "answered before the route"
+    assert getattr(route, FULL_ROUTE)(decoding, 1, 0, 0, 3) == 1
+    assert scheduler.calls == [(B, 3)]
+    assert list(inspect.signature(getattr(route, FULL_ROUTE)).parameters) == list(
+        inspect.signature(route).parameters
+    )
