@@ -8,15 +8,16 @@ markdown; this script runs the one, then the other.
 
 How it measures (CPU only, no weights; see ``vllm_mamba_align/tools/sim/``):
 
-- overhead: wall time of ``schedule()`` + ``update_from_output()`` per step on a
-  64-request mixed prefill/decode batch. Each round pairs every mode with its own
-  stock scheduler, the two stepped alternately (the order of modes rotated each
-  round, which of the pair is built first alternated). Per run the median step
-  time; per mode the median over its runs, and the ratio to stock is the
-  geometric mean of the rounds' paired ratios (with their range). The oracle is
-  not running. Per split call: ``_mamba_block_aligned_split`` called in a tight
-  loop on a decoding request and on a request mid-prefill, in blocks alternating
-  with stock; same summary.
+- hot path: at 64, 256 and 1,024 running requests, all decoding or mixed with
+  prefills, the plugin's own time per step (split calls per step times each
+  call's extra cost over stock's, plus audit's look at each step's output) as a
+  share of a stock step, and the wall time of ``schedule()`` +
+  ``update_from_output()``, each mode's scheduler stepped alternately with its
+  own stock scheduler (the order of modes rotated each round, which of the pair
+  is built first alternated). Per split call: ``_mamba_block_aligned_split``
+  called in a tight loop on a decoding request and on a request mid-prefill, in
+  blocks alternating with stock; per mode the geometric mean of the rounds'
+  paired ratios, with their range. The oracle is not running.
 - benefit and cost: the Mamba state oracle on a workload of varied prompts and
   budgets, each prompt followed by an immediate re-ask and two shared-prefix
   siblings, at vLLM's default state retention, dense, and one interval R > 0.
@@ -50,27 +51,53 @@ import vllm_mamba_align
 from matrix import commit
 
 
+def busy(load: float, own: int) -> bool:
+    """Whether the machine is too busy for wall-time figures anyone can
+    reproduce: a 1-minute load average above half the cores, plus ``own``
+    (the benchmark's own process, once it has run)."""
+    return load > (os.cpu_count() or 1) / 2 + own
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--output", help="also write the markdown report here")
     parser.add_argument(
         "--quick", action="store_true", help="fewer rounds (a smoke run)"
     )
+    parser.add_argument(
+        "--hot-path",
+        action="store_true",
+        help="measure only the hot path (the plugin's own time per step); "
+        "not with --output",
+    )
     args = parser.parse_args()
+    if args.hot_path and args.output:
+        parser.error("--hot-path measures one section: it writes no report")
+    load_before = os.getloadavg()[0]
+    if args.output and busy(load_before, own=0):
+        measure.log(
+            f"refusing to measure for {args.output}: the 1-minute load average is "
+            f"{load_before:.2f} on {os.cpu_count()} CPUs (busy: above half the "
+            "cores). Wait for an idle machine, or run without --output to see "
+            "figures that will not be committed."
+        )
+        return 2
     import vllm
 
     vllm_mamba_align.register()
-    load_before = os.getloadavg()[0]
     revision = commit()  # before this run writes its files
     began = time.monotonic()
     quick = args.quick
     count = 8 if quick else 16
     runs = 3 if quick else 15
     overhead = measure.measure_overhead(
-        rounds=2 if quick else 8,
-        steps=60 if quick else 200,
+        rounds=1 if quick else 4,
         calls=2000 if quick else 10000,
+        shapes=measure.BATCHES[:1] if quick else measure.BATCHES,
     )
+    if args.hot_path:
+        print("\n".join(report.overhead_section(overhead)))
+        return 0
     benefit = measure.measure_benefit(count)
     alternatives = measure.measure_alternatives(count)
     scaling = measure.measure_scaling(quick)
@@ -95,6 +122,14 @@ def main() -> int:
         ],
     )
     print(text)
+    load_after = os.getloadavg()[0]
+    if args.output and busy(load_after, own=1):
+        measure.log(
+            f"not writing {args.output}: the 1-minute load average rose to "
+            f"{load_after:.2f} during the run (busy: above half the cores plus the "
+            "benchmark's own one)"
+        )
+        return 3
     if args.output:
         with open(args.output, "w") as f:
             f.write(text)

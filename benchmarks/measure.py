@@ -40,9 +40,9 @@ from vllm_mamba_align.tools.sim import (
     Geometry,
     Simulation,
     chunk_starts,
-    model_dir,
     prompt,
 )
+from vllm_mamba_align.tools.sim.engine import model_dir
 
 C, B, H = 816, 1648, 16
 MODES = [STOCK, *(m.value for m in Mode)]
@@ -79,20 +79,60 @@ def _runner_output(output: Any, finishing: set[str]) -> Any:
     )
 
 
+BATCH_SIZES = (64, 256, 1024)
+"""Running requests per scheduler in the hot-path measurement."""
+PREFILLING = 16
+"""Requests prefilling 4k-40k-token prompts in a mixed batch (the rest decode)."""
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """A batch of running requests: all decoding, or mixed with prefills."""
+
+    size: int
+    mixed: bool
+
+    @property
+    def decoding(self) -> int:
+        return self.size - PREFILLING if self.mixed else self.size
+
+    @property
+    def label(self) -> str:
+        if self.mixed:
+            return (
+                f"{self.size} mixed ({self.decoding} decoding, {PREFILLING} prefilling)"
+            )
+        return f"{self.size} decoding"
+
+    @property
+    def steps(self) -> int:
+        """Timed steps per run: about 12,800 request-steps, at least 20."""
+        return max(20, 12_800 // self.size)
+
+
+BATCHES = tuple(
+    BatchShape(size, mixed) for mixed in (False, True) for size in BATCH_SIZES
+)
+
+
 @dataclass
-class MixedBatch:
-    """64 requests in flight: 48 decoding, 16 prefilling long prompts."""
+class Batch:
+    """Requests in flight on one scheduler: ``shape.decoding`` decoding, the
+    rest prefilling long prompts (replaced as they finish)."""
 
     sim: Simulation
     rng: random.Random
+    shape: BatchShape
     serial: int = 0
     step_times: list[float] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)
 
     def add(self, decode: bool) -> None:
         self.serial += 1
+        # A decoding request's prompt length does not change what its split
+        # call costs; short prompts keep the warm-up of large batches short.
         length = (
-            self.rng.randrange(500, 3000) if decode else self.rng.randrange(4000, 40000)
+            self.rng.randrange(100, 600) if decode else self.rng.randrange(4000, 40000)
         )
         # Straight into the scheduler: the oracle's bookkeeping is not timed and
         # not needed here.
@@ -126,6 +166,30 @@ class MixedBatch:
             if req_id not in scheduler.requests:
                 self.add(decode=False)
 
+    def warm_up(self) -> None:
+        """Step until every decoding request has finished its prefill."""
+        requests = self.sim.scheduler.requests
+        while any(r.num_output_tokens == 0 for k, r in requests.items() if k[0] == "d"):
+            self.step(timed=False)
+
+    def split_calls_per_step(self, steps: int = 10) -> tuple[float, float]:
+        """Split calls per step, untimed: (one-token, longer) chunks."""
+        scheduler = self.sim.scheduler
+        split = scheduler._mamba_block_aligned_split
+        counts = [0, 0]
+
+        def counted(request: Any, num_new_tokens: int, *rest: Any) -> int:
+            counts[num_new_tokens > 1] += 1
+            return int(split(request, num_new_tokens, *rest))
+
+        scheduler.__dict__[SPLIT_METHOD] = counted
+        try:
+            for _ in range(steps):
+                self.step(timed=False)
+        finally:
+            scheduler.__dict__[SPLIT_METHOD] = split
+        return counts[0] / steps, counts[1] / steps
+
 
 @dataclass
 class StepCost:
@@ -136,7 +200,7 @@ class StepCost:
     tokens_per_step: float
 
     @staticmethod
-    def of(batch: MixedBatch) -> StepCost:
+    def of(batch: Batch) -> StepCost:
         tokens = sum(batch.step_tokens)
         return StepCost(
             statistics.median(batch.step_times),
@@ -145,10 +209,52 @@ class StepCost:
         )
 
 
-def mixed_batch(mode: str) -> MixedBatch:
-    geometry = Geometry(cache_block=C, state_block=B, hash_block=H, num_blocks=30000)
+class ObserverClock:
+    """The wall time audit mode's look at each step's output takes
+    (``Audit.after_schedule``), summed while :attr:`running`.
+
+    Installed on the class before an audited scheduler is built (its
+    ``schedule`` observer binds the method then); the clock's own two timer
+    reads are counted too, so the figure errs high.
+    """
+
+    def __init__(self) -> None:
+        from vllm_mamba_align.audit import Audit
+
+        self.seconds = 0.0
+        self.steps = 0
+        self.running = False
+        original = Audit.after_schedule
+        clock = self
+
+        def after_schedule(audit: Any, output: Any) -> None:
+            if not clock.running:
+                original(audit, output)
+                return
+            began = time.perf_counter()
+            original(audit, output)
+            clock.seconds += time.perf_counter() - began
+            clock.steps += 1
+
+        self.original = original
+        Audit.after_schedule = after_schedule  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        from vllm_mamba_align.audit import Audit
+
+        Audit.after_schedule = self.original  # type: ignore[method-assign]
+
+
+def batch_of(mode: str, shape: BatchShape) -> Batch:
+    geometry = Geometry(
+        cache_block=C,
+        state_block=B,
+        hash_block=H,
+        num_blocks=40000,
+        max_num_seqs=max(256, shape.size),
+    )
     with scheduler_mode(mode):
-        batch = MixedBatch(Simulation(geometry), random.Random(4))
+        batch = Batch(Simulation(geometry), random.Random(4), shape)
         if mode == STOCK:
             # Bind vLLM's own split on the instance, as the plugin binds its route:
             # the stock scheduler then runs vLLM's code while the class keeps the
@@ -157,27 +263,45 @@ def mixed_batch(mode: str) -> MixedBatch:
             scheduler = batch.sim.scheduler
             own = inspect.getattr_static(type(scheduler), SPLIT_METHOD)
             scheduler.__dict__[SPLIT_METHOD] = own.__get__(scheduler, type(scheduler))
-    for i in range(64):
-        batch.add(decode=i < 48)
+    for i in range(shape.size):
+        batch.add(decode=i < shape.decoding)
+    batch.warm_up()
     return batch
 
 
-def paired_steps(mode: str, steps: int, stock_first: bool) -> tuple[StepCost, StepCost]:
+def paired_steps(
+    mode: str, shape: BatchShape, stock_first: bool
+) -> tuple[StepCost, StepCost, tuple[float, float], float]:
     """Stock and ``mode`` stepped alternately, so load bursts hit both alike.
 
     Which of the two is built first matters by itself (about 1.5 % on this
-    machine, in favour of the later one), so rounds alternate it.
+    machine, in favour of the later one), so rounds alternate it. Returns both
+    step costs, the mode's split calls per step and (audit) its observer's
+    seconds per timed step.
     """
-    if stock_first:
-        stock, patched = mixed_batch(STOCK), mixed_batch(mode)
-    else:
-        patched = mixed_batch(mode)
-        stock = mixed_batch(STOCK)
-    for i in range(steps + 20):
-        timed = i >= 20
-        for batch in (stock, patched) if i % 2 else (patched, stock):
-            batch.step(timed)
-    return StepCost.of(stock), StepCost.of(patched)
+    clock = ObserverClock() if mode == Mode.AUDIT.value else None
+    try:
+        if stock_first:
+            stock, patched = batch_of(STOCK, shape), batch_of(mode, shape)
+        else:
+            patched = batch_of(mode, shape)
+            stock = batch_of(STOCK, shape)
+        for i in range(shape.steps + 5):
+            timed = i >= 5
+            if clock is not None:  # only the audited scheduler reaches it
+                clock.running = timed
+            for batch in (stock, patched) if i % 2 else (patched, stock):
+                batch.step(timed)
+        observer = clock.seconds / clock.steps if clock and clock.steps else 0.0
+        if clock is not None:
+            clock.running = False
+        calls = patched.split_calls_per_step()
+    finally:
+        if clock is not None:
+            clock.remove()
+    for batch in (stock, patched):
+        batch.sim.scheduler.shutdown()
+    return StepCost.of(stock), StepCost.of(patched), calls, observer
 
 
 def split_caller(mode: str, decoding: bool) -> Callable[[int], float]:
@@ -205,23 +329,6 @@ def split_caller(mode: str, decoding: bool) -> Callable[[int], float]:
     return timed_calls
 
 
-def split_calls_per_step(mode: str, steps: int = 60) -> tuple[float, float]:
-    """Mean split calls per step in the mixed batch: (one-token, longer) chunks."""
-    batch = mixed_batch(mode)
-    scheduler = batch.sim.scheduler
-    split = scheduler._mamba_block_aligned_split
-    counts = [0, 0]
-
-    def counted(request: Any, num_new_tokens: int, *rest: Any) -> int:
-        counts[num_new_tokens > 1] += 1
-        return int(split(request, num_new_tokens, *rest))
-
-    scheduler.__dict__[SPLIT_METHOD] = counted
-    for _ in range(steps):
-        batch.step(timed=False)
-    return counts[0] / steps, counts[1] / steps
-
-
 def paired_calls(mode: str, calls: int, decoding: bool) -> tuple[float, float]:
     """Seconds per call, stock and ``mode``, in alternating blocks of calls."""
     stock, patched = split_caller(STOCK, decoding), split_caller(mode, decoding)
@@ -238,54 +345,86 @@ def paired_calls(mode: str, calls: int, decoding: bool) -> tuple[float, float]:
 
 
 @dataclass
+class BatchOverhead:
+    """One batch shape, each plugin mode paired with stock, one pair a round."""
+
+    shape: BatchShape
+    per_step: Pairs
+    """Median step time (s) of stock and the mode."""
+    per_token: Pairs
+    """Step time over scheduled tokens (s per token)."""
+    tokens: dict[str, list[float]]
+    """Mean tokens scheduled per step, per mode (stock included), per run."""
+    calls_per_step: dict[str, list[tuple[float, float]]]
+    """Split calls per step: (one-token, longer) chunks, per run."""
+    observer: dict[str, list[float]]
+    """Seconds per step of audit's look at the step's output, per run."""
+
+
+@dataclass
 class Overhead:
     """Per-step and per-call costs, each plugin mode paired with stock."""
 
     rounds: int
-    steps: int
     calls: int
-    per_step: Pairs
-    """Median step time (s) of stock and the mode, one pair per round."""
-    per_token: Pairs
-    """Step time over scheduled tokens (s per token), one pair per round."""
+    batches: list[BatchOverhead]
     decode_call: Pairs
     """Seconds per split call for a decoding request."""
     prefill_call: Pairs
     """Seconds per split call for a request mid-prefill."""
-    tokens: dict[str, list[float]]
-    """Mean tokens scheduled per step, per mode (stock included), per run."""
-    calls_per_step: dict[str, tuple[float, float]]
-    """Split calls per step in the batch: (one-token, longer) chunks."""
+
+    def own_time(self, batch: BatchOverhead, mode: str) -> float:
+        """The plugin's own seconds per step in ``mode`` on this batch: its
+        split calls per step times each call's extra cost over stock's (the
+        median of the paired differences), plus audit's observer."""
+        one_token = statistics.median(c[0] for c in batch.calls_per_step[mode])
+        longer = statistics.median(c[1] for c in batch.calls_per_step[mode])
+        extra_one = statistics.median(p - s for s, p in self.decode_call[mode])
+        extra_longer = statistics.median(p - s for s, p in self.prefill_call[mode])
+        observer = statistics.median(batch.observer[mode])
+        return one_token * extra_one + longer * extra_longer + observer
 
 
-def measure_overhead(rounds: int, steps: int, calls: int) -> Overhead:
+def measure_overhead(
+    rounds: int, calls: int, shapes: tuple[BatchShape, ...] = BATCHES
+) -> Overhead:
     plugin_modes = [m for m in MODES if m != STOCK]
     log(
-        f"overhead: {rounds} rounds x {len(plugin_modes)} modes, each paired with stock"
+        f"overhead: {rounds} rounds x {len(plugin_modes)} modes x {len(shapes)} "
+        "batches, each paired with stock"
     )
     data = Overhead(
         rounds,
-        steps,
         calls,
-        per_step={m: [] for m in plugin_modes},
-        per_token={m: [] for m in plugin_modes},
+        batches=[
+            BatchOverhead(
+                shape,
+                per_step={m: [] for m in plugin_modes},
+                per_token={m: [] for m in plugin_modes},
+                tokens={m: [] for m in MODES},
+                calls_per_step={m: [] for m in plugin_modes},
+                observer={m: [] for m in plugin_modes},
+            )
+            for shape in shapes
+        ],
         decode_call={m: [] for m in plugin_modes},
         prefill_call={m: [] for m in plugin_modes},
-        tokens={m: [] for m in MODES},
-        calls_per_step={},
     )
     for r, order in rotations(plugin_modes, rounds):
         for mode in order:
-            stock, patched = paired_steps(mode, steps, stock_first=r % 2 == 0)
-            data.per_step[mode].append((stock.median_step, patched.median_step))
-            data.per_token[mode].append((stock.per_token, patched.per_token))
-            data.tokens[STOCK].append(stock.tokens_per_step)
-            data.tokens[mode].append(patched.tokens_per_step)
             data.decode_call[mode].append(paired_calls(mode, calls, decoding=True))
             data.prefill_call[mode].append(paired_calls(mode, calls, decoding=False))
+            for batch in data.batches:
+                stock, patched, per_step, observer = paired_steps(
+                    mode, batch.shape, stock_first=r % 2 == 0
+                )
+                batch.per_step[mode].append((stock.median_step, patched.median_step))
+                batch.per_token[mode].append((stock.per_token, patched.per_token))
+                batch.tokens[STOCK].append(stock.tokens_per_step)
+                batch.tokens[mode].append(patched.tokens_per_step)
+                batch.calls_per_step[mode].append(per_step)
+                batch.observer[mode].append(observer)
         log(f"  round {r + 1}/{rounds} done")
-    for mode in plugin_modes:
-        data.calls_per_step[mode] = split_calls_per_step(mode)
     return data
 
 
