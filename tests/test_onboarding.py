@@ -10,13 +10,14 @@ extra parameter and the checkpoint grid, each read from the code alone.
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
-from helpers import load_onboard_tool
+from helpers import load_onboard_tool, run_python
 from packaging.version import Version
 
 from vllm_mamba_align import releases
@@ -121,3 +122,20 @@ def test_a_wheel_relabelled_with_a_local_version_is_recognized_by_its_code(
     assert releases.body_for(draft.body.fingerprint) is REAL
     assert releases.expected_body(version) is REAL
     assert releases.describe_version(version) == f"{version} (dev/vendor build)"
+
+
+@known_release
+def test_the_smoke_check_passes_on_the_installed_release() -> None:
+    """The procedure's smoke check, as ``onboard`` runs it in a release's
+    environment: the default mode, at the retention the release applies by
+    default, stops the smoke prompt at every boundary vLLM's own retention
+    kept (its keep decisions, not the plugin's model), then at the end."""
+    onboard = load_onboard_tool()
+    result = run_python(onboard.SMOKE, VLLM_MAMBA_ALIGN_MODE="")
+    lines = [line for line in result.stdout.splitlines() if line.startswith("SMOKE ")]
+    assert lines, result.stderr[-2000:]
+    answer = json.loads(lines[0].removeprefix("SMOKE "))
+    assert answer["verified"] and answer["mode"] == "kept"
+    assert answer["kept_by_vllm"], "vLLM keeps at least the replay boundary"
+    assert answer["chunk_ends"] == onboard.smoke_expectation(answer)
+    assert answer["poisoned"] == 0

@@ -349,9 +349,11 @@ def newest_pinned(before: str | None = None) -> Path:
 # The scheduler's import path, the plugin on it, and a prompt through the fix.
 SMOKE = """
 import json, os
+os.environ.pop("VLLM_MAMBA_ALIGN_MODE", None)  # the default mode, as users get it
 import vllm
 import vllm.v1.core.sched.scheduler as module
 import vllm_mamba_align
+from vllm_mamba_align import settings
 from vllm_mamba_align.plugin import recognize
 from vllm_mamba_align.tools.sim import Geometry, Simulation, prompt
 vllm_mamba_align.register()
@@ -363,10 +365,28 @@ print("SMOKE " + json.dumps({
     "vllm": vllm.__version__,
     "verified": recognition.verified,
     "body": recognition.body.name if recognition.body else None,
+    "mode": settings.read_mode().value,
     "chunk_ends": sim.chunk_ends("a"),
+    "kept_by_vllm": sorted(
+        {d.boundary for d in sim.keep_decisions if d.req_id == "a" and d.kept}
+    ),
     "poisoned": len(sim.poisoned),
 }))
 """
+SMOKE_PROMPT = 5000
+"""The smoke check's prompt: C = B = 1648, three boundaries inside it."""
+
+
+def smoke_expectation(answer: dict[str, object]) -> list[int]:
+    """The chunk ends the default mode must give the smoke prompt: a stop at
+    every boundary vLLM's own retention kept (its keep decisions, watched in
+    the smoke run: the judge is vLLM, not the plugin's retention model), then
+    the prompt's end. Dense retention keeps 1648, 3296 and 4944; vLLM's
+    default retention (0, from 0.29.0) keeps the replay boundary 4944 only."""
+    kept = [int(b) for b in answer.get("kept_by_vllm") or []]  # type: ignore[attr-defined]
+    return [b for b in kept if b < SMOKE_PROMPT] + [SMOKE_PROMPT]
+
+
 _MISSING = re.compile(r"No module named '([A-Za-z0-9_]+)")
 # Import names whose distribution is called otherwise.
 DISTRIBUTIONS = {
@@ -380,7 +400,6 @@ DISTRIBUTIONS = {
     "partial_json_parser": "partial-json-parser",
     "openai_harmony": "openai-harmony",
 }
-EXPECTED_ENDS = [1648, 3296, 4944]
 
 
 class Environment:
@@ -914,17 +933,20 @@ def _environment(
     answer, added = environment.smoke(staged)
     report.timings["environment"] = time.monotonic() - started
     ends = list(answer.get("chunk_ends") or [])  # type: ignore[call-overload]
-    ok = bool(answer.get("verified")) and ends[:3] == EXPECTED_ENDS
-    ok = ok and answer.get("poisoned") == 0
+    expected = smoke_expectation(answer)
+    ok = bool(answer.get("verified")) and answer.get("mode") == "kept"
+    ok = ok and ends == expected and answer.get("poisoned") == 0
     lines = [
         f"Environment `{environment.location}` from `{template.relative_to(REPO)}`"
         + (f", plus (by trial) {', '.join(added)}" if added else "")
         + ".",
         f"A real scheduler of vLLM {answer.get('vllm')} with the drafted table: "
         f"recognized as body {answer.get('body')} (verified: "
-        f"{answer.get('verified')}); a 5,000-token prompt with C = B = 1648 ends "
-        f"its chunks at {ends} (expected {EXPECTED_ENDS} first), "
-        f"{answer.get('poisoned')} wrong states published.",
+        f"{answer.get('verified')}); in mode {answer.get('mode')} (the default) a "
+        f"5,000-token prompt with C = B = 1648 ends its chunks at {ends}; vLLM's "
+        f"retention kept the states at {answer.get('kept_by_vllm')}, so the "
+        f"expectation is {expected} (a stop at each kept boundary, then the "
+        f"prompt's end); {answer.get('poisoned')} wrong states published.",
     ]
     if not ok:
         report.fail("the smoke check failed in the release's environment")
