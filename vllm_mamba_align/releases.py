@@ -62,6 +62,10 @@ def in_prefill(rule: PrefillRule, request: Request, start: int) -> bool:
     return bool(start < max(request.num_prompt_tokens, request.num_tokens - 1))
 
 
+UNVERIFIED = "unverified"
+"""The release name of an opted-in unverified body (:func:`unverified_body`)."""
+
+
 @dataclass(frozen=True)
 class SplitBody:
     """One distinct body of ``_mamba_block_aligned_split`` and how to fix it."""
@@ -78,6 +82,15 @@ class SplitBody:
     checkpoint_grid: CheckpointGrid | None = None
     """Where the backend's in-chunk state goes (OBSERVED bodies; None: unknown,
     the fix then stops at every boundary)."""
+
+    @property
+    def past_prefill_shortcut(self) -> PrefillRule | None:
+        """The prefill test behind which the bound route may answer a call
+        with its token count, without calling vLLM's function: every verified
+        body returns ``num_new_tokens`` unchanged for a call past the prefill
+        (read off each body; signature.py). None for opted-in unverified code,
+        whose answer to such a call nobody has read: vLLM's function runs."""
+        return None if self.releases == (UNVERIFIED,) else self.prefill
 
     @property
     def stops_after_mid_block_start(self) -> bool:
@@ -222,7 +235,7 @@ def unverified_body(shape: CodeShape) -> SplitBody:
     )
     extra = shape.parameters[len(SPLIT_PARAMETERS) :]
     return SplitBody(
-        releases=("unverified",),
+        releases=(UNVERIFIED,),
         fingerprint=shape.fingerprint or "unreadable",
         prefill=prefill,
         internal_checkpoint=checkpoint,

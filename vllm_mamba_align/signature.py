@@ -169,11 +169,12 @@ def bind_route(
     make: Callable[[StockCall], Route],
     stock: SplitFunction,
     extra_parameter: str | None,
-    prefill: PrefillRule,
+    shortcut: PrefillRule | None,
 ) -> SplitFunction:
     """The route ``make`` builds around vLLM's call, bound with the parameters
     of the installed method, behind the past-prefill shortcut of the body's
-    ``prefill`` rule, and presented as vLLM's method (:func:`present_as`).
+    prefill rule ``shortcut`` (:attr:`releases.SplitBody.past_prefill_shortcut`;
+    None: no shortcut), and presented as vLLM's method (:func:`present_as`).
 
     ``extra_parameter`` is the body's fifth parameter (None: four). With one,
     the shell passes its fifth argument on to vLLM's call unchanged, and its
@@ -209,6 +210,8 @@ def bind_route(
             )
 
         full = split_with_prefix_tokens
-    shortcut = _past_prefill_shortcut(full, prefill, extra_parameter is not None)
-    setattr(shortcut, FULL_ROUTE, present_as(full, stock))
-    return present_as(shortcut, stock)
+    if shortcut is None:
+        return present_as(full, stock)
+    answered = _past_prefill_shortcut(full, shortcut, extra_parameter is not None)
+    setattr(answered, FULL_ROUTE, present_as(full, stock))
+    return present_as(answered, stock)

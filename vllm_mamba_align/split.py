@@ -263,7 +263,7 @@ def state_grid_split(
         lambda call: _route(scheduler, call, policy, boundary_stop),
         stock,
         body.extra_parameter,
-        body.prefill,
+        body.past_prefill_shortcut,
     )
 
 

@@ -10,6 +10,7 @@ the way vLLM's does, and records what it was called with.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from types import SimpleNamespace
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 
 from vllm_mamba_align.policy import SchedulerFacts, StopPolicy
-from vllm_mamba_align.releases import BODIES, SplitBody
+from vllm_mamba_align.releases import BODIES, UNVERIFIED, SplitBody
 from vllm_mamba_align.retention import Retention
 from vllm_mamba_align.settings import Mode
 from vllm_mamba_align.signature import FULL_ROUTE
@@ -153,3 +154,17 @@ def test_a_decode_is_answered_before_the_route() -> None:
     assert list(inspect.signature(getattr(route, FULL_ROUTE)).parameters) == list(
         inspect.signature(route).parameters
     )
+
+
+def test_opted_in_unverified_code_answers_every_call_itself() -> None:
+    """Nobody has read what unverified code answers past the prefill: no
+    shortcut stands before it, and a decode reaches vLLM's function."""
+    unverified = dataclasses.replace(FOUR, releases=(UNVERIFIED,))
+    assert unverified.past_prefill_shortcut is None
+    assert FOUR.past_prefill_shortcut is FOUR.prefill
+    scheduler, route = bind(split, unverified, Mode.FULL)
+    decoding = request(P)
+    decoding.num_tokens = P + 1
+    assert route(decoding, 1) == 1
+    assert scheduler.calls == [(B,)], "vLLM's function answered the decode"
+    assert not hasattr(route, FULL_ROUTE)

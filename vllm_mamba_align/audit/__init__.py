@@ -302,7 +302,7 @@ def _observe_split(
 
         return observed_split
 
-    return bind_route(observer, stock, body.extra_parameter, body.prefill)
+    return bind_route(observer, stock, body.extra_parameter, body.past_prefill_shortcut)
 
 
 def _vllm_method(scheduler: Scheduler, name: str) -> Callable[..., Any]:
