@@ -326,7 +326,7 @@ def _bind_unchanged(scheduler: Scheduler) -> None:
     is bound and vLLM calls that layer, which runs as its plugin wrote it.
     """
     below = walk(type(scheduler), SPLIT_METHOD).below_own_layer()
-    if below is not None and isinstance(below.target, types.FunctionType):
+    if below is not None and type(below.target) is types.FunctionType:
         _bind_split(scheduler, below.target.__get__(scheduler, type(scheduler)))
 
 

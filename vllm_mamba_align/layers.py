@@ -130,7 +130,8 @@ def _own_wrapped(target: Any) -> Any:
 def identify(target: Any) -> Layer:
     """Name one layer by the code that runs in it."""
     ours = is_ours(target)
-    if isinstance(target, types.FunctionType):
+    # type(), not isinstance(): a wrapt proxy answers isinstance as what it wraps.
+    if type(target) is types.FunctionType:
         module, qualname, location = _code_identity(target)
         wraps = "__wrapped__" in vars(target)
         kind = Kind.WRAPS if wraps else Kind.FUNCTION
@@ -139,7 +140,7 @@ def identify(target: Any) -> Layer:
         wrapper = getattr(target, "_self_wrapper", None)
     except Exception:
         wrapper = None
-    if isinstance(wrapper, types.FunctionType):
+    if type(wrapper) is types.FunctionType:
         module, qualname, location = _code_identity(wrapper)
         return Layer(target, Kind.WRAPT, module, qualname, location, ours)
     kind = Kind.PROXY if _own_wrapped(target) is not None else Kind.OTHER
