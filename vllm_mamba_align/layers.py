@@ -39,12 +39,35 @@ MARKER = "_self_vllm_mamba_align"
 MAX_DEPTH = 32
 
 
-def is_ours(attribute: Any) -> bool:
-    """Whether this object is a wrapper installed by this plugin (or its binding)."""
+def _own_attribute(target: Any, name: str) -> Any:
+    """An attribute stored on ``target`` itself: a wrapt proxy forwards every
+    other lookup to what it wraps, so a foreign wrapper around this plugin's
+    wrapper would otherwise answer with this plugin's marker."""
     try:
-        return getattr(attribute, MARKER, None) is not None
-    except Exception:  # a foreign proxy may raise anything from __getattr__
-        return False
+        return object.__getattribute__(target, name)
+    except Exception:
+        return None
+
+
+def is_ours(target: Any) -> bool:
+    """Whether this layer is a wrapper installed by this plugin (or wrapt's
+    binding of one: ``Scheduler._mamba_block_aligned_split`` read through the
+    class, which a ``functools.wraps`` wrapper captures)."""
+    if _own_attribute(target, MARKER) is not None:
+        return True
+    parent = _own_attribute(target, "_self_parent")
+    return parent is not None and _own_attribute(parent, MARKER) is not None
+
+
+def contains_ours(attribute: Any) -> bool:
+    """Whether this plugin's wrapper is anywhere in the attribute's chain."""
+    for _ in range(MAX_DEPTH):
+        if attribute is None:
+            return False
+        if is_ours(attribute):
+            return True
+        attribute = _own_wrapped(attribute)
+    return False
 
 
 class Kind(enum.Enum):
@@ -136,10 +159,7 @@ def identify(target: Any) -> Layer:
         wraps = "__wrapped__" in vars(target)
         kind = Kind.WRAPS if wraps else Kind.FUNCTION
         return Layer(target, kind, module, qualname, location, ours)
-    try:
-        wrapper = getattr(target, "_self_wrapper", None)
-    except Exception:
-        wrapper = None
+    wrapper = _own_attribute(target, "_self_wrapper")
     if type(wrapper) is types.FunctionType:
         module, qualname, location = _code_identity(wrapper)
         return Layer(target, Kind.WRAPT, module, qualname, location, ours)

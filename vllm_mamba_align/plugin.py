@@ -74,7 +74,7 @@ from .activation import SPLIT_METHOD as SPLIT_METHOD  # re-exported
 from .checkpoints import observe_checkpoint_decision
 from .fingerprint import analyse_function
 from .layers import MARKER as MARKER  # re-exported
-from .layers import Kind, is_ours, walk
+from .layers import Kind, contains_ours, walk
 from .releases import (
     GROUP_INFO_METHOD,
     MODEL_STATE,
@@ -128,8 +128,8 @@ def declare_settings(envs_module: ModuleType) -> None:
 
 
 def is_patched(attribute: Any) -> bool:
-    """Whether this attribute is a wrapper installed by this plugin."""
-    return is_ours(attribute)
+    """Whether this attribute is, or wraps, a wrapper installed by this plugin."""
+    return contains_ours(attribute)
 
 
 def recognize(scheduler_class: type) -> Recognition:
