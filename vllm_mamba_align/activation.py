@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import ast
 import functools
-import inspect
 import os
 import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,15 @@ from . import __version__, audit, metrics, settings
 from .errors import MambaAlignError
 from .fingerprint import CodeShape
 from .geometry import state_block_size
+from .layers import (
+    Chain,
+    Finding,
+    Layer,
+    Order,
+    describe_distribution,
+    findings,
+    walk,
+)
 from .policy import StopPolicy, step_budget
 from .protocols import Scheduler
 from .releases import (
@@ -53,7 +62,18 @@ class Recognition:
     """The known body, or the best-effort rules of an opted-in unverified body."""
     verified: bool
     split: Any = None
-    """vLLM's own ``_mamba_block_aligned_split`` function, as found (unwrapped)."""
+    """vLLM's own ``_mamba_block_aligned_split`` function: the innermost layer of
+    the class attribute, defined in the scheduler's module (None: no such layer)."""
+    layers: tuple[Layer, ...] = ()
+    """Every layer of the class attribute when vLLM's scheduler module was
+    imported, outermost first, this plugin's own left out (layers.py)."""
+    scheduler_class: type | None = None
+    """The class recognized (and patched): vLLM's ``Scheduler``."""
+
+    @property
+    def foreign(self) -> tuple[Layer, ...]:
+        """The layers found at import that are not vLLM's own function."""
+        return tuple(layer for layer in self.layers if layer.target is not self.split)
 
 
 def upstream_fix_present(scheduler_class: type) -> bool:
@@ -213,23 +233,114 @@ def _log(
     )
 
 
-def _runs_recognized_split(scheduler: Scheduler, recognition: Recognition) -> bool:
-    """Whether this scheduler's class calls the split the plugin recognized.
+def split_findings(recognition: Recognition, chain: Chain) -> tuple[Finding, ...]:
+    """Every layer of a split chain, judged: this plugin's wrapper, vLLM's
+    function the plugin recognized, or not verified (layers.py)."""
+    return findings(
+        chain, recognition.split, recognition.layers, recognition.scheduler_class
+    )
 
-    False for a scheduler class that overrides the split with its own code.
+
+def split_refusal(
+    recognition: Recognition, scheduler_class: type
+) -> MambaAlignError | None:
+    """Why a hybrid align-mode scheduler of this class would be refused, if at all:
+    a layer in its split the plugin has not verified (another plugin's wrapper, a
+    subclass's override), or vLLM code the plugin does not know.
+
+    The one decision both :func:`attach` and ``vllm-mamba-align doctor`` use. In
+    mode ``off`` nothing is refused: the split runs unchanged, whoever wrote it.
     """
-    in_class = inspect.getattr_static(type(scheduler), SPLIT_METHOD, None)
-    wrapped = getattr(in_class, "__wrapped__", None)
-    return wrapped is not None and wrapped is recognition.split
+    if settings.read_mode() is Mode.OFF:
+        return None
+    chain = walk(scheduler_class, SPLIT_METHOD)
+    found = split_findings(recognition, chain)
+    if any(not finding.verified for finding in found):
+        return _refuse_unverified_layers(recognition, chain, found)
+    return hybrid_refusal(recognition)
 
 
-def _refuse_override(scheduler: Scheduler) -> MambaAlignError:
+def _describe_finding(number: int, finding: Finding, recognition: Recognition) -> str:
+    text = f"{number}. {finding.layer.describe()}, {finding.where}: "
+    if finding.order is not None:
+        return text + f"NOT VERIFIED, {finding.order.value}"
+    if finding.layer.ours:
+        return text + "this plugin's wrapper"
+    body = recognition.body
+    shape = recognition.shape
+    fingerprint = shape.fingerprint if shape else None
+    if body is not None and recognition.verified:
+        return text + f"vLLM's own function, split body {body.name} ({fingerprint})"
+    return text + f"vLLM's function, matching no verified release ({fingerprint})"
+
+
+def _refuse_unverified_layers(
+    recognition: Recognition, chain: Chain, found: tuple[Finding, ...]
+) -> MambaAlignError:
+    unverified = [finding for finding in found if not finding.verified]
+    plugins = ", ".join(
+        dict.fromkeys(
+            describe_distribution(finding.layer.module) for finding in unverified
+        )
+    )
+    owner = chain.owner
+    if unverified[0].order is Order.OVERRIDE and owner is not None:
+        headline = (
+            f"{owner.__qualname__} overrides {SPLIT_METHOD} with code the plugin "
+            f"has not verified ({plugins})"
+        )
+    else:
+        headline = (
+            f"another plugin patched vLLM's Scheduler.{SPLIT_METHOD} with code "
+            f"the plugin has not verified ({plugins})"
+        )
+    layers = "; ".join(
+        _describe_finding(number, finding, recognition)
+        for number, finding in enumerate(found, start=1)
+    )
     return MambaAlignError(
-        f"vllm-mamba-align: {type(scheduler).__qualname__} overrides "
-        f"{SPLIT_METHOD} with code the plugin has not verified, so the plugin "
-        "cannot apply the fix (or the audit) to it. Use vLLM's own Scheduler, or "
-        f"set {settings.MODE_VARIABLE}=off (or leave the plugin out of "
-        "VLLM_PLUGINS) to run that scheduler's split unchanged."
+        f"vllm-mamba-align {__version__}: this model needs vLLM's align-mode chunk "
+        f"split, but {headline}. The split a {chain.scheduler_class.__qualname__} "
+        "calls, "
+        f"outermost layer first: {layers}. The plugin runs only code it has "
+        "verified inside its fix and has no rule for composing the fix with "
+        "another plugin's split, so it refuses to start this scheduler rather than "
+        "change or bypass that split. Ways out: (1) set "
+        f"{settings.MODE_VARIABLE}=off: the plugin binds nothing on this scheduler "
+        "and that split runs unchanged (vLLM's defect included); (2) leave "
+        "mamba_align out of VLLM_PLUGINS (list every other plugin you need, your "
+        "platform plugin included); (3) report it on the plugin's issue tracker "
+        "with the output of `vllm-mamba-align doctor --json` attached. "
+        f"{settings.ALLOW_UNVERIFIED_VARIABLE} does not apply to another plugin's "
+        "code."
+    )
+
+
+def _bind_unchanged(scheduler: Scheduler) -> None:
+    """Mode off: this scheduler calls what vLLM would call without the plugin.
+
+    Where this plugin's wrapper is the class's outermost layer, the scheduler is
+    bound straight to what that wrapper wraps (vLLM's function, or another
+    plugin's layer installed before this one), skipping the wrapper's frames.
+    Otherwise (another plugin's layer above ours, a subclass's override) nothing
+    is bound and vLLM calls that layer, which runs as its plugin wrote it.
+    """
+    below = walk(type(scheduler), SPLIT_METHOD).below_own_layer()
+    if below is not None and type(below.target) is types.FunctionType:
+        _bind_split(scheduler, below.target.__get__(scheduler, type(scheduler)))
+
+
+def _off_status(recognition: Recognition, scheduler: Scheduler) -> str:
+    unverified = [
+        finding.layer.describe()
+        for finding in split_findings(recognition, walk(type(scheduler), SPLIT_METHOD))
+        if not finding.verified
+    ]
+    if not unverified:
+        return "loaded, mode=off (stock vLLM split)"
+    return (
+        "loaded, mode=off (the split runs unchanged, with layers the plugin has "
+        f"not verified: {'; '.join(unverified)})"
     )
 
 
@@ -267,20 +378,15 @@ def attach(scheduler: Scheduler, recognition: Recognition) -> None:
     if state_grid is None:
         _log(scheduler, recognition, "inactive (no Mamba spec among KV groups)", None)
         return
-    refusal = hybrid_refusal(recognition)
+    refusal = split_refusal(recognition, type(scheduler))
     if refusal is not None:
         raise refusal
-    recognized = _runs_recognized_split(scheduler, recognition)
-    if mode is Mode.OFF:  # also unverified code: it runs unwrapped
-        if recognized:  # vLLM's own function, without the wrapper's layers
-            stock = recognition.split.__get__(scheduler, type(scheduler))
-            _bind_split(scheduler, stock)
-        _log(scheduler, recognition, "loaded, mode=off (stock vLLM split)", state_grid)
+    if mode is Mode.OFF:  # also unverified code, or another plugin's: unchanged
+        _bind_unchanged(scheduler)
+        _log(scheduler, recognition, _off_status(recognition, scheduler), state_grid)
         return
     body = recognition.body
-    assert body is not None  # hybrid_refusal refuses every body-less recognition
-    if not recognized:
-        raise _refuse_override(scheduler)
+    assert body is not None  # split_refusal refuses every body-less recognition
     retention = read_retention(scheduler, state_grid)
     if mode is Mode.AUDIT:  # stock schedules, counted: no stall guard needed
         observer = audit.install(

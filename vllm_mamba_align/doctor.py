@@ -1,13 +1,21 @@
 """``vllm-mamba-align doctor``: does this deployment hit the defect; would we fix it?
 
 Collects one :class:`Report` from the installed vLLM without starting an engine or
-touching a GPU: vLLM's version, which known split body its code matches, whether
-vLLM's plugin loader would load this plugin, the mode, the Model Runner V2 worker's
+touching a GPU: vLLM's version, which known split body its code matches, every
+layer of the split vLLM calls (other plugins' wrappers included), whether vLLM's
+plugin loader would load this plugin, the mode, the Model Runner V2 worker's
 state-seed site, and whether the upstream fix is already in vLLM.
+
+Before it looks, it loads plugins the way vLLM does when it builds an engine
+config: it resolves ``vllm.platforms.current_platform`` (vLLM's platform plugin
+selection), loads the general plugins, and calls the platform's
+``pre_register_and_update`` (where vllm-ascend applies its patches), so that
+another plugin's patches are in place when the split is walked. A failure in any
+of those steps is reported, not raised.
 
 The verdict ("would refuse") and the upstream-fix check are computed by the
 plugin's own decision code (:func:`plugin.recognize`,
-:func:`activation.hybrid_refusal` and :func:`activation.upstream_fix_present`),
+:func:`activation.split_refusal` and :func:`activation.upstream_fix_present`),
 never a copy, so the doctor cannot disagree with what happens at ``vllm serve``.
 """
 
@@ -63,6 +71,16 @@ class Report:
     """The release(s) whose split body the installed code matches, if any."""
     split_verified: bool
     split_meaning: str
+    platform: str | None
+    """vLLM's current platform, resolved as vLLM resolves it (None: it failed)."""
+    platform_detail: str
+    """How the platform and plugins were loaded, and what failed."""
+    split_layers: list[dict[str, str | None]]
+    """Every layer of ``Scheduler._mamba_block_aligned_split``, outermost first:
+    role (this plugin's wrapper, vLLM's own function, not verified), kind,
+    module, qualname, location, distribution, where, order."""
+    split_foreign: bool
+    """Some layer is not verified: another plugin patched the split."""
     expected_fingerprint: str | None
     """What the release named by the version ships, when that release is known."""
     entry_point_visible: bool
@@ -207,21 +225,63 @@ def _retention() -> tuple[str, dict[str, str]]:
     return text, {mode: mode_meaning(mode, interval) for mode in modes}
 
 
+def load_as_vllm_does() -> tuple[str | None, str]:
+    """Resolve the platform, load the general plugins, then let the platform
+    update itself, in the order vLLM's ``EngineArgs`` does; each failure is
+    described, never raised. Returns the platform class and what happened."""
+    done: list[str] = []
+    platform_name: str | None = None
+    current: object = None
+    try:
+        from vllm.platforms import current_platform
+
+        current = current_platform
+        klass = type(current_platform)
+        platform_name = f"{klass.__module__}.{klass.__qualname__}"
+        done.append("resolved as vLLM resolves it")
+    except Exception as error:
+        done.append(f"[!!] resolving it failed: {type(error).__name__}: {error}")
+    try:
+        from vllm.plugins import load_general_plugins
+
+        load_general_plugins()
+        done.append("general plugins loaded")
+    except Exception as error:
+        done.append(
+            f"[!!] loading the general plugins failed: {type(error).__name__}: {error}"
+        )
+    update = getattr(current, "pre_register_and_update", None)
+    if callable(update):
+        try:
+            update()
+            done.append("its pre_register_and_update ran")
+        except Exception as error:
+            done.append(
+                "[!!] its pre_register_and_update failed: "
+                f"{type(error).__name__}: {error}"
+            )
+    return platform_name, "; ".join(done)
+
+
 def collect() -> Report:
     """Inspect the installed vLLM. Raises :class:`VllmMissing` without it."""
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     root = _vllm_root()
     from .activation import (
         describe_batch_invariance,
-        hybrid_refusal,
+        split_findings,
+        split_refusal,
         upstream_fix_present,
     )
+    from .layers import walk
     from .plugin import SCHEDULER_MODULE, SPLIT_METHOD, recognize
 
     notes: list[str] = []
+    platform_name, platform_detail = load_as_vllm_does()
     module = importlib.import_module(SCHEDULER_MODULE)
     scheduler_class = module.Scheduler
     recognition = recognize(scheduler_class)
+    layers = split_findings(recognition, walk(scheduler_class, SPLIT_METHOD))
+    foreign = any(not finding.verified for finding in layers)
     version = recognition.vllm_version
     shape = recognition.shape
     body = recognition.body
@@ -230,6 +290,12 @@ def collect() -> Report:
         meaning = (
             f"this vLLM has no Scheduler.{SPLIT_METHOD}: it predates align mode "
             "(before 0.15.1); the plugin has nothing to fix"
+        )
+    elif recognition.split is None:
+        meaning = (
+            "the innermost layer of the split is not vLLM's function (see split "
+            "layers): hybrid models in align mode will be refused at start, unless "
+            f"{settings.MODE_VARIABLE}=off"
         )
     elif body is not None and recognition.verified:
         meaning = f"matches the verified body of vLLM {body.name}"
@@ -267,7 +333,7 @@ def collect() -> Report:
     if mode_error is not None:
         refusal = mode_error
     elif not upstream:
-        refused = hybrid_refusal(recognition)
+        refused = split_refusal(recognition, scheduler_class)
         refusal = None if refused is None else str(refused)
     if upstream:
         notes.append(
@@ -292,6 +358,10 @@ def collect() -> Report:
         split_body=body.name if body is not None and recognition.verified else None,
         split_verified=recognition.verified,
         split_meaning=meaning,
+        platform=platform_name,
+        platform_detail=platform_detail,
+        split_layers=[finding.as_dict() for finding in layers],
+        split_foreign=foreign,
         expected_fingerprint=expected.fingerprint if expected else None,
         entry_point_visible=entry is not None,
         entry_point_target=entry.value if entry is not None else None,
@@ -316,6 +386,24 @@ def collect() -> Report:
     )
 
 
+def _layer_lines(layers: list[dict[str, str | None]]) -> list[str]:
+    """One line per layer of the split vLLM calls, outermost first."""
+    lines = []
+    for number, layer in enumerate(layers, start=1):
+        label = "  split layers    " if number == 1 else " " * 18
+        verdict = (
+            f"[!!] NOT VERIFIED, {layer['order']}"
+            if layer["order"]
+            else str(layer["role"])
+        )
+        lines.append(
+            f"{label}{number}. {layer['kind']} {layer['qualname']} "
+            f"({layer['module']}; {layer['distribution'] or 'no distribution'}): "
+            f"{verdict}"
+        )
+    return lines
+
+
 def render_text(report: Report) -> str:
     """The human reading: one line per question an operator asks."""
     ok, bad = "ok", "!!"
@@ -325,6 +413,7 @@ def render_text(report: Report) -> str:
         f"{report.python_version})",
         f"  vLLM            {describe_version(report.vllm_version)} "
         f"({report.vllm_location})",
+        f"  platform        {report.platform or 'unknown'} ({report.platform_detail})",
         f"  split function  fingerprint {fingerprint}: {report.split_meaning}",
     ]
     if (
@@ -336,8 +425,11 @@ def render_text(report: Report) -> str:
             report.vllm_version, report.expected_fingerprint, report.split_fingerprint
         )
         lines.append(f"                  ({mismatch})")
+    lines.append(
+        f"                  verified releases: {', '.join(SUPPORTED_RELEASES)}"
+    )
+    lines.extend(_layer_lines(report.split_layers))
     lines += [
-        f"                  verified releases: {', '.join(SUPPORTED_RELEASES)}",
         f"  entry point     {PLUGIN_GROUP}:{PLUGIN_NAME} "
         + (
             f"visible -> {report.entry_point_target}"

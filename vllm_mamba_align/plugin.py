@@ -73,6 +73,8 @@ from .activation import SPLIT_ATTRIBUTE, Recognition, attach
 from .activation import SPLIT_METHOD as SPLIT_METHOD  # re-exported
 from .checkpoints import observe_checkpoint_decision
 from .fingerprint import analyse_function
+from .layers import MARKER as MARKER  # re-exported
+from .layers import Kind, contains_ours, walk
 from .releases import (
     GROUP_INFO_METHOD,
     MODEL_STATE,
@@ -90,9 +92,6 @@ from .worker_seed import add_request_wrapper, classify, group_info_wrapper
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 ENVS_MODULE = "vllm.envs"
 CHECKPOINT_DECISION = "is_mamba_prefill_checkpoint_valid"
-# Set on every wrapper this plugin installs, so a second register() (or a forked
-# child, which inherits the patched class) never stacks another one.
-MARKER = "_self_vllm_mamba_align"
 
 _hook_installed = False
 
@@ -129,24 +128,46 @@ def declare_settings(envs_module: ModuleType) -> None:
 
 
 def is_patched(attribute: Any) -> bool:
-    """Whether this attribute is a wrapper installed by this plugin."""
-    return getattr(attribute, MARKER, None) is not None
+    """Whether this attribute is, or wraps, a wrapper installed by this plugin."""
+    return contains_ours(attribute)
 
 
 def recognize(scheduler_class: type) -> Recognition:
-    """Identify the installed split function and pick the rules for it."""
+    """Identify the installed split function and pick the rules for it.
+
+    The class attribute is walked layer by layer (layers.py): what is
+    fingerprinted is the innermost function, and it counts as vLLM's own only
+    when it is a plain function of the scheduler's module. Every other layer
+    (another plugin's wrapper, found here when that plugin patched first) is kept
+    in the recognition, and :func:`activation.split_refusal` refuses it.
+    """
     version = installed_version()
-    split = scheduler_class.__dict__.get(SPLIT_METHOD)
-    if split is None:
-        return Recognition(version, None, None, verified=False)
-    shape = analyse_function(split)
-    body = body_for(shape.fingerprint)
-    if body is not None:
-        return Recognition(version, shape, body, verified=True, split=split)
-    if settings.allow_unverified() and shape.structurally_compatible:
-        body = unverified_body(shape)
-        return Recognition(version, shape, body, verified=False, split=split)
-    return Recognition(version, shape, None, verified=False, split=split)
+    chain = walk(scheduler_class, SPLIT_METHOD)
+    layers = tuple(layer for layer in chain.layers if not layer.ours)
+    if not layers:
+        return Recognition(
+            version, None, None, verified=False, scheduler_class=scheduler_class
+        )
+    innermost = layers[-1]
+    own = (
+        chain.complete
+        and innermost.kind is Kind.FUNCTION
+        and innermost.module == scheduler_class.__module__
+    )
+    shape = analyse_function(innermost.target)
+    body = body_for(shape.fingerprint) if own else None
+    verified = body is not None
+    if own and body is None and settings.allow_unverified():
+        body = unverified_body(shape) if shape.structurally_compatible else None
+    return Recognition(
+        version,
+        shape,
+        body,
+        verified=verified,
+        split=innermost.target if own else None,
+        layers=layers,
+        scheduler_class=scheduler_class,
+    )
 
 
 def _wrap(owner: Any, name: str, wrapper: Any, tag: Any) -> None:
@@ -171,7 +192,9 @@ def patch_scheduler_module(module: ModuleType) -> None:
         attach(instance, recognition)
 
     body = recognition.body
-    if body is not None:
+    # Over another plugin's layer nothing but __init__ is wrapped: each hybrid
+    # scheduler is refused there (or, in mode off, left to that layer).
+    if body is not None and not recognition.foreign:
         if body.internal_checkpoint is InternalCheckpoint.OBSERVED:
             _wrap(module, CHECKPOINT_DECISION, observe_checkpoint_decision, recognition)
         _wrap(scheduler_class, SPLIT_METHOD, split_wrapper, recognition)
