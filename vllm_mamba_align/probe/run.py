@@ -29,7 +29,7 @@ from .server_metrics import ServerMetrics, read_metrics
 SALT_PREFIX = "vllm-mamba-align-probe-"
 DEFAULT_MAX_REQUESTS = 40
 DEFAULT_LOGPROBS = 5
-DEFAULT_MAX_TOKENS = 4
+DEFAULT_MAX_TOKENS = 1
 DEFAULT_TIMEOUT = 120.0
 
 

