@@ -41,11 +41,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if not _engine_installed():
         return
-    from . import test_default_retention, test_engine, test_serve
+    from . import test_default_retention, test_engine, test_probe, test_serve
 
     for line in [
         *test_engine.summary_lines(),
         *test_default_retention.retention_summary_lines(),
         *test_serve.summary_lines(),
+        *test_probe.probe_summary_lines(test_serve._runs),
     ]:
         terminalreporter.write_line(line)
