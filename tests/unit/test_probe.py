@@ -376,3 +376,24 @@ def test_the_command_prints_a_table_and_exits_with_the_verdict(
     report = json.loads(capsys.readouterr().out)
     assert report["exit_code"] == 0 and report["threshold"] == DEFAULT_THRESHOLD
     assert {case["name"] for case in report["cases"]} >= {"reask", "replay"}
+
+
+def test_progress_goes_to_a_terminal_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from vllm_mamba_align.probe.progress import terminal_progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    screen = Terminal()
+    monkeypatch.setattr("sys.stderr", screen)
+    with terminal_progress() as show:
+        assert show is not None
+        show(3, 25, "pair1.first")
+    assert "probe: 3/25 requests, pair1.first" in screen.getvalue()
+    assert screen.getvalue().endswith("\r")  # the line is cleared at the end
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    with terminal_progress() as show:
+        assert show is None

