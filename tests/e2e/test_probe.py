@@ -22,7 +22,7 @@ from collections.abc import Callable
 import pytest
 
 from .probe_run import ProbeRun
-from .test_serve import ServeRun, served, served_model  # noqa: F401 (fixtures)
+from .test_serve import ServeRun
 
 SALT_PREFIX = "vllm-mamba-align-probe-"
 
@@ -47,7 +47,7 @@ def reused(probe: ProbeRun) -> list[str]:
 
 @pytest.mark.parametrize("key", ["default", "full"])
 def test_probe_passes_a_server_with_the_fix_that_reuses_states(
-    served: Callable[[str], ServeRun],  # noqa: F811
+    served: Callable[[str], ServeRun],
     key: str,
 ) -> None:
     probe = probed(served, key)
@@ -68,7 +68,7 @@ def test_probe_passes_a_server_with_the_fix_that_reuses_states(
 
 @pytest.mark.parametrize("key", ["off", "no-plugin"])
 def test_probe_names_the_cases_stock_scheduling_serves_wrong(
-    served: Callable[[str], ServeRun],  # noqa: F811
+    served: Callable[[str], ServeRun],
     key: str,
 ) -> None:
     probe = probed(served, key)
@@ -106,7 +106,7 @@ def test_probe_names_the_cases_stock_scheduling_serves_wrong(
 
 
 def test_probe_says_prefix_caching_is_off_and_sends_nothing(
-    served: Callable[[str], ServeRun],  # noqa: F811
+    served: Callable[[str], ServeRun],
 ) -> None:
     probe = probed(served, "no-prefix-caching")
     assert probe.exit_code == 2

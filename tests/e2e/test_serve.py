@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -236,9 +236,9 @@ def _wait_for_audit(server: Server, run: ServeRun, ranks: tuple[int, ...]) -> No
         time.sleep(0.5)
 
 
-@pytest.fixture(scope="session")
-def served_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    model = write_model("nemotron_h", tmp_path_factory.mktemp("served") / "model")
+def write_served_model(root: Path) -> Path:
+    """The tiny NemotronH with a tokenizer (conftest's ``served_model``)."""
+    model = write_model("nemotron_h", root / "model")
     write_tokenizer(model)
     return model
 
@@ -247,12 +247,9 @@ _runs: dict[str, ServeRun] = {}
 _failed: dict[str, str] = {}
 
 
-@pytest.fixture(scope="session")
-def served(
-    served_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Callable[[str], ServeRun]]:
-    """``served(key)``: start the server of ``SETUPS[key]`` once, run, stop."""
-    workdir = tmp_path_factory.mktemp("serve-logs")
+def serving(served_model: Path, workdir: Path) -> Callable[[str], ServeRun]:
+    """``get(key)``: start the server of ``SETUPS[key]`` once, run, stop
+    (conftest's session fixture ``served``, shared with ``test_probe.py``)."""
 
     def get(key: str) -> ServeRun:
         if key in _failed:
@@ -294,7 +291,7 @@ def served(
         _runs[key] = run
         return run
 
-    yield get
+    return get
 
 
 _seconds: dict[str, float] = {}
