@@ -285,7 +285,7 @@ def test_python_dash_m_runs_the_command() -> None:
     # No arguments: argparse's usage error (a subcommand is required).
     assert result.returncode == 2
     assert "usage: vllm-mamba-align" in result.stderr
-    assert "{doctor,simulate}" in result.stderr
+    assert "{doctor,simulate,probe}" in result.stderr
 
 
 # -- simulate ----------------------------------------------------------------------

@@ -2,10 +2,10 @@
 
 ``register()``, a real scheduler built and started with the plugin active, and a
 ``schedule()`` step must not import ``vllm_mamba_align.tools`` (sim, modes,
-simulate), ``doctor`` or the CLI. The test builds its scheduler with the tools,
-then removes them from ``sys.modules`` and blocks their names, so any import of
-them from the serving path fails loudly, and it records every package module
-imported from then on.
+simulate), the probe, ``doctor`` or the CLI. The test builds its scheduler with
+the tools, then removes them from ``sys.modules`` and blocks their names, so any
+import of them from the serving path fails loudly, and it records every package
+module imported from then on.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ CHILD = textwrap.dedent(
     from vllm_mamba_align.tools.sim import Geometry, Simulation, prompt
 
     APART = ("vllm_mamba_align.tools", "vllm_mamba_align.doctor",
-             "vllm_mamba_align.cli", "vllm_mamba_align.__main__")
+             "vllm_mamba_align.cli", "vllm_mamba_align.__main__",
+             "vllm_mamba_align.probe")
     for name in [n for n in sys.modules if n.startswith(APART)]:
         del sys.modules[name]
     for name in (*APART, "vllm_mamba_align.tools.sim",
@@ -60,5 +61,5 @@ def test_register_and_a_running_scheduler_import_no_tool(mode: str) -> None:
     assert "route bound: True" in out, out
     assert "apart loaded: []" in out, out
     imported = next(line for line in out.splitlines() if line.startswith("imported:"))
-    for apart in ("tools", "doctor", "cli"):
+    for apart in ("tools", "doctor", "cli", "probe"):
         assert f"vllm_mamba_align.{apart}" not in imported, imported

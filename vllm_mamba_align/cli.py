@@ -1,11 +1,13 @@
-"""The ``vllm-mamba-align`` command: ``doctor`` and ``simulate``.
+"""The ``vllm-mamba-align`` command: ``doctor``, ``simulate`` and ``probe``.
 
 Exit status: 0 fine; 1 ``doctor`` found that the plugin would refuse to start a
-hybrid align-mode scheduler; 2 bad usage, or vLLM is not installed; 3 ``doctor``
+hybrid align-mode scheduler, or ``probe`` found wrong states served; 2 bad
+usage, vLLM is not installed, or ``probe`` could not probe the server; 3 ``doctor``
 found that the plugin itself cannot be imported (a missing dependency: vLLM would
 only log that and run without the fix); 4 ``doctor --strict`` found that vLLM
 would not load the plugin (``VLLM_PLUGINS`` or no entry point). vLLM (and its
-torch) are imported only inside the commands, so ``--help`` works anywhere.
+torch) are imported only inside the commands, so ``--help`` works anywhere;
+``probe`` needs no vLLM at all (it talks HTTP to a running server).
 """
 
 from __future__ import annotations
@@ -145,7 +147,86 @@ def _parser() -> argparse.ArgumentParser:
         help="a mode to run; repeat for several (default: stock and every plugin "
         "mode that changes scheduling)",
     )
+    _add_probe(commands)
     return parser
+
+
+def _add_probe(commands: Any) -> None:
+    from .probe import judge
+    from .probe import run as probe
+
+    probe_parser = commands.add_parser(
+        "probe",
+        help="ask a running vLLM server whether it serves wrong Mamba states",
+        description="Send a small workload to a running OpenAI-compatible vLLM "
+        "server (any release, with or without this plugin) and compare each "
+        "continuation from a cached prefix with a fresh run of the same prompt "
+        "under a new cache_salt. Exit 0: no difference beyond the noise; 1: wrong "
+        "states served (the cases are named); 2: could not probe (why, and the "
+        "way out).",
+    )
+    probe_parser.add_argument(
+        "--url", required=True, help="the server, e.g. http://127.0.0.1:8000"
+    )
+    probe_parser.add_argument(
+        "--model", help="served model name (default: the only one served)"
+    )
+    probe_parser.add_argument("--api-key", help="vllm serve's --api-key, if set")
+    probe_parser.add_argument("--json", action="store_true", help="JSON report")
+    probe_parser.add_argument(
+        "--timeout",
+        type=float,
+        default=probe.DEFAULT_TIMEOUT,
+        metavar="S",
+        help=f"seconds per request (default {probe.DEFAULT_TIMEOUT:g})",
+    )
+    probe_parser.add_argument(
+        "--max-requests",
+        type=int,
+        default=probe.DEFAULT_MAX_REQUESTS,
+        metavar="N",
+        help="completions the probe may send, serially (default "
+        f"{probe.DEFAULT_MAX_REQUESTS}; fewer sibling pairs when lower)",
+    )
+    probe_parser.add_argument(
+        "--seed", type=int, default=0, help="prompts' seed (default 0)"
+    )
+    probe_parser.add_argument(
+        "--state-block",
+        type=int,
+        metavar="B",
+        help="the server's Mamba state block (the plugin's start line names it; "
+        "default: read from /metrics, else unknown)",
+    )
+    probe_parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        metavar="N",
+        help="the writer prompt's length (default: 16,384, or less to fit the "
+        "server's max_model_len)",
+    )
+    probe_parser.add_argument(
+        "--logprobs",
+        type=int,
+        default=probe.DEFAULT_LOGPROBS,
+        metavar="K",
+        help=f"top-k logprobs compared (default {probe.DEFAULT_LOGPROBS}; vLLM "
+        "allows up to its --max-logprobs, default 20)",
+    )
+    probe_parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=probe.DEFAULT_MAX_TOKENS,
+        metavar="T",
+        help=f"greedy tokens per request (default {probe.DEFAULT_MAX_TOKENS})",
+    )
+    probe_parser.add_argument(
+        "--threshold",
+        type=float,
+        default=judge.DEFAULT_THRESHOLD,
+        help="largest |delta logprob| taken as rounding (default "
+        f"{judge.DEFAULT_THRESHOLD:g}; raised to 10x the measured noise floor)",
+    )
 
 
 def _plugin_import_error() -> str | None:
@@ -296,4 +377,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "doctor":
         return _doctor(args.json, args.strict)
+    if args.command == "probe":
+        return _probe(args)
     return _simulate(args)
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from .probe.progress import terminal_progress
+    from .probe.report import decide, render_text, to_json
+    from .probe.run import Options, run
+
+    for name in ("max_requests", "logprobs", "max_tokens", "state_block"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            print(f"vllm-mamba-align probe: {flag} must be 1 or more", file=sys.stderr)
+            return EXIT_USAGE
+    options = Options(
+        url=args.url,
+        model=args.model,
+        api_key=args.api_key,
+        timeout=args.timeout,
+        max_requests=args.max_requests,
+        seed=args.seed,
+        logprobs=args.logprobs,
+        max_tokens=args.max_tokens,
+        threshold=args.threshold,
+        state_block=args.state_block,
+        prompt_tokens=args.prompt_tokens,
+    )
+    with terminal_progress() as progress:
+        probe = run(options, progress)
+    print(to_json(probe) if args.json else render_text(probe))
+    return decide(probe).exit_code

@@ -8,6 +8,7 @@ environments of the ``tests``/``ci`` sessions) this directory is not collected.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -38,14 +39,34 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
+@pytest.fixture(scope="session")
+def served_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The model ``vllm serve`` serves in test_serve.py and test_probe.py."""
+    from .test_serve import write_served_model
+
+    return write_served_model(tmp_path_factory.mktemp("served"))
+
+
+@pytest.fixture(scope="session")
+def served(
+    served_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], Any]:
+    """``served(key)``: the run of test_serve.py's server ``key``, started once
+    per session, whichever module asks first."""
+    from .test_serve import serving
+
+    return serving(served_model, tmp_path_factory.mktemp("serve-logs"))
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if not _engine_installed():
         return
-    from . import test_default_retention, test_engine, test_serve
+    from . import test_default_retention, test_engine, test_probe, test_serve
 
     for line in [
         *test_engine.summary_lines(),
         *test_default_retention.retention_summary_lines(),
         *test_serve.summary_lines(),
+        *test_probe.probe_summary_lines(test_serve._runs),
     ]:
         terminalreporter.write_line(line)

@@ -65,14 +65,17 @@ def free_port() -> int:
 def cli_arguments(options: dict[str, Any]) -> list[str]:
     """``{"max_model_len": 4096, "enforce_eager": True}`` -> CLI flags.
 
-    ``True`` is a bare flag, ``None`` is the literal ``None`` vLLM's parser
-    accepts for optional integers, dicts are JSON.
+    ``True`` is a bare flag, ``False`` its ``--no-`` form (vLLM's boolean
+    options), ``None`` is the literal ``None`` vLLM's parser accepts for
+    optional integers, dicts are JSON.
     """
     words: list[str] = []
     for key, value in options.items():
         flag = "--" + key.replace("_", "-")
         if value is True:
             words.append(flag)
+        elif value is False:
+            words.append("--no-" + flag[2:])
         elif value is None:
             words += [flag, "None"]
         elif isinstance(value, dict):

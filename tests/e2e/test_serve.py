@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 
 from .models import write_model
+from .probe_run import ProbeRun, run_probe
 from .release import E2E_RELEASE
 from .server import (
     SERVED_NAME,
@@ -88,6 +89,7 @@ class ServeRun:
     group_left: bool = True
     done: dict[str, Completion] = field(default_factory=dict)
     metrics: str = ""
+    probe: ProbeRun | None = None
 
     def plugin_lines(self) -> list[dict[str, str]]:
         return [m.groupdict() for m in PLUGIN_LINE.finditer(self.log)]
@@ -103,19 +105,30 @@ class Setup:
     options: dict[str, Any]
     ranks: tuple[int | None, ...]  # None: no rank header
     wait_for_audit: bool = False
+    plugin_loaded: bool = True  # False: VLLM_PLUGINS does not name the plugin
+    probe: bool = False  # also run `vllm-mamba-align probe` against it
 
 
 SETUPS = {
-    "default": Setup(None, {}, (None,)),
-    "off": Setup("off", {}, (None,)),
+    "default": Setup(None, {}, (None,), probe=True),
+    "off": Setup("off", {}, (None,), probe=True),
     "dp": Setup(None, DATA_PARALLEL, (0, 1)),
     "dp-audit": Setup("audit", DATA_PARALLEL, (0, 1), wait_for_audit=True),
+    # For test_probe.py: the other mode, stock vLLM without the plugin, and
+    # prefix caching off.
+    "full": Setup("full", {}, (None,), probe=True),
+    "no-plugin": Setup(None, {}, (None,), plugin_loaded=False, probe=True),
+    "no-prefix-caching": Setup(
+        None, {"enable_prefix_caching": False}, (None,), probe=True
+    ),
 }
 
 
-def _environment(mode: str | None, prometheus: Path) -> dict[str, str]:
+def _environment(
+    mode: str | None, prometheus: Path, plugin_loaded: bool = True
+) -> dict[str, str]:
     env = {
-        "VLLM_PLUGINS": f"{WORKAROUNDS},{PLUGIN}",
+        "VLLM_PLUGINS": f"{WORKAROUNDS},{PLUGIN}" if plugin_loaded else WORKAROUNDS,
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "HF_HUB_OFFLINE": "1",
         # Multiprocess Prometheus: what the engine cores count is served by
@@ -223,9 +236,9 @@ def _wait_for_audit(server: Server, run: ServeRun, ranks: tuple[int, ...]) -> No
         time.sleep(0.5)
 
 
-@pytest.fixture(scope="session")
-def served_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    model = write_model("nemotron_h", tmp_path_factory.mktemp("served") / "model")
+def write_served_model(root: Path) -> Path:
+    """The tiny NemotronH with a tokenizer (conftest's ``served_model``)."""
+    model = write_model("nemotron_h", root / "model")
     write_tokenizer(model)
     return model
 
@@ -234,12 +247,9 @@ _runs: dict[str, ServeRun] = {}
 _failed: dict[str, str] = {}
 
 
-@pytest.fixture(scope="session")
-def served(
-    served_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Callable[[str], ServeRun]]:
-    """``served(key)``: start the server of ``SETUPS[key]`` once, run, stop."""
-    workdir = tmp_path_factory.mktemp("serve-logs")
+def serving(served_model: Path, workdir: Path) -> Callable[[str], ServeRun]:
+    """``get(key)``: start the server of ``SETUPS[key]`` once, run, stop
+    (conftest's session fixture ``served``, shared with ``test_probe.py``)."""
 
     def get(key: str) -> ServeRun:
         if key in _failed:
@@ -251,7 +261,9 @@ def served(
         server = Server(
             served_model,
             {**SERVE_OPTIONS, **setup.options},
-            _environment(setup.mode, workdir / f"{key}-prometheus"),
+            _environment(
+                setup.mode, workdir / f"{key}-prometheus", setup.plugin_loaded
+            ),
             workdir / f"{key}.log",
         )
         (workdir / f"{key}-prometheus").mkdir()
@@ -265,6 +277,8 @@ def served(
                 if setup.wait_for_audit:
                     ranks = tuple(r for r in setup.ranks if r is not None)
                     _wait_for_audit(server, run, ranks)
+                if setup.probe:  # after the scenario: its figures stay its own
+                    run.probe = run_probe(server.base)
         except Exception as problem:
             _failed[key] = f"{type(problem).__name__}: {problem}"[:2000]
             raise
@@ -277,7 +291,7 @@ def served(
         _runs[key] = run
         return run
 
-    yield get
+    return get
 
 
 _seconds: dict[str, float] = {}

@@ -3,7 +3,7 @@ readable in one sitting, the audit apart from the fix.
 
 The serving path is everything ``register()`` and a running scheduler import
 (``tests/test_serving_path.py`` records that set on a real scheduler); the
-tools, ``doctor`` and the CLI are not part of it.
+tools, the probe, ``doctor`` and the CLI are not part of it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "vllm_mamba_align"
-APART = ("tools", "doctor.py", "cli.py", "__main__.py")
+APART = ("tools", "probe", "doctor.py", "cli.py", "__main__.py")
 SERVING_PATH = sorted(
     path
     for path in PACKAGE.rglob("*.py")

@@ -1,0 +1,134 @@
+"""``vllm-mamba-align probe`` against real ``vllm serve`` servers (CPU engine).
+
+The probe sees the servers only as an operator's client does: their address,
+HTTP and ``/metrics``. Same model and geometry as ``test_serve.py`` (C = 8 <
+B = 32, every state kept with ``--prefix-cache-retention-interval None``); the
+probe runs on that module's servers, after their own scenario, so the default
+mode's and stock's servers are started once for both modules. Three more
+servers exist for the probe: ``full``, stock vLLM without the plugin loaded
+(``VLLM_PLUGINS`` names only the CPU workarounds), and prefix caching off.
+
+The claims: against stock scheduling (``off``, and without the plugin) the
+probe exits 1 and names the cases that read a wrong state; with the fix
+(default mode, ``full``) it exits 0 having read cached states; with prefix
+caching off it exits 2, says why, and sends no completion.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import pytest
+
+from .probe_run import ProbeRun
+from .test_serve import ServeRun
+
+SALT_PREFIX = "vllm-mamba-align-probe-"
+
+
+def probed(get: Callable[[str], ServeRun], key: str) -> ProbeRun:
+    run = get(key)
+    assert run.probe is not None, f"the {key} server was not probed"
+    return run.probe
+
+
+def check_bounded(probe: ProbeRun) -> None:
+    """Serial, within its bound, every request under a salt of its own."""
+    report = probe.report
+    assert report["requests_sent"] == report["workload"]["requests"] <= 40
+    assert report["salt_prefix"].startswith(SALT_PREFIX)
+    assert probe.stderr == ""  # no progress line: stderr is not a terminal
+
+
+def reused(probe: ProbeRun) -> list[str]:
+    return [name for name, case in probe.cases().items() if case["cached_tokens"]]
+
+
+@pytest.mark.parametrize("key", ["default", "full"])
+def test_probe_passes_a_server_with_the_fix_that_reuses_states(
+    served: Callable[[str], ServeRun],
+    key: str,
+) -> None:
+    probe = probed(served, key)
+    assert probe.exit_code == 0, probe.report["verdict"]
+    check_bounded(probe)
+    report = probe.report
+    (info,) = report["metrics_before"]["plugin"]
+    assert info["mode"] == ("kept" if key == "default" else "full")
+    assert report["workload"]["state_block"] == 32
+    # Both siblings of every pair and the replay sibling read cached states ...
+    assert {"pair2.second", "pair3.second", "replay", "reask"} <= set(reused(probe))
+    # ... and, with serial requests and every state kept, continue bit for bit.
+    for name, case in probe.cases().items():
+        assert case["cached_vs_fresh"]["max_abs_delta_logprob"] == 0, name
+        assert case["fresh_vs_fresh"]["max_abs_delta_logprob"] == 0, name
+    assert report["verdict"].startswith("[ok] no wrong state served")
+
+
+@pytest.mark.parametrize("key", ["off", "no-plugin"])
+def test_probe_names_the_cases_stock_scheduling_serves_wrong(
+    served: Callable[[str], ServeRun],
+    key: str,
+) -> None:
+    probe = probed(served, key)
+    assert probe.exit_code == 1, probe.report["verdict"]
+    check_bounded(probe)
+    report = probe.report
+    plugin = report["metrics_before"]["plugin"]
+    if key == "off":
+        assert [info["mode"] for info in plugin] == ["off"]
+    else:
+        assert plugin == [] and "vllm-mamba-align" not in served(key).log
+        source = report["workload"]["state_block_source"]
+        assert source == "vllm:cache_config_info mamba_block_size", source
+    assert report["workload"]["state_block"] == 32
+    diverged = probe.diverged()
+    assert diverged, report["cases"]
+    deltas = []
+    for name in diverged:
+        case = probe.cases()[name]
+        assert case["cached_tokens"] > 0, case  # it read a cached state ...
+        assert case["fresh_vs_fresh"]["max_abs_delta_logprob"] == 0, case
+        deltas.append(case["cached_vs_fresh"]["max_abs_delta_logprob"])
+    # ... and the server's own fresh runs agree bit for bit: a cached state at
+    # a wrong offset moves the first token's logprobs by 1e-3 and more.
+    assert max(deltas) > 1e-3 and min(deltas) > 0, deltas
+    # The cases whose state came from a chunk that ended on the B grid (written
+    # by a sibling computed from scratch, or the writer's replay state at 4,000,
+    # where its 1,000-token chunks end) continue exactly as fresh runs.
+    cases = probe.cases()
+    for name in ("pair1.second", "replay"):
+        assert cases[name]["cached_tokens"] > 0, cases[name]
+        assert cases[name]["verdict"] == "exact", cases[name]
+    assert report["verdict"].startswith("[!!] wrong states served: ")
+    assert re.findall(r"pair\d\.\w+|replay|reask", report["verdict"]) == diverged
+
+
+def test_probe_says_prefix_caching_is_off_and_sends_nothing(
+    served: Callable[[str], ServeRun],
+) -> None:
+    probe = probed(served, "no-prefix-caching")
+    assert probe.exit_code == 2
+    report = probe.report
+    assert "prefix caching is off" in report["problem"], report
+    assert "--no-enable-prefix-caching" in report["problem"]
+    assert report["requests_sent"] == 0 and report["cases"] == []
+
+
+def probe_summary_lines(runs: dict[str, ServeRun]) -> list[str]:
+    """Each probe's verdict, cases and time (printed after the tests)."""
+    lines = []
+    for key, run in runs.items():
+        if run.probe is None:
+            continue
+        cases = ", ".join(
+            f"{name} cached {case['cached_tokens']} "
+            f"d {case['cached_vs_fresh']['max_abs_delta_logprob']:.2g}"
+            for name, case in run.probe.cases().items()
+        )
+        lines.append(
+            f"probe {key}: exit {run.probe.exit_code} in {run.probe.seconds:.1f} s, "
+            f"{run.probe.report['requests_sent']} requests; {cases}"
+        )
+    return lines

@@ -1,0 +1,202 @@
+"""HTTP to an OpenAI-compatible vLLM server, with the standard library only.
+
+The probe needs three things from a server: the served models
+(``GET /v1/models``), greedy completions of token-id prompts with top-k
+logprobs (``POST /v1/completions``), and, when it is there, the Prometheus text
+of ``GET /metrics``. Every failure becomes a ``CannotProbe`` that says what went
+wrong and the way out, so the command can exit 2 with one clear message.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+
+class CannotProbe(Exception):
+    """The server cannot be probed: the message names why and the way out."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What one greedy completion returned, as the judge reads it."""
+
+    tokens: tuple[str, ...]
+    """The generated tokens (``token_id:N`` with ``return_tokens_as_token_ids``)."""
+    top_logprobs: tuple[dict[str, float], ...]
+    """Per generated position: the top-k tokens and their logprobs."""
+    cached_tokens: int | None
+    """``usage.prompt_tokens_details.cached_tokens``; None when the server does
+    not report it (``--enable-prompt-tokens-details`` is off)."""
+    prompt_tokens: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tokens": list(self.tokens),
+            "top_logprobs": [dict(p) for p in self.top_logprobs],
+            "cached_tokens": self.cached_tokens,
+            "prompt_tokens": self.prompt_tokens,
+        }
+
+
+NO_LOGPROBS = (
+    "the server returned no logprobs: it cannot be probed without them. vLLM "
+    "returns none when it runs with --skip-tokenizer-init (start it with the "
+    "model's tokenizer) or when --max-logprobs is below {k} (lower --logprobs, "
+    "or raise --max-logprobs)"
+)
+
+
+def parse_completion(body: Any, logprobs: int) -> Completion:
+    """A completions response -> ``Completion``; missing fields -> CannotProbe."""
+    try:
+        choice = body["choices"][0]
+        usage = body.get("usage") or {}
+    except (KeyError, IndexError, TypeError, AttributeError) as missing:
+        raise CannotProbe(
+            f"the server's completion response has no choices ({missing!r}): "
+            "is this an OpenAI-compatible completions endpoint?"
+        ) from None
+    found = choice.get("logprobs") or {}
+    tokens, top = found.get("tokens"), found.get("top_logprobs")
+    if not tokens or not top or any(not position for position in top):
+        raise CannotProbe(NO_LOGPROBS.format(k=logprobs))
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Completion(
+        tokens=tuple(str(t) for t in tokens),
+        top_logprobs=tuple(
+            {str(t): float(v) for t, v in position.items()} for position in top
+        ),
+        cached_tokens=None if cached is None else int(cached),
+        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+    )
+
+
+def base_url(url: str) -> str:
+    """``http://host:8000/v1/`` and ``http://host:8000`` -> ``http://host:8000``."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    return url.removesuffix("/v1")
+
+
+class Client:
+    """One server: its base address, an optional API key, a request timeout."""
+
+    def __init__(self, url: str, api_key: str | None, timeout: float) -> None:
+        self.base = base_url(url)
+        self.api_key = api_key
+        self.timeout = timeout
+
+    def _request(self, path: str, body: dict[str, Any] | None = None) -> bytes:
+        headers = {"Accept": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        request = urllib.request.Request(self.base + path, data, headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                return bytes(response.read())
+        except urllib.error.HTTPError as error:
+            raise self._http_problem(path, error) from None
+        except (TimeoutError, urllib.error.URLError, ConnectionError) as error:
+            reason = getattr(error, "reason", error)
+            if isinstance(reason, TimeoutError) or isinstance(error, TimeoutError):
+                raise CannotProbe(
+                    f"{self.base}{path} did not answer within {self.timeout:g} s: "
+                    "raise --timeout (a long prompt on a busy server takes longer)"
+                ) from None
+            raise CannotProbe(
+                f"cannot reach {self.base} ({reason}): check --url, the address "
+                "`vllm serve` listens on (http://HOST:PORT)"
+            ) from None
+
+    def _http_problem(self, path: str, error: urllib.error.HTTPError) -> CannotProbe:
+        detail = _error_message(error)
+        if error.code in (401, 403):
+            return CannotProbe(
+                f"{path}: HTTP {error.code} ({detail}): the server wants an API "
+                "key: pass --api-key (the value of vllm serve's --api-key)"
+            )
+        if error.code == 404 and path.startswith("/v1"):
+            return CannotProbe(
+                f"{self.base}{path}: HTTP 404: not an OpenAI-compatible vLLM "
+                "server (check --url: the probe adds /v1/... itself)"
+            )
+        return CannotProbe(f"{path}: HTTP {error.code}: {detail}")
+
+    def get_json(self, path: str) -> Any:
+        return json.loads(self._request(path))
+
+    def models(self) -> list[dict[str, Any]]:
+        data = self.get_json("/v1/models").get("data")
+        if not isinstance(data, list) or not data:
+            raise CannotProbe(f"{self.base}/v1/models lists no model")
+        return [m for m in data if isinstance(m, dict)]
+
+    def complete(
+        self,
+        model: str,
+        prompt: list[int],
+        *,
+        salt: str,
+        max_tokens: int,
+        logprobs: int,
+    ) -> Completion:
+        """One greedy completion of a token-id prompt under a cache salt."""
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "logprobs": logprobs,
+            "cache_salt": salt,
+            "return_tokens_as_token_ids": True,
+        }
+        try:
+            answer = json.loads(self._request("/v1/completions", body))
+        except CannotProbe as problem:
+            text = str(problem)
+            if "logprobs" in text.lower():
+                raise CannotProbe(
+                    f"{text}\nthe server refuses {logprobs} logprobs: pass a "
+                    "smaller --logprobs (vLLM allows up to its --max-logprobs, "
+                    "default 20), or start it with a tokenizer"
+                ) from None
+            if "cache_salt" in text:
+                raise CannotProbe(
+                    f"{text}\nthe server does not take cache_salt, which the "
+                    "probe needs for fresh runs (vLLM 0.9+ takes it)"
+                ) from None
+            raise
+        return parse_completion(answer, logprobs)
+
+    def metrics(self) -> str | None:
+        """The Prometheus text of ``/metrics``, or None where there is none."""
+        try:
+            return self._request("/metrics").decode(errors="replace")
+        except CannotProbe:
+            return None
+
+
+def _error_message(error: urllib.error.HTTPError) -> str:
+    try:
+        body = json.loads(error.read() or b"{}")
+    except (ValueError, OSError):
+        return str(error.reason)
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict) and "message" in inner:
+            return str(inner["message"])
+        if "message" in body:
+            return str(body["message"])
+        if "detail" in body:
+            return str(body["detail"])
+    return str(error.reason)

@@ -1,0 +1,254 @@
+"""The probe's verdict, exit status and report (a table, or JSON).
+
+Exit status: 0 no cached continuation differs from a fresh one beyond the noise
+(and the server did reuse cached tokens); 1 wrong states served (the diverged
+cases are named); 2 the server could not be probed (the reason and the way out
+are printed).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from .. import __version__
+from .judge import NOISE_MARGIN, CaseResult, Verdict
+from .run import Probe
+
+EXIT_CLEAN = 0
+EXIT_WRONG_STATES = 1
+EXIT_CANNOT_PROBE = 2
+NO_DETAILS = (
+    "the server does not report usage.prompt_tokens_details.cached_tokens, so "
+    "the probe cannot see what each request reused: start vLLM with "
+    "--enable-prompt-tokens-details"
+)
+
+
+@dataclass(frozen=True)
+class Decision:
+    exit_code: int
+    verdict: str
+
+
+def _hits(probe: Probe) -> float | None:
+    before, after = probe.before.hits, probe.after.hits
+    return None if before is None or after is None else after - before
+
+
+def decide(probe: Probe) -> Decision:
+    if probe.problem is not None:
+        return Decision(EXIT_CANNOT_PROBE, f"could not probe: {probe.problem}")
+    if probe.wild:
+        return Decision(
+            EXIT_CANNOT_PROBE,
+            "could not probe: two fresh runs of one prompt chose tokens outside "
+            "each other's top-k, so the server's own noise hides any wrong state "
+            "(concurrent load on GPU kernels that are not batch-invariant): probe "
+            "at a quieter time, or with --max-tokens 1",
+        )
+    diverged = [r.name for r in probe.results if r.verdict is Verdict.DIVERGED]
+    if diverged:
+        return Decision(
+            EXIT_WRONG_STATES,
+            f"[!!] wrong states served: {', '.join(diverged)} continued from a "
+            "cached state differently from a fresh run of the same prompt",
+        )
+    cached = [r.cached_tokens for r in probe.results]
+    if all(c is None for c in cached):
+        hits = _hits(probe)
+        if hits is None:
+            return Decision(EXIT_CANNOT_PROBE, f"could not probe: {NO_DETAILS}")
+        if hits == 0:
+            return Decision(
+                EXIT_CANNOT_PROBE,
+                "could not probe: vllm:prefix_cache_hits did not grow while the "
+                "probe ran: nothing was served from the cache (prefix caching is "
+                f"off or reuses nothing); and {NO_DETAILS}",
+            )
+        return Decision(
+            EXIT_CLEAN,
+            "[ok] no cached continuation differs from a fresh run beyond the "
+            f"noise; the server counted {hits:,.0f} prefix-cache hit tokens "
+            f"(every client's) while the probe ran, but {NO_DETAILS}",
+        )
+    if not any(cached):
+        return Decision(
+            EXIT_CANNOT_PROBE,
+            f"could not probe: no request reused a cached token ({probe.sent} "
+            "requests sharing prefixes): prefix caching is off, or reuses nothing "
+            "(see 'Prefix caching does nothing' in the troubleshooting guide)",
+        )
+    reused = sum(1 for c in cached if c)
+    return Decision(
+        EXIT_CLEAN,
+        f"[ok] no wrong state served: {reused} of {len(cached)} cases read "
+        "cached states, each continuing as a fresh run does within "
+        f"{probe.bound:.3g}",
+    )
+
+
+def _server_lines(probe: Probe) -> list[str]:
+    metrics = probe.before
+    if not metrics.available:
+        return ["server     no /metrics endpoint: mode and geometry unknown"]
+    lines = []
+    for info in metrics.plugin:
+        lines.append(
+            f"server     vllm-mamba-align {info.get('plugin_version', '?')} "
+            f"mode={info.get('mode', '?')} ({info.get('status', '?')}) on vLLM "
+            f"{info.get('vllm_version', '?')}, engine {info.get('engine', '?')}: "
+            f"C={info.get('cache_block', '?')} B={info.get('state_block', '?')} "
+            f"hash block {info.get('hash_block', '?')}"
+        )
+    if not metrics.plugin:
+        lines.append(
+            "server     no vllm_mamba_align_info on /metrics: the plugin is not "
+            "loaded, or Prometheus is not in multiprocess mode "
+            "(PROMETHEUS_MULTIPROC_DIR)"
+        )
+    config = metrics.cache_config
+    if config:
+        lines.append(
+            "           prefix caching "
+            f"{'on' if metrics.prefix_caching else 'off'}, mamba_cache_mode "
+            f"{config.get('mamba_cache_mode', '?')}, mamba_block_size "
+            f"{config.get('mamba_block_size', '?')}, retention "
+            f"{_retention_words(metrics.retention)} (vllm:cache_config_info)"
+        )
+    return lines
+
+
+def _retention_words(value: str | None) -> str:
+    if value is None:
+        return "not reported (before 0.29.0: VLLM_PREFIX_CACHE_RETENTION_INTERVAL)"
+    if value == "None":
+        return "None (every state kept)"
+    if value == "0":
+        return "0 (replay boundaries and shared-prefix junctions)"
+    return value
+
+
+def _number(value: float) -> str:
+    return "0" if value == 0 else f"{value:.2g}"
+
+
+def _tokens(result: CaseResult) -> str:
+    parted = result.versus_fresh.parted_at
+    if parted is None:
+        return "same"
+    return f"part@{parted}" + ("!" if result.versus_fresh.outside_top_k else "")
+
+
+def render_text(probe: Probe) -> str:
+    decision = decide(probe)
+    options = probe.options
+    lines = [
+        f"vllm-mamba-align {__version__} probe of {probe.base or options.url}"
+        + (
+            f" (model {probe.model}, max_model_len {probe.max_model_len})"
+            if probe.model
+            else ""
+        )
+    ]
+    if probe.model:
+        lines += ["  " + line for line in _server_lines(probe)]
+    plan = probe.workload
+    if plan is not None:
+        b = "unknown" if plan.state_block is None else str(plan.state_block)
+        lines.append(
+            f"  workload   writer {len(plan.writer):,} tokens, B={b} "
+            f"({plan.state_block_source}); seed {plan.seed}; {probe.sent} of "
+            f"{plan.requests} requests sent, serial; top-{options.logprobs} "
+            f"logprobs of {options.max_tokens} greedy tokens; salts "
+            f"{probe.salt_prefix}*"
+        )
+    if probe.results:
+        lines.append(
+            f"  noise      fresh vs fresh: max |dlogprob| {_number(probe.floor)}; "
+            f"threshold {probe.bound:.3g} (max of --threshold {options.threshold:g} "
+            f"and {NOISE_MARGIN:g}x the noise)"
+        )
+        hits = _hits(probe)
+        if hits is not None:
+            queries = (probe.after.queries or 0) - (probe.before.queries or 0)
+            lines.append(
+                f"  reuse      vllm:prefix_cache_hits +{hits:,.0f} of "
+                f"+{queries:,.0f} queried tokens while the probe ran (every client)"
+            )
+        lines += ["", _table(probe)]
+    lines += ["", f"verdict: {decision.verdict} (exit {decision.exit_code})"]
+    return "\n".join(lines)
+
+
+def _table(probe: Probe) -> str:
+    header = (
+        "case",
+        "prompt",
+        "shared",
+        "cached",
+        "vs fresh",
+        "fresh/fresh",
+        "tokens",
+        "verdict",
+    )
+    rows = [header]
+    for r in probe.results:
+        rows.append(
+            (
+                r.name,
+                f"{r.prompt_tokens:,}",
+                f"{r.shared:,}",
+                "?" if r.cached_tokens is None else f"{r.cached_tokens:,}",
+                _number(r.versus_fresh.delta),
+                _number(r.fresh_versus_fresh.delta),
+                _tokens(r),
+                r.verdict.value,
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join(
+        "  "
+        + "  ".join(
+            cell.ljust(w) if i in (0, 6, 7) else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in rows
+    )
+
+
+def to_json(probe: Probe) -> str:
+    decision = decide(probe)
+    options = probe.options
+    plan = probe.workload
+    data: dict[str, Any] = {
+        "probe_version": __version__,
+        "url": probe.base or options.url,
+        "model": probe.model or None,
+        "max_model_len": probe.max_model_len,
+        "exit_code": decision.exit_code,
+        "verdict": decision.verdict,
+        "problem": probe.problem,
+        "metrics_before": probe.before.to_json(),
+        "metrics_after": probe.after.to_json(),
+        "workload": None
+        if plan is None
+        else {
+            "writer_tokens": len(plan.writer),
+            "state_block": plan.state_block,
+            "state_block_source": plan.state_block_source,
+            "seed": plan.seed,
+            "requests": plan.requests,
+            "prompt_tokens": plan.prompt_tokens,
+        },
+        "requests_sent": probe.sent,
+        "salt_prefix": probe.salt_prefix or None,
+        "logprobs": options.logprobs,
+        "max_tokens": options.max_tokens,
+        "noise_floor": probe.floor,
+        "threshold": options.threshold,
+        "effective_threshold": probe.bound,
+        "cases": [r.to_json() for r in probe.results],
+    }
+    return json.dumps(data, indent=1)
