@@ -161,7 +161,8 @@ def render_text(probe: Probe) -> str:
             f"  workload   writer {len(plan.writer):,} tokens, B={b} "
             f"({plan.state_block_source}); seed {plan.seed}; {probe.sent} of "
             f"{plan.requests} requests sent, serial; top-{options.logprobs} "
-            f"logprobs of {options.max_tokens} greedy tokens; salts "
+            f"logprobs of {options.max_tokens} greedy "
+            f"token{'s' if options.max_tokens > 1 else ''}; salts "
             f"{probe.salt_prefix}*"
         )
     if probe.results:
