@@ -255,8 +255,14 @@ def _doctor(as_json: bool, strict: bool = False) -> int:
 
     from .doctor import VllmMissing, collect, render_text
 
+    # Loading vLLM's platform and plugins logs through vLLM's logger, which
+    # writes to stdout: with --json, stdout carries the report alone.
+    quiet = (
+        contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
+    )
     try:
-        report = collect()
+        with quiet:
+            report = collect()
     except VllmMissing as missing:
         print(NO_VLLM.format(detail=missing), file=sys.stderr)
         if as_json:
