@@ -138,8 +138,15 @@ class Chain:
 def _code_identity(function: types.FunctionType) -> tuple[str | None, str, str]:
     code = function.__code__
     module = function.__globals__.get("__name__")
-    # co_qualname (3.11+) is the code's own name; __qualname__ may be a copy.
-    qualname = getattr(code, "co_qualname", None) or code.co_name
+    # co_qualname (3.11+) is the code's own name; __qualname__ may be a copy
+    # (functools.wraps). Python 3.10 has only co_name: there __qualname__ is
+    # believed only where it ends in that name, so a copied one never names
+    # another function.
+    qualname = getattr(code, "co_qualname", None)
+    if qualname is None:
+        given = getattr(function, "__qualname__", "")
+        own = isinstance(given, str) and given.rpartition(".")[2] == code.co_name
+        qualname = given if own else code.co_name
     return module, qualname, f"{code.co_filename}:{code.co_firstlineno}"
 
 
