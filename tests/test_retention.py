@@ -16,7 +16,12 @@ import pytest
 from helpers import geometry_rule, scheduler_mode
 
 from vllm_mamba_align.releases import supports_retention_setting
-from vllm_mamba_align.retention import read_retention
+from vllm_mamba_align.retention import (
+    RETENTION_VARIABLE,
+    installed_setting,
+    read_retention,
+)
+from vllm_mamba_align.tools.modes import environment_variable
 from vllm_mamba_align.tools.sim import (
     Geometry,
     Simulation,
@@ -186,3 +191,32 @@ def test_stock_publishes_wrong_states_at_vllm_default() -> None:
     assert stock.poisoned > 0
     assert stock.wrong_reuse > 0
     assert scenario("full", B_UPSTREAM, "default").poisoned == 0
+
+
+NOT_APPLIED = object()
+
+
+@pytest.mark.parametrize("variable", [None, "0"], ids=["unset", "variable-0"])
+def test_doctor_reports_the_retention_vllms_coordinator_applies(
+    variable: str | None,
+) -> None:
+    """``doctor``'s retention is read from the installed code, never from the
+    version number (0.27.0 ships 0.27.1's coordinator under an older number): it
+    must name the value the real coordinator applies to Mamba states, with
+    vLLM's retention variable unset and set to 0 (0.27.x read it; 0.23.0-0.26.0
+    refuse it for a model without a sliding window; 0.29.0+ take the setting
+    from the cache config and ignore it)."""
+    with environment_variable(RETENTION_VARIABLE, variable):
+        has_setting, interval, where = installed_setting()
+        try:
+            sim = Simulation(Geometry(B_UPSTREAM, B_UPSTREAM, 8192))
+        except Exception as error:
+            assert variable is not None and not has_setting, (error, where)
+            return
+    coordinator = sim.scheduler.kv_cache_manager.coordinator
+    applied = getattr(coordinator, "retention_interval", NOT_APPLIED)
+    if applied is NOT_APPLIED:
+        assert not has_setting, where
+    else:
+        assert has_setting, "vLLM's coordinator applies a retention setting"
+        assert interval == applied, where

@@ -459,11 +459,16 @@ def retention_in_kv_config() -> bool:
     )
 
 
-MAMBA_RETENTION_SINCE = Version("0.27.1")
-"""The first release whose retention setting reaches Mamba states. 0.23.0-0.26.0
-already read ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``, for sliding-window groups
-only: there vLLM refuses the variable for a model without one (e.g. a GDN
-hybrid), and every Mamba state is kept (kv_cache_coordinator.py:46 in 0.23.0)."""
+MAMBA_RETENTION_CODE = "MambaManager.reachable_block_mask"
+"""The code that makes vLLM's retention setting reach Mamba states: the Mamba
+manager's own mask of which blocks to publish (vllm/v1/core/
+single_type_kv_cache_manager.py, 0.27.0 onwards; 0.27.0's ``vllm/v1/core`` is
+0.27.1's). 0.23.0-0.26.0 already read ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``,
+for sliding-window groups only: their Mamba manager has no mask, vLLM refuses the
+variable for a model without a sliding window (e.g. a GDN hybrid), and every
+Mamba state is kept (kv_cache_coordinator.py:46 in 0.23.0). Read from the
+installed class, never from the version: a dev or vendor build says nothing
+reliable by its number."""
 
 
 DRAFTERS_BUILD_SINCE = Version("0.27.1")
@@ -474,19 +479,18 @@ it)."""
 
 
 def retention_variable_reaches_mamba() -> bool:
-    """Whether the installed vLLM's retention environment variable (0.27.1,
-    0.28.0; still read later) decides which Mamba states are kept."""
+    """Whether the installed vLLM's retention environment variable (0.27.0,
+    0.27.1, 0.28.0; still read later) decides which Mamba states are kept: the
+    variable is vLLM's and its Mamba manager masks what it publishes
+    (:data:`MAMBA_RETENTION_CODE`)."""
     import vllm.envs
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 
     from .retention import RETENTION_VARIABLE
 
     if RETENTION_VARIABLE not in getattr(vllm.envs, "environment_variables", {}):
         return False
-    version = installed_version()
-    try:
-        return version is not None and Version(version) >= MAMBA_RETENTION_SINCE
-    except InvalidVersion:
-        return False
+    return "reachable_block_mask" in vars(MambaManager)
 
 
 def supports_retention_setting() -> bool:
