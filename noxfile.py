@@ -181,10 +181,12 @@ IMAGE_PYTHON = "3.12"
 end-to-end tests run there too (torch from PyPI, its CUDA build, run on CPU)."""
 
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100"]
-SUITE_TOOLS = [*TEST_TOOLS, "pytest-xdist>=3"]
+SUITE_TOOLS = [*TEST_TOOLS, "pytest-xdist>=3.2"]
 WORKERS = str(min(os.cpu_count() or 1, 4))
 """The real-vLLM suites run on every core (pytest-xdist): its tests are
-independent processes' work, each building its own schedulers."""
+independent processes' work, each building its own schedulers. A worker that
+runs out of tests steals from the other (``--dist worksteal``): a few tests take
+minutes, and a worker left with them at the end would run them alone."""
 PLATFORM_PLUGIN = REPO / "tests" / "support" / "cpu_platform_plugin"
 # Another plugin that patches or overrides the split (as vllm-ascend and
 # vllm-gaudi do), for tests/test_foreign_split.py; inert unless a test sets
@@ -268,8 +270,11 @@ def unit(session: nox.Session) -> None:
     pytest(session, "tests/unit", *session.posargs, env=env)
 
 
-def run_suite(session: nox.Session, release: str, record: bool) -> None:
-    """The suite on one release; ``record`` writes matrix/<release>.json."""
+def run_suite(
+    session: nox.Session, release: str, record: bool, *selection: str
+) -> None:
+    """The suite on one release; ``record`` writes matrix/<release>.json;
+    ``selection``: pytest's arguments that choose the tests (default: all)."""
     env = install_vllm(session, release)
     session.install(*SUITE_TOOLS)
     session.install(str(FOREIGN_SPLIT_PLUGIN))
@@ -277,7 +282,14 @@ def run_suite(session: nox.Session, release: str, record: bool) -> None:
     junit = Path(tempfile.mkdtemp()) / "junit.xml"
     started = time.monotonic()
     try:
-        pytest(session, "-n", WORKERS, *session.posargs, env=env, junit=junit)
+        pytest(
+            session,
+            *("-n", WORKERS, "--dist", "worksteal"),
+            *selection,
+            *session.posargs,
+            env=env,
+            junit=junit,
+        )
     finally:
         drop = os.environ.get("MAMBA_ALIGN_DROP_ENVS") == "1"
         if record and junit.exists():
@@ -315,11 +327,29 @@ def ci(session: nox.Session, vllm: str) -> None:
     run_suite(session, vllm, record=False)
 
 
+INTERPRETER_AGNOSTIC = ("-m", "not random_workloads")
+"""What the Python 3.12 CI leg leaves out: the random workloads (marker
+``random_workloads``), which judge the scheduler's logic, the same on every
+interpreter, and take a third of the suite's time. Everything an interpreter can
+change (fingerprints, the layer walk, plugin loading, fresh interpreters,
+``doctor``) runs; ``tests_image`` runs the rest too."""
+
+
 @nox.session(python=IMAGE_PYTHON)
 @nox.parametrize("vllm", CI_RELEASES[:1])
 @timed
 def ci_image(session: nox.Session, vllm: str) -> None:
-    """The suite on the newest release, on the Python of vLLM's official image."""
+    """The newest release on the Python of vLLM's official image: the suite
+    less its random workloads (:data:`INTERPRETER_AGNOSTIC`), records nothing."""
+    run_suite(session, vllm, False, *INTERPRETER_AGNOSTIC)
+
+
+@nox.session(python=IMAGE_PYTHON)
+@nox.parametrize("vllm", CI_RELEASES[:1])
+@timed
+def tests_image(session: nox.Session, vllm: str) -> None:
+    """The whole suite on the newest release on Python 3.12, random workloads
+    included (part of the release matrix; records nothing)."""
     run_suite(session, vllm, record=False)
 
 

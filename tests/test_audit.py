@@ -35,7 +35,7 @@ from random_workloads import (
     scratch_blocks_published_possible,
     unwritten_checkpoints_possible,
 )
-from test_property import workloads
+from test_property import CONTROL_SEARCH, workloads
 
 from vllm_mamba_align import audit
 from vllm_mamba_align.releases import in_prefill
@@ -352,6 +352,7 @@ def check_audit_against_stock(workload: Workload) -> audit.AuditSnapshot:
     return found
 
 
+@pytest.mark.random_workloads
 @settings(max_examples=50)
 @given(workloads())
 def test_audit_matches_the_oracle_on_random_workloads(workload: Workload) -> None:
@@ -379,6 +380,7 @@ def scarce_workloads(draw: st.DrawFn) -> Workload:
     )
 
 
+@pytest.mark.random_workloads
 @pytest.mark.skipif(not REPLAYS_VALIDATED, reason="replays validated on 0.28.0+")
 @settings(max_examples=25)
 @given(scarce_workloads())
@@ -386,6 +388,7 @@ def test_audit_counts_each_publication_under_preemption(workload: Workload) -> N
     check_audit_against_stock(workload)
 
 
+@pytest.mark.random_workloads
 @settings(max_examples=40)
 @given(workloads(equal_geometry=True))
 def test_audit_finds_no_poisoning_in_equal_geometry(workload: Workload) -> None:
@@ -403,6 +406,7 @@ def test_audit_finds_no_poisoning_in_equal_geometry(workload: Workload) -> None:
         assert found.poisoned_slots == 0
 
 
+@pytest.mark.random_workloads
 def test_the_audit_property_finds_poisoning() -> None:
     """The control: random heterogeneous workloads do make the audit count."""
     if geometry_rule() == "equal":
@@ -410,7 +414,7 @@ def test_the_audit_property_finds_poisoning() -> None:
     found = find(
         workloads(),
         lambda w: counts(run_workload("audit", w)).poisoned_slots > 0,
-        settings=settings(max_examples=400, database=None),
+        settings=CONTROL_SEARCH,
     )
     assert run_workload("stock", found).wrong_publications > 0
 

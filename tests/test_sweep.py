@@ -44,6 +44,8 @@ from vllm_mamba_align.releases import installed_version
 from vllm_mamba_align.tools.modes import DEFAULT
 from vllm_mamba_align.tools.sim import Simulation
 
+pytestmark = pytest.mark.random_workloads
+
 WORKLOADS = int(os.environ.get("MAMBA_ALIGN_SWEEP_WORKLOADS", "300"))
 """Runnable cases to check (cases this release cannot run are redrawn)."""
 SEED = int(os.environ.get("MAMBA_ALIGN_SWEEP_SEED", "0"))
