@@ -181,10 +181,9 @@ def test_grid_mode_is_stock_in_equal_geometry(workload: Workload) -> None:
 CONTROL_SEARCH = settings(max_examples=400, database=None, phases=[Phase.generate])
 """How a control looks for a workload on which a check fails (stock publishes a
 wrong state, grid loses a kept one): up to 400 random workloads, and the first
-one found is the answer. A control asserts that such a workload exists; left to
-itself hypothesis would shrink it to a minimal one, re-simulating it hundreds of
-times, which was most of the controls' time (about 6 of the 15 minutes of the
-0.33.0 suite on 2 cores) and proves nothing more."""
+one found is the answer. A control asserts that such a workload exists; shrinking
+it to a minimal one would re-simulate it hundreds of times (about 340 s of test
+time on 0.33.0, 2 cores, against 18 s without) and prove nothing more."""
 
 
 def test_the_property_catches_stock_vllm() -> None:
