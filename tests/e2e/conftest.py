@@ -58,15 +58,37 @@ def served(
     return serving(served_model, tmp_path_factory.mktemp("serve-logs"))
 
 
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if not _engine_installed():
-        return
+SUMMARY = "e2e_summary"
+"""The key under which an xdist worker hands its summary lines to the controller."""
+_worker_lines: list[str] = []
+"""Summary lines of the xdist workers that have gone down."""
+
+
+def _summary_lines() -> list[str]:
+    """What this process's engines and servers measured (nothing if it ran none)."""
     from . import test_default_retention, test_engine, test_probe, test_serve
 
-    for line in [
+    return [
         *test_engine.summary_lines(),
         *test_default_retention.retention_summary_lines(),
         *test_serve.summary_lines(),
         *test_probe.probe_summary_lines(test_serve._runs),
-    ]:
+    ]
+
+
+def pytest_sessionfinish(session: Any) -> None:
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None and _engine_installed():  # an xdist worker
+        output[SUMMARY] = _summary_lines()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    _worker_lines.extend(getattr(node, "workeroutput", {}).get(SUMMARY, []))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _engine_installed():
+        return
+    for line in [*_summary_lines(), *_worker_lines]:
         terminalreporter.write_line(line)

@@ -56,6 +56,10 @@ from .test_engine import (
     run_engine,
 )
 
+# The in-process engines and the recipe run beside the servers (nox -s e2e
+# runs two xdist workers, one a group).
+pytestmark = pytest.mark.xdist_group("engines")
+
 WRITER_TOKENS = 2030
 SHARED_TOKENS = 2020  # the follower shares this prefix with the writer
 FOLLOWER_TOKENS = 2100

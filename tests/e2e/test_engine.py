@@ -30,6 +30,10 @@ import pytest
 from .models import VOCAB
 from .release import E2E_RELEASE
 
+# The in-process engines and the recipe run beside the servers (nox -s e2e
+# runs two xdist workers, one a group).
+pytestmark = pytest.mark.xdist_group("engines")
+
 HERE = Path(__file__).parent
 WORKAROUNDS = "cpu_e2e_workarounds"  # tests/support/cpu_e2e_workarounds
 PLUGIN = "mamba_align"

@@ -18,7 +18,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from .release import E2E_RELEASE
+
+# The in-process engines and the recipe run beside the servers (nox -s e2e
+# runs two xdist workers, one a group).
+pytestmark = pytest.mark.xdist_group("engines")
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "deploy" / "Dockerfile"

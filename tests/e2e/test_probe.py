@@ -24,6 +24,10 @@ import pytest
 from .probe_run import ProbeRun
 from .test_serve import ServeRun
 
+# One xdist group: the servers are started once per worker, and test_serve.py
+# and test_probe.py read the same ones (conftest.served).
+pytestmark = pytest.mark.xdist_group("serve")
+
 SALT_PREFIX = "vllm-mamba-align-probe-"
 
 

@@ -54,6 +54,10 @@ from .test_engine import (
     prompts,
 )
 
+# One xdist group: the servers are started once per worker, and test_serve.py
+# and test_probe.py read the same ones (conftest.served).
+pytestmark = pytest.mark.xdist_group("serve")
+
 # The engine settings of test_engine.py as CLI flags. On the command line
 # --prefix-cache-retention-interval takes the literal "None" (dense retention),
 # which vLLM's parser turns into Python's None, as the LLM tests pass it.
