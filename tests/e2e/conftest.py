@@ -92,3 +92,27 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         return
     for line in [*_summary_lines(), *_worker_lines]:
         terminalreporter.write_line(line)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    """Refuse to run e2e's xdist groups spread over several workers.
+
+    Every e2e module belongs to a group (``xdist_group``: "serve" or
+    "engines"). ``--dist loadgroup`` keeps a group on one worker only if
+    pytest-xdist could name its tests ``<node id>@<group>``; under pytest 9.2 it
+    cannot (it rewrites ``item._nodeid``, which 9.2 no longer reads), and then
+    every worker would start every ``vllm serve`` server. nox's e2e session
+    installs ``pytest<9.2`` for this reason (GROUPING_TOOLS in noxfile.py).
+    """
+    if node.config.getoption("dist") != "loadgroup":
+        return
+    ungrouped = [nodeid for nodeid in ids if "@" not in nodeid]
+    if ungrouped:
+        pytest.exit(
+            f"pytest-xdist did not group {len(ungrouped)} e2e tests (e.g. "
+            f"{ungrouped[0]}): with pytest {pytest.__version__}, --dist loadgroup "
+            "would spread each group over every worker. Install pytest<9.2 "
+            "(python3 -m nox -s e2e does), or run tests/e2e without -n.",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
