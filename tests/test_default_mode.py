@@ -17,7 +17,6 @@ import pytest
 from helpers import cache_block_for, geometry_rule, run_python, scheduler_mode
 
 from vllm_mamba_align import activation, metrics, settings
-from vllm_mamba_align.releases import installed_version
 from vllm_mamba_align.releases import (
     refuses_batch_invariance_for_mamba as refuses_for_mamba,
 )
@@ -201,7 +200,7 @@ def test_vllm_answers_batch_invariance_for_mamba_as_releases_records() -> None:
     answers = json.loads(line.removeprefix("ANSWERS "))
     selected = {name: a for name, a in answers.items() if not a.startswith("error")}
     assert selected, answers  # at least one backend imports on this CPU build
-    expected = "refused" if refuses_for_mamba(installed_version()) else "accepted"
+    expected = "refused" if refuses_for_mamba() else "accepted"
     assert set(selected.values()) == {expected}, answers
 
 
@@ -211,7 +210,7 @@ def test_the_start_line_says_what_batch_invariance_means_here(
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     Simulation(any_release_geometry())
     (line,) = start_lines.lines
-    if refuses_for_mamba(installed_version()):
+    if refuses_for_mamba():
         assert "refuses batch-invariant mode for Mamba backends" in line
     else:  # 0.15.1-0.19.1: dense retention, so kept stops as full does
         assert "accepts it for hybrid models): with mode=kept a continuation" in line

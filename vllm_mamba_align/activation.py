@@ -491,7 +491,7 @@ def batch_invariance_note(
     if not batch_invariance_requested():
         return None
     release = describe_version(version)
-    if refuses_batch_invariance_for_mamba(version):
+    if refuses_batch_invariance_for_mamba():
         return (
             f"{BATCH_INVARIANT_VARIABLE}=1: vLLM {release} refuses batch-invariant "
             "mode for Mamba backends (RuntimeError while the model loads, before "
@@ -518,7 +518,7 @@ def describe_batch_invariance(version: str | None) -> str:
     ``doctor`` (set or not)."""
     release = describe_version(version)
     requested = batch_invariance_requested()
-    if refuses_batch_invariance_for_mamba(version):
+    if refuses_batch_invariance_for_mamba():
         return (
             f"vLLM {release} refuses batch-invariant mode for Mamba backends"
             + (

@@ -27,10 +27,14 @@ Importing this module needs neither vLLM nor torch.
 
 from __future__ import annotations
 
+import ast
 import enum
+import functools
+import importlib.util
 import sys
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
@@ -345,29 +349,59 @@ def cache_block_rule(version: str | None) -> CacheBlockRule:
 # -- vLLM's batch-invariant mode --------------------------------------------------
 
 BATCH_INVARIANT_VARIABLE = "VLLM_BATCH_INVARIANT"
-MAMBA_BATCH_INVARIANCE_REFUSED_SINCE = Version("0.20.2")
-"""The first release whose Mamba backend selector raises ``RuntimeError("VLLM
-batch_invariant mode is not supported for …")`` when ``VLLM_BATCH_INVARIANT=1``
-and the backend's ``supports_batch_invariance()`` is False (the base class
-answer; no Mamba/GDN backend overrides it through 0.33.0): v1/attention/
-selector.py, ``get_mamba_attn_backend`` (``_cached_get_mamba_attn_backend`` in
-0.33.0). The worker selects backends while loading the model, before the engine
-core builds its scheduler, so on these releases vLLM stops before the plugin's
-start line. 0.15.1-0.19.1 have the mode and no such check."""
+SELECTOR_FILE = "v1/attention/selector.py"
+"""Where vLLM selects a Mamba attention backend, relative to its package directory."""
+BATCH_INVARIANCE_CHECK = "supports_batch_invariance"
+"""The backend method vLLM's Mamba backend selector asks when
+``VLLM_BATCH_INVARIANT=1`` (``get_mamba_attn_backend``;
+``_cached_get_mamba_attn_backend`` in 0.33.0): the base class answers False and no
+Mamba/GDN backend overrides it through 0.33.0, so where the selector asks, vLLM
+raises ``RuntimeError("VLLM batch_invariant mode is not supported for …")`` while
+the worker loads the model, before the engine core builds its scheduler and before
+the plugin's start line. 0.20.2-0.33.0 ask; 0.15.1-0.19.1 have the mode and do not."""
 
 
-def refuses_batch_invariance_for_mamba(version: str | None) -> bool:
-    """Whether this release refuses batch-invariant mode for hybrid models.
+def vllm_package_dir() -> Path | None:
+    """The installed vLLM's package directory, found without importing it (None
+    when vLLM is not installed)."""
+    module = sys.modules.get("vllm")
+    origin = getattr(module, "__file__", None)
+    if origin is None:
+        try:
+            spec = importlib.util.find_spec("vllm")
+        except (ImportError, ValueError):
+            return None
+        origin = spec.origin if spec is not None else None
+    return Path(origin).parent if origin else None
 
-    True for 0.20.2+ and for versions that name no release (dev and vendor
-    builds such as ``0.1.dev20073+g…`` or ``dev``: recent code is the likelier)."""
+
+@functools.cache
+def _selector_asks_batch_invariance(selector: Path) -> bool | None:
     try:
-        public = Version(version or "").release
-    except InvalidVersion:
-        return True
-    if public < (0, 15):
-        return True
-    return public >= MAMBA_BATCH_INVARIANCE_REFUSED_SINCE.release
+        tree = ast.parse(selector.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    return any(
+        isinstance(node, ast.Attribute) and node.attr == BATCH_INVARIANCE_CHECK
+        for function in ast.walk(tree)
+        if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef)
+        and "mamba_attn_backend" in function.name
+        for node in ast.walk(function)
+    )
+
+
+def refuses_batch_invariance_for_mamba() -> bool:
+    """Whether the installed vLLM refuses batch-invariant mode for hybrid models.
+
+    Read from the installed selector (:data:`SELECTOR_FILE`): a function selecting
+    Mamba backends that asks :data:`BATCH_INVARIANCE_CHECK`. The version is not
+    consulted, so a dev, nightly or vendor build answers as its code does. True
+    when the file cannot be read: every release since 0.20.2 refuses."""
+    root = vllm_package_dir()
+    answer = (
+        None if root is None else _selector_asks_batch_invariance(root / SELECTOR_FILE)
+    )
+    return True if answer is None else answer
 
 
 # -- Model Runner V2's running-state seed (worker side) -----------------------------

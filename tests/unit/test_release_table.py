@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -140,3 +141,50 @@ def test_the_prefill_predicate_of_each_rule() -> None:
     assert not in_prefill(PrefillRule.BEFORE_PREFILL_END, resumed, 139)
     # 0.15.1-0.16.0: a request with outputs is never prefill, replay or not.
     assert not in_prefill(PrefillRule.NO_OUTPUT_YET, resumed, 0)
+
+
+SELECTORS = {
+    "asks": "def _cached_get_mamba_attn_backend(kind):\n"
+    "    backend = kind.get_class()\n"
+    "    if envs.VLLM_BATCH_INVARIANT and not backend.supports_batch_invariance():\n"
+    "        raise RuntimeError('not supported')\n"
+    "    return backend\n",
+    "asks elsewhere": "def get_attn_backend(kind):\n"
+    "    return kind.supports_batch_invariance()\n\n"
+    "def get_mamba_attn_backend(kind):\n    return kind.get_class()\n",
+    "does not ask": "def get_mamba_attn_backend(kind):\n    return kind.get_class()\n",
+}
+
+
+@pytest.mark.parametrize(
+    ("selector", "refuses"),
+    [("asks", True), ("asks elsewhere", False), ("does not ask", False)],
+)
+def test_batch_invariance_refusal_is_read_from_the_mamba_selector(
+    selector: str, refuses: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The answer comes from the selector's Mamba function, whatever the version
+    says (the real selectors' answers: tests/test_default_mode.py)."""
+    package = tmp_path / "vllm"
+    (package / "v1" / "attention").mkdir(parents=True)
+    (package / "__init__.py").write_text("__version__ = '0.1.dev1+g0000000'\n")
+    (package / releases.SELECTOR_FILE).write_text(SELECTORS[selector])
+    monkeypatch.setitem(
+        sys.modules,
+        "vllm",
+        SimpleNamespace(__file__=str(package / "__init__.py")),
+    )
+    assert releases.refuses_batch_invariance_for_mamba() is refuses
+
+
+def test_an_unreadable_selector_counts_as_refusing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every release since 0.20.2 refuses: the likelier answer for code the
+    plugin cannot read."""
+    monkeypatch.setitem(
+        sys.modules,
+        "vllm",
+        SimpleNamespace(__file__=str(tmp_path / "vllm" / "__init__.py")),
+    )
+    assert releases.refuses_batch_invariance_for_mamba() is True
