@@ -244,7 +244,9 @@ def install_plugin_wheel(session: nox.Session) -> str:
         # last build would ride along in the wheel.
         shutil.rmtree(REPO / "build", ignore_errors=True)
         out = tempfile.mkdtemp(prefix="vllm-mamba-align-dist-")
-        session.run(
+        # run_install: also under --install-only, which prepares a session's
+        # environment ahead of a run that must have the machine to itself.
+        session.run_install(
             "python", "-m", "pip", "wheel", "--no-deps", "-q", "-w", out, str(REPO)
         )
         _built_wheels.append(str(next(Path(out).glob("vllm_mamba_align-*.whl"))))
