@@ -249,7 +249,10 @@ def install_plugin_wheel(session: nox.Session) -> str:
         session.run_install(
             "python", "-m", "pip", "wheel", "--no-deps", "-q", "-w", out, str(REPO)
         )
-        _built_wheels.append(str(next(Path(out).glob("vllm_mamba_align-*.whl"))))
+        built = sorted(Path(out).glob("vllm_mamba_align-*.whl"))
+        if not built:  # -R/--no-install: the reused environment keeps its wheel
+            return ""
+        _built_wheels.append(str(built[0]))
     wheel = _built_wheels[0]
     session.install(wheel)  # with its dependencies, as a user installs it
     # Same version as an earlier build: make sure this build's code is in place.
