@@ -5,8 +5,9 @@ A chunk that ends on a B boundary writes that boundary's state, but vLLM publish
 when the request moves on. So a stop at a boundary pays a prefill step, and buys
 a reusable state only when the boundary is kept. vLLM's rule, per release:
 
-- before 0.27.1: no setting, every boundary is kept (dense);
-- 0.27.1-0.28.0: ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` (default dense), read
+- before 0.27.0: no setting reaches Mamba states, every boundary is kept (dense;
+  0.23.0-0.26.0 read the variable below for sliding-window groups only);
+- 0.27.0-0.28.0: ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` (default dense), read
   when the KV-cache coordinator is built; reachable positions are floored to the
   scheduler block;
 - 0.29.0+: ``--prefix-cache-retention-interval``
@@ -17,7 +18,7 @@ a reusable state only when the boundary is kept. vLLM's rule, per release:
   keeps the block below an EAGLE junction.
 
 The mask rule itself (``MambaManager.reachable_block_mask``) is the same in every
-release that has one (0.27.1-0.33.0).
+release that has one (0.27.0-0.33.0; 0.27.0's ``vllm/v1/core`` is 0.27.1's).
 
 ``None`` keeps every boundary; ``0`` keeps only the *reachable* boundaries: the
 prompt's replay boundary (where a re-ask or a longer sibling resumes) and a
@@ -43,7 +44,7 @@ from typing import Any
 from .protocols import Request, Scheduler
 
 RETENTION_VARIABLE = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
-"""Where 0.27.1-0.28.0 read the setting (later releases: the cache config)."""
+"""Where 0.27.0-0.28.0 read the setting (later releases: the cache config)."""
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ def _mamba_manager(coordinator: Any) -> Any:
 
 def read_retention(scheduler: Scheduler, state_block: int) -> Retention:
     """The retention this scheduler's KV-cache manager applies, read where it
-    reads it: the coordinator's ``retention_interval`` (0.27.1+), the Mamba
+    reads it: the coordinator's ``retention_interval`` (0.27.0+), the Mamba
     manager's hit alignment (0.29.0+; the scheduler block before), vLLM's own
     replay-boundary function (0.30.0+)."""
     coordinator = scheduler.kv_cache_manager.coordinator
@@ -181,7 +182,7 @@ def read_retention(scheduler: Scheduler, state_block: int) -> Retention:
     alignment = int(
         getattr(manager, "cache_hit_alignment_tokens", 0) or scheduler_block
     )
-    if not hasattr(coordinator, "retention_interval"):  # before 0.27.1
+    if not hasattr(coordinator, "retention_interval"):  # before 0.27.0
         return Retention(None, state_block, alignment, "no retention setting")
     interval = coordinator.retention_interval
     eagle = bool(
@@ -221,7 +222,7 @@ def _replay_rule(
 def _source(interval: int | None) -> str:
     """Where a scheduler's retention value comes from, for messages."""
     default = _default_interval()
-    if default is _NO_FIELD:  # 0.27.1-0.28.0
+    if default is _NO_FIELD:  # 0.27.0-0.28.0
         raw = os.environ.get(RETENTION_VARIABLE)
         return (
             f"{RETENTION_VARIABLE}={raw}"
