@@ -177,3 +177,16 @@ def async_republishes_partial_tail() -> bool:
         sim.add("probe", prompt(96, seed=1), max_tokens=3)
         sim.run()
     return any(p.claimed[0] == 96 for p in sim.poisoned.values())
+
+
+class StartLines:
+    """Stands in for vLLM's logger: keeps the plugin's start lines (install with
+    ``monkeypatch.setattr(activation, "_logger", lambda: recorder)``)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def info(self, message: str, *args: Any) -> None:
+        self.lines.append(message % args)
+
+    warning = info

@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import json
 import textwrap
-from typing import Any
 
 import pytest
-from helpers import cache_block_for, geometry_rule, run_python, scheduler_mode
+from helpers import (
+    StartLines,
+    cache_block_for,
+    geometry_rule,
+    run_python,
+    scheduler_mode,
+)
 
 from vllm_mamba_align import activation, metrics, settings
 from vllm_mamba_align.releases import (
@@ -60,18 +65,6 @@ def any_release_geometry(retention: int | str | None = "default") -> Geometry:
 @pytest.fixture
 def unset_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(settings.MODE_VARIABLE, raising=False)
-
-
-class StartLines:
-    """Stands in for vLLM's logger: keeps the plugin's start lines."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def info(self, message: str, *args: Any) -> None:
-        self.lines.append(message % args)
-
-    warning = info
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 import pytest
-from helpers import cache_block_for
+from helpers import StartLines, cache_block_for
 
 from vllm_mamba_align import activation, releases, settings
 from vllm_mamba_align.cli import main
@@ -83,16 +83,6 @@ def test_doctor_reports_the_same_facts_for_a_dev_relabelled_build(
     assert not differing
 
 
-class _StartLines:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def info(self, message: str, *args: Any) -> None:
-        self.lines.append(message % args)
-
-    warning = info
-
-
 @pytest.mark.parametrize("mode", [None, "full", "grid", "audit", "off"])
 def test_a_dev_relabelled_build_schedules_and_announces_as_its_release(
     mode: str | None, monkeypatch: pytest.MonkeyPatch
@@ -111,7 +101,7 @@ def test_a_dev_relabelled_build_schedules_and_announces_as_its_release(
     sibling = tokens[:5000] + prompt(1500, seed=2)
 
     def schedule() -> tuple[list[str], dict[str, list[int]]]:
-        lines = _StartLines()
+        lines = StartLines()
         monkeypatch.setattr(activation, "_logger", lambda: lines)
         sim = Simulation(geometry)
         sim.add("writer", tokens)
