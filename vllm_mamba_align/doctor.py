@@ -46,6 +46,7 @@ from .releases import (
     describe_version,
     expected_body,
     seed_code,
+    vllm_package_dir,
 )
 
 PLUGIN_NAME = "mamba_align"
@@ -121,13 +122,13 @@ class Report:
 def _vllm_root() -> Path:
     """vLLM's package directory, after checking that ``import vllm`` works."""
     try:
-        import vllm
+        import vllm  # noqa: F401  (the package must import, not only exist)
     except ImportError as error:  # includes sys.modules["vllm"] = None
         raise VllmMissing(str(error)) from error
-    origin = getattr(vllm, "__file__", None)
-    if origin is None:
+    root = vllm_package_dir()
+    if root is None:
         raise VllmMissing("the vllm package has no __file__")
-    return Path(origin).parent
+    return root
 
 
 def would_load(value: str | None) -> tuple[bool, str]:
