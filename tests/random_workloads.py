@@ -28,6 +28,7 @@ from helpers import (
 from packaging.version import Version
 
 from vllm_mamba_align import MambaAlignError
+from vllm_mamba_align.checkpoints import installed_manager_skips_scratch_move
 from vllm_mamba_align.releases import (
     DRAFTERS_BUILD_SINCE,
     InternalCheckpoint,
@@ -517,7 +518,8 @@ def one_block_per_step(geometry: Geometry) -> bool:
 
 def drafter_tail_unaligned(geometry: Geometry) -> bool:
     """A drafter on a release whose split leaves the last blocks unaligned
-    (before 0.27.1: releases.SplitBody.aligns_drafter_tail)."""
+    (before 0.27.1: releases.SplitBody.aligns_drafter_tail, read from the
+    split's code)."""
     return geometry.speculative is not None and not installed_body().aligns_drafter_tail
 
 
@@ -534,12 +536,12 @@ def unwritten_checkpoints_possible(geometry: Geometry) -> bool:
 def scratch_blocks_published_possible(geometry: Geometry) -> bool:
     """0.30.0-0.31.0 with a drafter and backend checkpoints: vLLM leaves a
     running request's speculative scratch blocks inside a chunk it checkpoints
-    internally and publishes them (releases.SplitBody.
-    relocates_scratch_in_checkpoint_steps)."""
+    internally and publishes them (read from its manager's code:
+    checkpoints.installed_manager_skips_scratch_move)."""
     body = installed_body()
     return (
         geometry.prefill_checkpoint is not None
         and geometry.speculative is not None
         and body.internal_checkpoint is InternalCheckpoint.OBSERVED
-        and not body.relocates_scratch_in_checkpoint_steps
+        and installed_manager_skips_scratch_move()
     )

@@ -24,6 +24,7 @@ import pytest
 from helpers import built_or_skipped, geometry_rule, installed_body, scheduler_mode
 from random_workloads import drafters_build
 
+from vllm_mamba_align.checkpoints import installed_manager_skips_scratch_move
 from vllm_mamba_align.releases import (
     InternalCheckpoint,
     supports_hash_block,
@@ -228,7 +229,7 @@ def test_scratch_blocks_in_a_checkpointed_chunk(mode: str) -> None:
     if installed_body().internal_checkpoint is not InternalCheckpoint.OBSERVED:
         pytest.skip("vLLM decides internal checkpoints in the split from 0.30.0")
     sim = _checkpointed(mode, None, (("eagle", 3), True))
-    if mode == "off" and not installed_body().relocates_scratch_in_checkpoint_steps:
+    if mode == "off" and installed_manager_skips_scratch_move():
         assert any(p.held is None for p in sim.poisoned.values())
         assert sim.wrong_reuse
         return

@@ -79,8 +79,8 @@ SUGGESTIONS = {
     "replay-boundary diffs (retention.py reads them)",
     "test_worker_seed.py": "the worker seed: check its site and SEED_BODIES",
     "test_speculative.py": "the drafter tail and scratch blocks: check the body's "
-    "drafter handling and the Mamba allocation diff (aligns_drafter_tail, "
-    "relocates_scratch_in_checkpoint_steps derive from the release number)",
+    "drafter handling and the Mamba allocation diff (aligns_drafter_tail, and "
+    "the manager's skips_scratch_move, both read from the code)",
     "test_connectors.py": "external hits: check the body's external-token handling",
     "test_async.py": "async scheduling: check the partial-tail publication",
     "test_audit.py": "the audit's counts: audit/ reads the same facts as the fix",
@@ -96,14 +96,6 @@ SUGGESTIONS = {
     "test_packaging.py": "the environment: vLLM and torch must be installed as "
     "releases (pip freeze: vllm==X, torch==Y)",
 }
-
-
-DERIVED = (
-    "stops_after_mid_block_start",
-    "aligns_drafter_tail",
-    "relocates_scratch_in_checkpoint_steps",
-)
-"""``SplitBody`` facts derived from the number of the body's first release."""
 
 
 class OnboardError(Exception):
@@ -771,24 +763,24 @@ def onboard(args: argparse.Namespace) -> Report:
         f"- `{name}` = {getattr(draft.body, name)!s}: {why}"
         for name, why in draft.evidence.items()
     )
-    derived = (
-        f"- derived from the release number: stops_after_mid_block_start="
-        f"{entry_body.stops_after_mid_block_start}, aligns_drafter_tail="
-        f"{entry_body.aligns_drafter_tail}, relocates_scratch_in_checkpoint_steps="
-        f"{entry_body.relocates_scratch_in_checkpoint_steps} (releases.py)"
+    manager = "".join(
+        f"\n- `{name}` = {text} (read from the installed manager at scheduler start)"
+        for name, text in draft.manager_facts.items()
     )
     open_questions = list(draft.open_questions)
     if known is not None:
+        # The same fingerprint is the same code: every fact the entry states
+        # must be what this release's code gives.
         open_questions += [
-            f"adding {release} changes {name} of body {known.name} from "
-            f"{getattr(known, name)} to {getattr(entry_body, name)}, for every "
-            "release of the entry (derived from the body's first release): check "
-            f"that {release} really behaves like the others"
-            for name in DERIVED
-            if getattr(known, name) != getattr(entry_body, name)
+            f"{difference} (the code of {release} against body {known.name})"
+            for difference in drafting.entry_differences(
+                dataclasses.replace(draft.body, checkpoint_grid=known.checkpoint_grid),
+                known,
+            )
+            if not difference.startswith("fingerprint")
         ]
     questions = "".join(f"\n- OPEN: {q}" for q in open_questions)
-    report.add("Facts read from the code", f"{evidence}\n{derived}{questions}")
+    report.add("Facts read from the code", f"{evidence}{manager}{questions}")
     if open_questions:
         report.fail("the entry has open questions (Facts read from the code)")
 

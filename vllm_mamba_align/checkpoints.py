@@ -14,10 +14,13 @@ Importing this module needs neither vLLM nor torch.
 
 from __future__ import annotations
 
+import ast
 import enum
+import functools
 import inspect
+import textwrap
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from packaging.version import InvalidVersion, Version
@@ -149,6 +152,74 @@ def spec_reserves_checkpoints(scheduler: Scheduler) -> bool:
         getattr(group.kv_cache_spec, "num_prefill_checkpoint_blocks", 0) > 0
         for group in scheduler.kv_cache_config.kv_cache_groups
     )
+
+
+RELOCATE_SCRATCH = "_relocate_speculative_block"
+"""The Mamba manager's method that moves a running request's speculative
+scratch block out of a column the step leaves behind (0.29.0+)."""
+
+
+def _guards_of_calls(
+    node: ast.AST, method: str, guards: tuple[ast.expr, ...]
+) -> Iterator[tuple[ast.expr, ...]]:
+    """Yield, for each call of ``self.<method>`` under ``node``, the tests of
+    the ``if`` statements in whose body (not ``else``) the call stands."""
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == method
+    ):
+        yield guards
+    if isinstance(node, ast.If):
+        for statement in node.body:
+            yield from _guards_of_calls(statement, method, (*guards, node.test))
+        for statement in node.orelse:
+            yield from _guards_of_calls(statement, method, guards)
+        return
+    for child in ast.iter_child_nodes(node):
+        yield from _guards_of_calls(child, method, guards)
+
+
+def _negates_checkpoint_block(test: ast.expr) -> bool:
+    return any(
+        isinstance(part, ast.UnaryOp)
+        and isinstance(part.op, ast.Not)
+        and isinstance(part.operand, ast.Name)
+        and part.operand.id == "checkpoint_block"
+        for part in ast.walk(test)
+    )
+
+
+def skips_scratch_move_in_checkpoint_steps(manager_source: str) -> bool:
+    """Whether a Mamba manager's code leaves a running request's speculative
+    scratch blocks where they stand in a step vLLM checkpoints internally.
+
+    Read from the code: the move (:data:`RELOCATE_SCRATCH`) runs only under an
+    ``if`` that tests ``not checkpoint_block`` (0.30.0, 0.31.0:
+    ``if blocks_allocated and not checkpoint_block:``). 0.29.0 and 0.32.0+
+    move them in such a step too; before 0.29.0 there is no move and no such
+    step. In a step that skips the move, a chunk crossing two boundaries past
+    its start leaves the scratch blocks in interior boundary columns, and vLLM
+    publishes them as those boundaries' states, which they do not hold.
+    """
+    tree = ast.parse(textwrap.dedent(manager_source))
+    return any(
+        any(_negates_checkpoint_block(test) for test in guards)
+        for guards in _guards_of_calls(tree, RELOCATE_SCRATCH, ())
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def installed_manager_skips_scratch_move() -> bool:
+    """:func:`skips_scratch_move_in_checkpoint_steps` for the installed vLLM's
+    ``MambaManager`` (once per process). Code that cannot be read counts as
+    skipping: the fix then keeps its guard (``StopPolicy.guard_scratch``)."""
+    try:
+        from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+        return skips_scratch_move_in_checkpoint_steps(inspect.getsource(MambaManager))
+    except (ImportError, OSError, TypeError, SyntaxError):
+        return True
 
 
 def backend_off_manager_grid(scheduler: Scheduler, body: SplitBody, grid: int) -> bool:

@@ -48,6 +48,10 @@ class CodeShape:
     """Names the function uses, and ``name.attribute`` reads (``self.x``)."""
     problem: str | None = None
     """Why the source could not be analysed, if it could not."""
+    floor_guard_bounds: frozenset[str] = frozenset()
+    """The names compared against in every ``if`` whose body floors a position
+    to the grid (``x // block_size * block_size``): ``last_cache_position``
+    before 0.27.1, ``prefill_end`` from 0.27.1 (:func:`floor_guard_bounds`)."""
 
     @property
     def structurally_compatible(self) -> bool:
@@ -170,6 +174,47 @@ def _is_grid_read(node: ast.AST) -> bool:
     )
 
 
+def _floors_to_grid(node: ast.AST) -> bool:
+    """Whether ``node`` contains ``x // block_size * block_size``."""
+    return any(
+        isinstance(child, ast.BinOp)
+        and isinstance(child.op, ast.Mult)
+        and isinstance(child.right, ast.Name)
+        and child.right.id == "block_size"
+        and isinstance(child.left, ast.BinOp)
+        and isinstance(child.left.op, ast.FloorDiv)
+        and isinstance(child.left.right, ast.Name)
+        and child.left.right.id == "block_size"
+        for child in ast.walk(node)
+    )
+
+
+def floor_guard_bounds(node: ast.AST) -> frozenset[str]:
+    """The names on either side of the comparisons guarding a floor to the grid.
+
+    The guard is the ``if`` one of whose own assignments floors a position to
+    the grid; what it compares the chunk end with decides which chunks vLLM
+    aligns: up to the last cacheable position (which an EAGLE/MTP drafter backs
+    off one block, so later chunks run unaligned) or up to the prefill's end.
+    """
+    bounds: set[str] = set()
+    for child in ast.walk(node):
+        if not isinstance(child, ast.If):
+            continue
+        if not any(
+            isinstance(statement, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+            and _floors_to_grid(statement)
+            for statement in child.body
+        ):
+            continue
+        for comparison in ast.walk(child.test):
+            if isinstance(comparison, ast.Compare):
+                for side in (comparison.left, *comparison.comparators):
+                    if isinstance(side, ast.Name):
+                        bounds.add(side.id)
+    return frozenset(bounds)
+
+
 def analyse_source(source: str) -> CodeShape:
     """Fingerprint and structural facts of one function's source text."""
     node = _function_def(source)
@@ -189,6 +234,7 @@ def analyse_source(source: str) -> CodeShape:
         grid_reads=grid_reads,
         parameters=parameters,
         names=frozenset(names),
+        floor_guard_bounds=floor_guard_bounds(node),
     )
 
 

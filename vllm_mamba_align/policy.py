@@ -20,6 +20,7 @@ from .checkpoints import (
     FLASHKDA_CHUNK_SIZE,
     InternalCheckpoint,
     backend_off_manager_grid,
+    installed_manager_skips_scratch_move,
     spec_reserves_checkpoints,
 )
 from .protocols import Scheduler
@@ -67,6 +68,10 @@ class SchedulerFacts:
     """:func:`checkpoints.backend_off_manager_grid`."""
     step_budget: int = 1 << 30
     """:func:`step_budget`."""
+    skips_scratch_move: bool = False
+    """The installed Mamba manager leaves speculative scratch blocks in place in
+    a step it checkpoints internally, read from its code
+    (:func:`checkpoints.installed_manager_skips_scratch_move`)."""
     decides_checkpoints: bool = False
     """The scheduler's own ``mamba_has_prefill_checkpoint_blocks``: without it
     vLLM never decides to checkpoint a chunk internally (every body with
@@ -83,6 +88,7 @@ class SchedulerFacts:
             speculative_blocks=speculative_blocks(scheduler),
             backend_off_manager_grid=backend_off_manager_grid(scheduler, body, grid),
             step_budget=step_budget(scheduler)[0],
+            skips_scratch_move=installed_manager_skips_scratch_move(),
         )
 
 
@@ -145,9 +151,10 @@ backend_off_manager_grid`, 0.30.0-0.31.0) a longer chunk gets a wrongly
     running request's speculative scratch blocks would stand in its interior
     boundary columns. Why: in such a step 0.30.0-0.31.0's manager leaves them
     where they stood and publishes them as those states
-    (single_type_kv_cache_manager.py:1873 in 0.30.0, :1882 in 0.31.0; see
-    :attr:`SplitBody.relocates_scratch_in_checkpoint_steps`); a cut step
-    checkpoints nothing, so vLLM moves them as in any other step. Releases:
+    (single_type_kv_cache_manager.py:1873 in 0.30.0, :1882 in 0.31.0; read
+    from the code: :func:`checkpoints.skips_scratch_move_in_checkpoint_steps`);
+    a cut step checkpoints nothing, so vLLM moves them as in any other step.
+    Releases:
     0.30.0-0.31.0 with a drafter and checkpoint blocks. Modes: every fixing
     mode. Delete when: 0.31.0 and older are no longer supported."""
     watch_decisions: bool
@@ -228,7 +235,7 @@ backend_off_manager_grid`, 0.30.0-0.31.0) a longer chunk gets a wrongly
                 and (body.aligns_drafter_tail or not drafter)
             ),
             guard_scratch=observed
-            and not body.relocates_scratch_in_checkpoint_steps
+            and facts.skips_scratch_move
             and facts.reserves_checkpoints
             and drafter,
             watch_decisions=False,

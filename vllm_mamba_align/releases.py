@@ -86,6 +86,15 @@ class SplitBody:
     checkpoint_grid: CheckpointGrid | None = None
     """Where the backend's in-chunk state goes (OBSERVED bodies; None: unknown,
     the fix then stops at every boundary)."""
+    stops_after_mid_block_start: bool = False
+    """Whether vLLM's own split stops a chunk that starts mid-block at the next
+    boundary (0.26.0+), read from the code: :func:`stops_after_mid_block_start`."""
+    aligns_drafter_tail: bool = False
+    """Whether vLLM's split aligns every non-final chunk with an EAGLE/MTP
+    drafter (0.27.1+), read from the code: :func:`aligns_drafter_tail`. Before,
+    once it backs the last cacheable position off one block for the drafter,
+    every chunk after it runs unaligned across the prompt's last boundary, and
+    stock publishes wrong states there even with C = B."""
 
     @property
     def past_prefill_shortcut(self) -> PrefillRule | None:
@@ -95,41 +104,6 @@ class SplitBody:
         (read off each body; signature.py). None for opted-in unverified code,
         whose answer to such a call nobody has read: vLLM's function runs."""
         return None if self.releases == (UNVERIFIED,) else self.prefill
-
-    @property
-    def stops_after_mid_block_start(self) -> bool:
-        """Whether vLLM's own split stops a chunk that starts mid-block at the
-        next boundary (0.26.0+; False for unverified code)."""
-        return self._first_release_since("0.26.0")
-
-    @property
-    def aligns_drafter_tail(self) -> bool:
-        """Whether vLLM's split aligns every non-final chunk with an EAGLE/MTP
-        drafter (0.27.1+). Before, once it backs the last cacheable position
-        off one block for the drafter, every chunk after it runs unaligned
-        across the prompt's last boundary, and stock publishes wrong states
-        there even with C = B (False for unverified code)."""
-        return self._first_release_since("0.27.1")
-
-    @property
-    def relocates_scratch_in_checkpoint_steps(self) -> bool:
-        """Whether vLLM's Mamba manager moves a running request's speculative
-        scratch blocks out of the way in a step it checkpoints internally
-        (0.32.0+). 0.30.0-0.31.0 skip the move in such a step
-        (single_type_kv_cache_manager.py:1873 in 0.30.0, :1882 in 0.31.0): a
-        chunk crossing two boundaries past its start then leaves the scratch
-        blocks in interior boundary columns, and vLLM publishes them as those
-        boundaries' states, which they do not hold (False for unverified
-        code)."""
-        return self._first_release_since("0.32.0")
-
-    def _first_release_since(self, release: str) -> bool:
-        """Whether this body's first release is ``release`` or later (False for
-        unverified code, whose release string need not parse)."""
-        try:
-            return Version(self.releases[0]) >= Version(release)
-        except InvalidVersion:
-            return False
 
     @property
     def name(self) -> str:
@@ -145,6 +119,8 @@ def _body(
     wide_block_exemption: bool = False,
     extra_parameter: str | None = None,
     checkpoint_grid: CheckpointGrid | None = None,
+    stops_after_mid_block_start: bool = True,
+    aligns_drafter_tail: bool = True,
 ) -> SplitBody:
     return SplitBody(
         tuple(releases.split()),
@@ -154,21 +130,43 @@ def _body(
         wide_block_exemption,
         extra_parameter,
         checkpoint_grid,
+        stops_after_mid_block_start,
+        aligns_drafter_tail,
     )
 
 
 # Fingerprints of the wheels on PyPI; each body's source is byte-identical across
-# the releases listed with it.
+# the releases listed with it. The facts each row states are those its code
+# gives (tests/test_release_facts.py reads them off the installed code).
 BODIES: tuple[SplitBody, ...] = (
-    _body("0.15.1 0.16.0", "135e05b99088c4ba", PrefillRule.NO_OUTPUT_YET),
-    _body("0.17.1 0.18.1 0.19.1 0.20.2 0.21.0 0.22.1", "2143cb64ffd26346"),
-    _body("0.23.0", "b94b057ceb52248e"),  # 0.22.1 minus an external-token assert
+    _body(
+        "0.15.1 0.16.0",
+        "135e05b99088c4ba",
+        PrefillRule.NO_OUTPUT_YET,
+        stops_after_mid_block_start=False,
+        aligns_drafter_tail=False,
+    ),
+    _body(
+        "0.17.1 0.18.1 0.19.1 0.20.2 0.21.0 0.22.1",
+        "2143cb64ffd26346",
+        stops_after_mid_block_start=False,
+        aligns_drafter_tail=False,
+    ),
+    _body(  # 0.22.1 minus an external-token assert
+        "0.23.0",
+        "b94b057ceb52248e",
+        stops_after_mid_block_start=False,
+        aligns_drafter_tail=False,
+    ),
     _body(
         "0.24.0 0.25.1",
         "f5d07d86cd551d4f",
         extra_parameter="num_uncached_common_prefix_tokens",  # passed through
+        stops_after_mid_block_start=False,
+        aligns_drafter_tail=False,
     ),
-    _body("0.26.0", "ef698701aa153b4b"),  # stops tuple, partial-tail stop
+    # stops tuple, partial-tail stop
+    _body("0.26.0", "ef698701aa153b4b", aligns_drafter_tail=False),
     _body("0.27.1 0.28.0", "f285174274bce8f3", wide_block_exemption=True),
     _body(
         "0.29.0",
@@ -220,6 +218,21 @@ def body_for(fingerprint: str | None) -> SplitBody | None:
     return _BY_FINGERPRINT.get(fingerprint)
 
 
+def stops_after_mid_block_start(shape: CodeShape) -> bool:
+    """Read from the split's code: the body names ``next_block_boundary``, the
+    stop it puts on a chunk starting off the grid (absent in 0.25.1 and before,
+    present from 0.26.0)."""
+    return "next_block_boundary" in shape.names
+
+
+def aligns_drafter_tail(shape: CodeShape) -> bool:
+    """Read from the split's code: the ``if`` that floors a chunk end to the
+    grid compares it with ``prefill_end`` (0.27.1+), not with
+    ``last_cache_position``, which a drafter backs off one block (0.26.0 and
+    before; :attr:`CodeShape.floor_guard_bounds`)."""
+    return "prefill_end" in shape.floor_guard_bounds
+
+
 def unverified_body(shape: CodeShape) -> SplitBody:
     """Best-effort rules for code no release matches (only with the explicit opt-in).
 
@@ -245,6 +258,8 @@ def unverified_body(shape: CodeShape) -> SplitBody:
         internal_checkpoint=checkpoint,
         wide_block_exemption="max_prefill_tokens" in shape.names,
         extra_parameter=extra[0] if extra else None,
+        stops_after_mid_block_start=stops_after_mid_block_start(shape),
+        aligns_drafter_tail=aligns_drafter_tail(shape),
     )
 
 

@@ -42,6 +42,13 @@ FACTS = {
         speculative_blocks=2,
         step_budget=8192,
     ),
+    "stays": SchedulerFacts(
+        reserves_checkpoints=True,
+        decides_checkpoints=True,
+        speculative_blocks=2,
+        step_budget=8192,
+        skips_scratch_move=True,
+    ),
     "off-grid": SchedulerFacts(
         reserves_checkpoints=True,
         decides_checkpoints=True,
@@ -52,8 +59,9 @@ FACTS = {
 }
 """Scheduler facts: checkpoint blocks in every Mamba spec (so the scheduler
 decides internal checkpoints), an EAGLE/MTP drafter's
-scratch blocks, 0.30.0-0.31.0's backend off the manager's hash grid, a step
-budget narrower than B."""
+scratch blocks, with them 0.30.0-0.31.0's manager leaving those blocks in place
+in a checkpointing step ("stays"), 0.30.0-0.31.0's backend off the manager's
+hash grid, a step budget narrower than B."""
 
 LETTERS = {
     "stop_at_boundaries": "b",
@@ -76,8 +84,10 @@ def cell(policy: StopPolicy) -> str:
 def reachable(body: SplitBody, facts: SchedulerFacts) -> bool:
     """Whether a scheduler of this body can have these facts: checkpoint blocks
     from 0.29.0 (a body with internal checkpointing), the backend off the
-    manager's grid only on 0.30.0-0.31.0."""
-    if facts.backend_off_manager_grid:
+    manager's grid and a manager that leaves scratch blocks in place only on
+    0.30.0-0.31.0 (where ``ckpt+draft`` stands for a build with a newer
+    manager)."""
+    if facts.backend_off_manager_grid or facts.skips_scratch_move:
         return body.checkpoint_grid is CheckpointGrid.PREFIX_MATCH_UNIT
     if facts.reserves_checkpoints:
         return body.internal_checkpoint is not InternalCheckpoint.NONE
@@ -131,13 +141,15 @@ EXPECTED = [
     "0.30.0        plain     |bawc  bawc  bawc |bawc  bw    bw   |a     -     -",
     "0.30.0        ckpt      |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
     "0.30.0        draft     |bawc  bawc  bawc |bawc  bw    bw   |a     -     -",
-    "0.30.0        ckpt+draft|baswc baswc baswc|baswc bsw   bsw  |amsw  msw   msw",
+    "0.30.0        ckpt+draft|bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "0.30.0        stays     |baswc baswc baswc|baswc bsw   bsw  |amsw  msw   msw",
     "0.30.0        off-grid  |bawc  bawc  bawc |bawc  bawc  bawc |amw   amw   amw",
     "0.30.0        narrow    |baw   baw   baw  |baw   bw    bw   |a     -     -",
     "0.31.0        plain     |bawc  bawc  bawc |bawc  bw    bw   |a     -     -",
     "0.31.0        ckpt      |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
     "0.31.0        draft     |bawc  bawc  bawc |bawc  bw    bw   |a     -     -",
-    "0.31.0        ckpt+draft|baswc baswc baswc|baswc bsw   bsw  |amsw  msw   msw",
+    "0.31.0        ckpt+draft|bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "0.31.0        stays     |baswc baswc baswc|baswc bsw   bsw  |amsw  msw   msw",
     "0.31.0        off-grid  |bawc  bawc  bawc |bawc  bawc  bawc |amw   amw   amw",
     "0.31.0        narrow    |baw   baw   baw  |baw   bw    bw   |a     -     -",
     "0.32.0        plain     |bawc  bawc  bawc |bawc  bw    bw   |a     -     -",

@@ -20,6 +20,9 @@ The inference rules, one per field of the entry:
 - ``wide_block_exemption``: the body computes ``max_prefill_tokens`` (vLLM's
   "block too wide for one chunk" rule);
 - ``extra_parameter``: a parameter after the five every release has;
+- ``stops_after_mid_block_start``: the body names ``next_block_boundary``;
+- ``aligns_drafter_tail``: the ``if`` that floors a chunk end to the grid
+  compares it with ``prefill_end`` (not ``last_cache_position``);
 - ``checkpoint_grid`` (``OBSERVED`` bodies): which cache-config field the GPU
   backend's checkpoint code reads its grid from (``cache_hit_alignment_tokens``:
   :attr:`CheckpointGrid.CACHE_HIT_ALIGNMENT`; ``prefix_match_unit``:
@@ -42,6 +45,10 @@ from pathlib import Path
 from packaging.version import InvalidVersion, Version
 
 from .. import releases
+from ..checkpoints import (
+    RELOCATE_SCRATCH,
+    skips_scratch_move_in_checkpoint_steps,
+)
 from ..fingerprint import SPLIT_PARAMETERS, CodeShape, analyse_source, fingerprint_node
 from ..releases import (
     BODIES,
@@ -317,6 +324,9 @@ class Draft:
     """Field name -> what in the code decided it."""
     open_questions: tuple[str, ...]
     """What the code could not decide; the maintainer must."""
+    manager_facts: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Facts of the Mamba manager the plugin reads from it at scheduler start
+    (no table field): name -> its value and what in the code decided it."""
 
 
 def split_shape(code: ReleaseCode) -> CodeShape | None:
@@ -399,6 +409,15 @@ def draft_entry(code: ReleaseCode, release: str | None = None) -> Draft:
             if body.extra_parameter
             else "the five usual parameters"
         ),
+        "stops_after_mid_block_start": (
+            "names next_block_boundary (the stop after an off-grid start)"
+            if body.stops_after_mid_block_start
+            else "no next_block_boundary in the body"
+        ),
+        "aligns_drafter_tail": (
+            "the grid floor's guard compares with "
+            + (", ".join(sorted(shape.floor_guard_bounds)) or "nothing")
+        ),
     }
     open_questions: list[str] = []
     if not shape.structurally_compatible:
@@ -414,8 +433,19 @@ def draft_entry(code: ReleaseCode, release: str | None = None) -> Draft:
         evidence["checkpoint_grid"] = why
         if grid is None:
             open_questions.append(f"checkpoint_grid: {why}")
+    manager_facts = {}
+    allocation = code.definition(SITES[1])
+    if allocation is not None:
+        skips = skips_scratch_move_in_checkpoint_steps(ast.unparse(allocation))
+        manager_facts["skips_scratch_move"] = (
+            f"{skips}: {RELOCATE_SCRATCH} "
+            + ("runs only under 'not checkpoint_block'" if skips else "is not")
+            + " in MambaManager.allocate_new_blocks"
+        )
     drafted = dataclasses.replace(body, releases=(version,), checkpoint_grid=grid)
-    return Draft(version, shape, drafted, evidence, tuple(open_questions))
+    return Draft(
+        version, shape, drafted, evidence, tuple(open_questions), manager_facts
+    )
 
 
 def render_entry(body: SplitBody) -> str:
@@ -427,6 +457,8 @@ def render_entry(body: SplitBody) -> str:
         "wide_block_exemption": False,
         "extra_parameter": None,
         "checkpoint_grid": None,
+        "stops_after_mid_block_start": True,
+        "aligns_drafter_tail": True,
     }
     for name, default in defaults.items():
         value = getattr(body, name)

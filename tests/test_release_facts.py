@@ -1,0 +1,51 @@
+"""Every fact the release table states about a split body is what the installed
+code gives.
+
+A table row is found by the fingerprint of vLLM's split, so the row's facts must
+be those its code shows, whichever releases share it: adding a release to a row
+(0.27.0 to 0.27.1's) must change nothing. The code is read from vLLM's file on
+disk, not through the imported class, which a plugin may have patched.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from helpers import installed_body
+
+from vllm_mamba_align import releases
+from vllm_mamba_align.fingerprint import CodeShape, analyse_source, method_in_file
+
+
+def _installed_split_shape() -> CodeShape:
+    import vllm.v1.core.sched.scheduler as module
+
+    node = method_in_file(module.__file__, "Scheduler", "_mamba_block_aligned_split")
+    assert node is not None, "vLLM's scheduler has no split"
+    return analyse_source(ast.unparse(node))
+
+
+def test_the_table_row_states_the_split_facts_of_the_installed_code() -> None:
+    shape = _installed_split_shape()
+    body = installed_body()
+    assert shape.fingerprint == body.fingerprint
+    assert body.stops_after_mid_block_start == releases.stops_after_mid_block_start(
+        shape
+    )
+    assert body.aligns_drafter_tail == releases.aligns_drafter_tail(shape)
+
+
+def test_code_read_as_unverified_gets_the_rows_facts() -> None:
+    """The opt-in for unverified code reads the same facts from the same code."""
+    shape = _installed_split_shape()
+    body = installed_body()
+    drafted = releases.unverified_body(shape)
+    for name in (
+        "prefill",
+        "internal_checkpoint",
+        "wide_block_exemption",
+        "extra_parameter",
+        "stops_after_mid_block_start",
+        "aligns_drafter_tail",
+    ):
+        assert getattr(drafted, name) == getattr(body, name), name

@@ -1,0 +1,100 @@
+"""Facts the plugin reads from vLLM's code rather than from a version number,
+on code written here in the shapes vLLM's releases have."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from vllm_mamba_align.checkpoints import skips_scratch_move_in_checkpoint_steps
+from vllm_mamba_align.fingerprint import analyse_source
+from vllm_mamba_align.releases import (
+    aligns_drafter_tail,
+    stops_after_mid_block_start,
+    unverified_body,
+)
+
+SPLIT = """
+def _mamba_block_aligned_split(
+    self, request, num_new_tokens, num_new_local_computed_tokens,
+    num_external_computed_tokens,
+):
+    block_size = self.cache_config.block_size
+    start = request.num_computed_tokens
+    prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+    last_cache_position = prefill_end - prefill_end % block_size
+    end = start + num_new_tokens
+    {mid_block}
+    if {guard}:
+        num_new_tokens = end // block_size * block_size - start
+    return num_new_tokens
+"""
+MID_BLOCK_STOP = """if start % block_size != 0:
+        next_block_boundary = (start // block_size + 1) * block_size
+        end = min(end, next_block_boundary)"""
+
+
+@pytest.mark.parametrize(
+    ("guard", "aligns"),
+    [
+        ("end < prefill_end", True),  # 0.27.1+
+        ("end < prefill_end and not use_internal_checkpoint", True),  # 0.29.0
+        ("end < last_cache_position", False),  # 0.26.0
+        ("num_computed_tokens_after_sched < last_cache_position", False),  # ..0.25.1
+    ],
+)
+@pytest.mark.parametrize("mid_block", [True, False])
+def test_split_facts_come_from_the_body(
+    guard: str, aligns: bool, mid_block: bool
+) -> None:
+    source = SPLIT.format(guard=guard, mid_block=MID_BLOCK_STOP if mid_block else "")
+    shape = analyse_source(source)
+    assert aligns_drafter_tail(shape) is aligns
+    assert stops_after_mid_block_start(shape) is mid_block
+    body = unverified_body(shape)
+    assert body.aligns_drafter_tail is aligns
+    assert body.stops_after_mid_block_start is mid_block
+
+
+def test_a_comparison_with_prefill_end_elsewhere_is_not_the_floor_guard() -> None:
+    clamp = "    if end < prefill_end:\n        end = prefill_end\n"
+    source = SPLIT.format(guard="end < last_cache_position", mid_block="").replace(
+        "    return num_new_tokens", clamp + "    return num_new_tokens"
+    )
+    assert not aligns_drafter_tail(analyse_source(source))
+
+
+MANAGER = """
+class MambaManager:
+    def allocate_new_blocks(self, request_id, num_tokens):
+        checkpoint_block = int(request_id in self._checkpoints)
+        if num_required_blocks <= len(req_blocks) and not checkpoint_block:
+            return []
+        else:
+            {move}
+        return new_blocks
+"""
+SKIPPING = """if blocks_allocated and not checkpoint_block:
+                for block_idx in range(first, last):
+                    if block_idx < num_skipped_blocks:
+                        self._relocate_speculative_block(req_blocks, block_idx)"""
+MOVING = """if blocks_allocated:
+                for block_idx in range(first, last):
+                    if block_idx < num_skipped_blocks - checkpoint_block:
+                        self._relocate_speculative_block(req_blocks, block_idx)"""
+
+
+@pytest.mark.parametrize(
+    ("move", "skips"),
+    [
+        (SKIPPING, True),  # 0.30.0, 0.31.0
+        (MOVING, False),  # 0.32.0+ (the early return's "not" guards the else)
+        ("pass", False),  # before 0.29.0: no scratch move at all
+    ],
+)
+def test_the_scratch_move_fact_comes_from_the_manager(move: str, skips: bool) -> None:
+    source = MANAGER.format(move=move)
+    assert skips_scratch_move_in_checkpoint_steps(source) is skips
+    indented = textwrap.indent(source, "    ")
+    assert skips_scratch_move_in_checkpoint_steps(indented) is skips
