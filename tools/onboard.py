@@ -770,14 +770,14 @@ def onboard(args: argparse.Namespace) -> Report:
     open_questions = list(draft.open_questions)
     if known is not None:
         # The same fingerprint is the same code: every fact the entry states
-        # must be what this release's code gives.
+        # must be what this release's code gives. checkpoint_grid is left out:
+        # where the draft cannot read it, its open question says so already.
         open_questions += [
             f"{difference} (the code of {release} against body {known.name})"
             for difference in drafting.entry_differences(
                 dataclasses.replace(draft.body, checkpoint_grid=known.checkpoint_grid),
                 known,
             )
-            if not difference.startswith("fingerprint")
         ]
     questions = "".join(f"\n- OPEN: {q}" for q in open_questions)
     report.add("Facts read from the code", f"{evidence}{manager}{questions}")
