@@ -10,6 +10,7 @@ segment interval R > 0. Then the modes are held to what they promise there.
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 
 import pytest
@@ -196,16 +197,51 @@ def test_stock_publishes_wrong_states_at_vllm_default() -> None:
 NOT_APPLIED = object()
 
 
+def _applied_to_mamba_states(sim: Simulation) -> object:
+    """The retention value vLLM's own Mamba manager applies in ``sim``:
+    the coordinator's, where that manager's mask acts on a sparse value (asked
+    of the manager itself, with retention 0 over four blocks); NOT_APPLIED
+    where it keeps every state whatever is set (0.23.0: only sliding-window
+    groups read it) or there is no setting at all."""
+    coordinator = sim.scheduler.kv_cache_manager.coordinator
+    if not hasattr(coordinator, "retention_interval"):
+        return NOT_APPLIED
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    (manager,) = [
+        m
+        for m in coordinator.single_type_managers
+        if isinstance(m.kv_cache_spec, MambaSpec)
+    ]
+    arguments = {
+        "start_block": 0,
+        "end_block": 4,
+        "alignment_tokens": manager.block_size,
+        "kv_cache_spec": manager.kv_cache_spec,
+        "use_eagle": False,
+        "retention_interval": 0,
+    }
+    accepted = inspect.signature(manager.reachable_block_mask).parameters
+    mask = manager.reachable_block_mask(
+        **{name: value for name, value in arguments.items() if name in accepted}
+    )
+    if mask is None:
+        return NOT_APPLIED
+    return coordinator.retention_interval
+
+
 @pytest.mark.parametrize("variable", [None, "0"], ids=["unset", "variable-0"])
 def test_doctor_reports_the_retention_vllms_coordinator_applies(
     variable: str | None,
 ) -> None:
     """``doctor``'s retention is read from the installed code, never from the
     version number (0.27.0 ships 0.27.1's coordinator under an older number): it
-    must name the value the real coordinator applies to Mamba states, with
-    vLLM's retention variable unset and set to 0 (0.27.x read it; 0.23.0-0.26.0
-    refuse it for a model without a sliding window; 0.29.0+ take the setting
-    from the cache config and ignore it)."""
+    must name the value vLLM's own Mamba manager applies, with vLLM's retention
+    variable unset and set to 0 (0.24.0-0.28.0 read it for Mamba states; 0.23.0
+    reads it for sliding-window groups only and refuses it for a model without
+    one; 0.29.0+ take the setting from the cache config and ignore it). The
+    scheduler's own retention, which ``kept`` and the audit decide by, must
+    agree."""
     with environment_variable(RETENTION_VARIABLE, variable):
         has_setting, interval, where = installed_setting()
         try:
@@ -213,10 +249,12 @@ def test_doctor_reports_the_retention_vllms_coordinator_applies(
         except Exception as error:
             assert variable is not None and not has_setting, (error, where)
             return
-    coordinator = sim.scheduler.kv_cache_manager.coordinator
-    applied = getattr(coordinator, "retention_interval", NOT_APPLIED)
+    applied = _applied_to_mamba_states(sim)
+    served = read_retention(sim.scheduler, B_UPSTREAM)
     if applied is NOT_APPLIED:
         assert not has_setting, where
+        assert served.interval is None, served.source
     else:
-        assert has_setting, "vLLM's coordinator applies a retention setting"
+        assert has_setting, "vLLM's Mamba manager applies a retention setting"
         assert interval == applied, where
+        assert served.interval == applied, served.source

@@ -209,16 +209,26 @@ def skips_scratch_move_in_checkpoint_steps(manager_source: str) -> bool:
     )
 
 
-@functools.lru_cache(maxsize=1)
-def installed_manager_skips_scratch_move() -> bool:
-    """:func:`skips_scratch_move_in_checkpoint_steps` for the installed vLLM's
-    ``MambaManager`` (once per process). Code that cannot be read counts as
-    skipping: the fix then keeps its guard (``StopPolicy.guard_scratch``)."""
+@functools.lru_cache(maxsize=8)
+def installed_manager_skips_scratch_move(manager_class: type | None = None) -> bool:
+    """:func:`skips_scratch_move_in_checkpoint_steps` for the Mamba manager class
+    a scheduler runs (None: the installed vLLM's ``MambaManager``), once per
+    class. The code read is the ``allocate_new_blocks`` that class resolves to,
+    so a platform's subclass that overrides it is read as written. Code that
+    cannot be read, or a method wrapped by someone else (``__wrapped__``, whose
+    source is not the code that runs), counts as skipping: the fix then keeps
+    its guard (``StopPolicy.guard_scratch``)."""
     try:
-        from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+        if manager_class is None:
+            from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 
-        return skips_scratch_move_in_checkpoint_steps(inspect.getsource(MambaManager))
-    except (ImportError, OSError, TypeError, SyntaxError):
+            manager_class = MambaManager
+        allocate = inspect.getattr_static(manager_class, "allocate_new_blocks")
+        if hasattr(allocate, "__wrapped__"):
+            return True
+        source = inspect.getsource(allocate)
+        return skips_scratch_move_in_checkpoint_steps(source)
+    except (ImportError, AttributeError, OSError, TypeError, SyntaxError):
         return True
 
 

@@ -25,7 +25,7 @@ from .checkpoints import (
 )
 from .protocols import Scheduler
 from .releases import PrefillRule, SplitBody
-from .retention import Retention
+from .retention import Retention, mamba_manager
 from .settings import Mode
 
 FIXING_MODES = (Mode.FULL, Mode.KEPT, Mode.GRID)
@@ -69,8 +69,8 @@ class SchedulerFacts:
     step_budget: int = 1 << 30
     """:func:`step_budget`."""
     skips_scratch_move: bool = False
-    """The installed Mamba manager leaves speculative scratch blocks in place in
-    a step it checkpoints internally, read from its code
+    """The scheduler's Mamba manager leaves speculative scratch blocks in place in
+    a step it checkpoints internally, read from its class's code
     (:func:`checkpoints.installed_manager_skips_scratch_move`)."""
     decides_checkpoints: bool = False
     """The scheduler's own ``mamba_has_prefill_checkpoint_blocks``: without it
@@ -88,8 +88,17 @@ class SchedulerFacts:
             speculative_blocks=speculative_blocks(scheduler),
             backend_off_manager_grid=backend_off_manager_grid(scheduler, body, grid),
             step_budget=step_budget(scheduler)[0],
-            skips_scratch_move=installed_manager_skips_scratch_move(),
+            skips_scratch_move=installed_manager_skips_scratch_move(
+                _mamba_manager_class(scheduler)
+            ),
         )
+
+
+def _mamba_manager_class(scheduler: Scheduler) -> type | None:
+    """The class of the Mamba manager this scheduler runs (a platform's subclass
+    included); None where it has none."""
+    manager = mamba_manager(scheduler.kv_cache_manager.coordinator)
+    return None if manager is None else type(manager)
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ class Coordinator(Protocol):
 
     @property
     def retention_interval(self) -> int | None:
-        """The state retention the Mamba manager applies (0.27.1+)."""
+        """The retention setting (0.23.0+; the Mamba manager applies it from 0.24.0)."""
 
     @property
     def single_type_managers(self) -> Sequence[Any]:

@@ -511,13 +511,13 @@ def retention_in_kv_config() -> bool:
 MAMBA_RETENTION_CODE = "MambaManager.reachable_block_mask"
 """The code that makes vLLM's retention setting reach Mamba states: the Mamba
 manager's own mask of which blocks to publish (vllm/v1/core/
-single_type_kv_cache_manager.py, 0.27.0 onwards; 0.27.0's ``vllm/v1/core`` is
-0.27.1's). 0.23.0-0.26.0 already read ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``,
-for sliding-window groups only: their Mamba manager has no mask, vLLM refuses the
-variable for a model without a sliding window (e.g. a GDN hybrid), and every
-Mamba state is kept (kv_cache_coordinator.py:46 in 0.23.0). Read from the
-installed class, never from the version: a dev or vendor build says nothing
-reliable by its number."""
+single_type_kv_cache_manager.py, 0.24.0 onwards: the replay boundary and the
+segments; 0.26.0 adds shared-prefix junctions). 0.23.0 already reads
+``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``, for sliding-window groups only: its
+Mamba manager inherits the generic mask (every block kept), and vLLM refuses the
+variable for a model without a sliding window (kv_cache_coordinator.py:46 in
+0.23.0). Read from the class the scheduler runs, never from the version: a dev
+or vendor build says nothing reliable by its number."""
 
 
 DRAFTERS_BUILD_SINCE = Version("0.27.1")
@@ -528,22 +528,23 @@ it)."""
 
 
 def retention_variable_reaches_mamba() -> bool:
-    """Whether the installed vLLM's retention environment variable (0.27.0,
-    0.27.1, 0.28.0; still read later) decides which Mamba states are kept: the
-    variable is vLLM's and its Mamba manager masks what it publishes
-    (:data:`MAMBA_RETENTION_CODE`)."""
+    """Whether the installed vLLM's retention environment variable (0.24.0 to
+    0.28.0; still read later) decides which Mamba states are kept: the variable
+    is vLLM's and its Mamba manager masks what it publishes
+    (:func:`retention.masks_by_retention`; 0.23.0 reads it for sliding-window
+    groups only)."""
     import vllm.envs
     from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 
-    from .retention import RETENTION_VARIABLE
+    from .retention import RETENTION_VARIABLE, masks_by_retention
 
     if RETENTION_VARIABLE not in getattr(vllm.envs, "environment_variables", {}):
         return False
-    return "reachable_block_mask" in vars(MambaManager)
+    return masks_by_retention(MambaManager)
 
 
 def supports_retention_setting() -> bool:
-    """Whether this vLLM has a state retention setting for Mamba states (0.27.1+:
+    """Whether this vLLM has a state retention setting for Mamba states (0.24.0+:
     an environment variable until 0.28.0, the cache config from 0.29.0)."""
     return retention_in_kv_config() or retention_variable_reaches_mamba()
 

@@ -5,11 +5,11 @@ A chunk that ends on a B boundary writes that boundary's state, but vLLM publish
 when the request moves on. So a stop at a boundary pays a prefill step, and buys
 a reusable state only when the boundary is kept. vLLM's rule, per release:
 
-- before 0.27.0: no setting reaches Mamba states, every boundary is kept (dense;
-  0.23.0-0.26.0 read the variable below for sliding-window groups only);
-- 0.27.0-0.28.0: ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` (default dense), read
+- before 0.24.0: no setting reaches Mamba states, every boundary is kept (dense;
+  0.23.0 reads the variable below for sliding-window groups only);
+- 0.24.0-0.28.0: ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` (default dense), read
   when the KV-cache coordinator is built; reachable positions are floored to the
-  scheduler block;
+  scheduler block; shared-prefix junctions are kept from 0.26.0;
 - 0.29.0+: ``--prefix-cache-retention-interval``
   (``CacheConfig.prefix_cache_retention_interval``), **default 0** (0.29.0 only:
   dense for a hybrid model with an EAGLE drafter); the engine copies it into the
@@ -18,7 +18,9 @@ a reusable state only when the boundary is kept. vLLM's rule, per release:
   keeps the block below an EAGLE junction.
 
 The mask rule itself (``MambaManager.reachable_block_mask``) is the same in every
-release that has one (0.27.0-0.33.0; 0.27.0's ``vllm/v1/core`` is 0.27.1's).
+release whose Mamba manager has one (0.24.0-0.33.0), but for the junction; which
+releases those are is read from the code (:func:`masks_by_retention`), never from
+the version number.
 
 ``None`` keeps every boundary; ``0`` keeps only the *reachable* boundaries: the
 prompt's replay boundary (where a re-ask or a longer sibling resumes) and a
@@ -44,7 +46,7 @@ from typing import Any
 from .protocols import Request, Scheduler
 
 RETENTION_VARIABLE = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
-"""Where 0.27.0-0.28.0 read the setting (later releases: the cache config)."""
+"""Where 0.24.0-0.28.0 read the setting (later releases: the cache config)."""
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,9 @@ class Retention:
         )
 
 
-def _mamba_manager(coordinator: Any) -> Any:
+def mamba_manager(coordinator: Any) -> Any:
+    """The KV-cache coordinator's Mamba manager (None: no Mamba group): the
+    object whose class decides what vLLM keeps, a platform's subclass included."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
     for manager in getattr(coordinator, "single_type_managers", ()):
@@ -167,13 +171,28 @@ def _mamba_manager(coordinator: Any) -> Any:
     return None
 
 
+def masks_by_retention(manager_class: type) -> bool:
+    """Whether a Mamba manager class masks what it publishes by the retention
+    setting: some class of its own, not vLLM's generic manager, defines
+    ``reachable_block_mask`` (0.24.0+). 0.23.0's coordinator already holds a
+    ``retention_interval``, but only its sliding-window manager reads it: its
+    Mamba manager inherits the generic mask, which keeps every block."""
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+    owner = next(
+        (c for c in manager_class.__mro__ if "reachable_block_mask" in vars(c)), None
+    )
+    return owner is not None and owner is not SingleTypeKVCacheManager
+
+
 def read_retention(scheduler: Scheduler, state_block: int) -> Retention:
     """The retention this scheduler's KV-cache manager applies, read where it
-    reads it: the coordinator's ``retention_interval`` (0.27.0+), the Mamba
-    manager's hit alignment (0.29.0+; the scheduler block before), vLLM's own
-    replay-boundary function (0.30.0+)."""
+    reads it: the coordinator's ``retention_interval`` where the scheduler's
+    Mamba manager masks by it (0.24.0+), the Mamba manager's hit alignment
+    (0.29.0+; the scheduler block before), vLLM's own replay-boundary function
+    (0.30.0+)."""
     coordinator = scheduler.kv_cache_manager.coordinator
-    manager = _mamba_manager(coordinator)
+    manager = mamba_manager(coordinator)
     scheduler_block = int(
         getattr(coordinator, "scheduler_block_size", 0)
         or getattr(scheduler, "block_size", 0)
@@ -182,8 +201,12 @@ def read_retention(scheduler: Scheduler, state_block: int) -> Retention:
     alignment = int(
         getattr(manager, "cache_hit_alignment_tokens", 0) or scheduler_block
     )
-    if not hasattr(coordinator, "retention_interval"):  # before 0.27.0
+    if not hasattr(coordinator, "retention_interval"):  # before 0.23.0
         return Retention(None, state_block, alignment, "no retention setting")
+    if manager is None or not masks_by_retention(type(manager)):  # 0.23.0
+        return Retention(
+            None, state_block, alignment, "no retention setting for Mamba states"
+        )
     interval = coordinator.retention_interval
     eagle = bool(
         getattr(coordinator, "drop_eagle_group_ids", None)
@@ -222,7 +245,7 @@ def _replay_rule(
 def _source(interval: int | None) -> str:
     """Where a scheduler's retention value comes from, for messages."""
     default = _default_interval()
-    if default is _NO_FIELD:  # 0.27.0-0.28.0
+    if default is _NO_FIELD:  # 0.24.0-0.28.0
         raw = os.environ.get(RETENTION_VARIABLE)
         return (
             f"{RETENTION_VARIABLE}={raw}"

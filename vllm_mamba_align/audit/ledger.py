@@ -18,6 +18,21 @@ from ..releases import PrefillRule, in_prefill
 from .counting import Counts
 
 
+def computes_known_tokens(request: Request, start: int) -> bool:
+    """Whether a chunk from ``start`` computes tokens the request already has,
+    other than its last one: a prompt, or output replayed after preemption.
+
+    Under async scheduling a request's first decode is scheduled before its
+    first output token comes back, so ``num_output_tokens`` is still 0 and the
+    0.15.1-0.16.0 bodies (:attr:`PrefillRule.NO_OUTPUT_YET`) call it prefill.
+    It computes a token no one knows yet; a boundary it ends on is no prompt
+    state, and it is no prefill chunk of the audit's (found by the release
+    matrix: a 7-token prompt, B = 8, the first decode ``[7, 8)`` counted as a
+    non-canonical kept state). Every later body's rule implies this one.
+    """
+    return start < max(request.num_prompt_tokens, request.num_tokens - 1)
+
+
 class StepLedger:
     """One scheduler's proposed chunks of the current step, matched against
     the step's output."""
@@ -71,14 +86,16 @@ class StepLedger:
         whether prefill goes on after it.
 
         Both judged by the installed body's rule (:func:`releases.in_prefill`),
-        the same predicate the split observer and the fix use. Between the split
+        the same predicate the split observer and the fix use, for a chunk
+        that computes tokens the request already has
+        (:func:`computes_known_tokens`). Between the split
         call and this look at the step's output vLLM changes only
         ``num_computed_tokens``, so the judgement at ``start`` is the body's own.
         """
         end = request.num_computed_tokens  # vLLM advanced it by the scheduled count
         start = end - count
         rule = self.prefill_rule
-        if in_prefill(rule, request, start):
+        if in_prefill(rule, request, start) and computes_known_tokens(request, start):
             self.counts.count_chunk(request, start, end)
             if in_prefill(rule, request, end):
                 self.prefilling[request.request_id] = request
