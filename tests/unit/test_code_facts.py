@@ -3,11 +3,16 @@ on code written here in the shapes vLLM's releases have."""
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
 import textwrap
 
 import pytest
 
-from vllm_mamba_align.checkpoints import skips_scratch_move_in_checkpoint_steps
+from vllm_mamba_align.checkpoints import (
+    installed_manager_skips_scratch_move,
+    skips_scratch_move_in_checkpoint_steps,
+)
 from vllm_mamba_align.fingerprint import analyse_source
 from vllm_mamba_align.releases import (
     aligns_drafter_tail,
@@ -98,3 +103,49 @@ def test_the_scratch_move_fact_comes_from_the_manager(move: str, skips: bool) ->
     assert skips_scratch_move_in_checkpoint_steps(source) is skips
     indented = textwrap.indent(source, "    ")
     assert skips_scratch_move_in_checkpoint_steps(indented) is skips
+
+
+PLATFORM = """
+import functools
+
+
+class PlatformManager(MambaManager):
+    '''A platform's subclass whose own allocate_new_blocks runs.'''
+
+    def allocate_new_blocks(self, request_id, num_tokens):
+        checkpoint_block = int(request_id in self._checkpoints)
+        if blocks_allocated and not checkpoint_block:
+            self._relocate_speculative_block(req_blocks, 0)
+        return new_blocks
+
+
+class InheritingManager(MambaManager):
+    '''A subclass that runs vLLM's allocate_new_blocks as it is.'''
+
+
+class WrappingManager(MambaManager):
+    '''A subclass whose allocate_new_blocks wraps vLLM's: the source
+    inspect finds (through __wrapped__) is not the code that runs.'''
+
+    @functools.wraps(MambaManager.allocate_new_blocks)
+    def allocate_new_blocks(self, *args, **kwargs):
+        return MambaManager.allocate_new_blocks(self, *args, **kwargs)
+"""
+
+
+def test_the_scratch_move_fact_is_read_from_the_class_the_scheduler_runs(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A platform's Mamba manager is read as its own code, not as vLLM's."""
+    source = MANAGER.format(move=MOVING) + PLATFORM
+    (tmp_path / "platform_manager.py").write_text(source)
+    spec = importlib.util.spec_from_file_location(
+        "platform_manager", tmp_path / "platform_manager.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert installed_manager_skips_scratch_move(module.MambaManager) is False
+    assert installed_manager_skips_scratch_move(module.InheritingManager) is False
+    assert installed_manager_skips_scratch_move(module.PlatformManager) is True
+    assert installed_manager_skips_scratch_move(module.WrappingManager) is True
