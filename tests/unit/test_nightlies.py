@@ -11,6 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from helpers import load_onboard_tool
 
 from vllm_mamba_align import releases
 from vllm_mamba_align.fingerprint import fingerprint_source
@@ -190,3 +191,16 @@ def test_a_downloaded_wheel_is_reused(
     assert nightlies.fetch(tmp_path, "0.1.dev1") == linux  # preferred platform
     monkeypatch.setattr(nightlies, "registry_versions", lambda: ["0.1.dev1"])
     assert nightlies.registry_wheels(tmp_path) == ([linux], 0, 0)
+
+
+def test_onboarding_finds_a_nightly_wheel_by_its_version(tmp_path: Path) -> None:
+    """``tools/onboard.py 0.29.1.dev202609171111 --wheels DIR`` drafts from the
+    nightly build's wheel; a release version still wants vLLM's own."""
+    onboard = load_onboard_tool()
+    wheel = write_wheel(tmp_path, "0.29.1.dev202609171111")
+    found = onboard.find_wheel("0.29.1.dev202609171111", [tmp_path], tmp_path, True)
+    assert found == wheel
+    assert onboard.is_nightly("0.29.1.dev202609171111")
+    assert not onboard.is_nightly("0.29.0")
+    with pytest.raises(onboard.OnboardError, match="--offline"):
+        onboard.find_wheel("0.29.1", [tmp_path], tmp_path, True)
