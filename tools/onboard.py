@@ -789,7 +789,7 @@ def onboard(args: argparse.Namespace) -> Report:
     if not seed.known:
         verdict += f"\n\nWorker seed: unknown code. {seed.detail}."
         report.fail("worker seed code is in no SEED_BODIES (see Worker seed)")
-    else:
+    elif not is_nightly(release):  # the seed ranges name releases only
         drafted_text = extend_seed_ranges(drafted_text, seed, release)
     report.add("Verdict", verdict)
 
