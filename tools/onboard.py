@@ -766,7 +766,14 @@ def onboard(args: argparse.Namespace) -> Report:
                 else f": no other release shares its body ({fingerprint})."
             ),
         )
-    if known is not None:
+    if known is not None and is_nightly(release):
+        drafted_text, entry_body = original, known  # the table lists releases
+        verdict = (
+            f"Known split body {known.name} (fingerprint {fingerprint}): the "
+            f"nightly build {release} carries that release's code; nothing joins "
+            "the table."
+        )
+    elif known is not None:
         drafted_text = add_release_to_body(original, fingerprint, release)
         verdict = (
             f"Known split body {known.name} (fingerprint {fingerprint}): vLLM "
