@@ -52,6 +52,10 @@ class CodeShape:
     """The names compared against in every ``if`` whose body floors a position
     to the grid (``x // block_size * block_size``): ``last_cache_position``
     before 0.27.1, ``prefill_end`` from 0.27.1 (:func:`floor_guard_bounds`)."""
+    stops_at_next_boundary: bool = False
+    """Whether the function computes the grid boundary after a position it
+    tests to be off the grid (:func:`stops_at_next_boundary`): vLLM's stop of a
+    chunk that starts mid-block (0.26.0+)."""
 
     @property
     def structurally_compatible(self) -> bool:
@@ -189,6 +193,77 @@ def _floors_to_grid(node: ast.AST) -> bool:
     )
 
 
+def _is_block_size(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id == "block_size"
+
+
+def _next_boundary_positions(node: ast.AST) -> set[str]:
+    """The names ``x`` of every ``(x // block_size + 1) * block_size`` in ``node``:
+    the grid boundary after position ``x``."""
+    found: set[str] = set()
+    for child in ast.walk(node):
+        if not (
+            isinstance(child, ast.BinOp)
+            and isinstance(child.op, ast.Mult)
+            and _is_block_size(child.right)
+        ):
+            continue
+        added = child.left
+        if not (
+            isinstance(added, ast.BinOp)
+            and isinstance(added.op, ast.Add)
+            and isinstance(added.right, ast.Constant)
+            and added.right.value == 1
+        ):
+            continue
+        floored = added.left
+        if (
+            isinstance(floored, ast.BinOp)
+            and isinstance(floored.op, ast.FloorDiv)
+            and _is_block_size(floored.right)
+            and isinstance(floored.left, ast.Name)
+        ):
+            found.add(floored.left.id)
+    return found
+
+
+def _off_grid_positions(node: ast.AST) -> set[str]:
+    """The names ``x`` that ``node`` tests to be off the grid:
+    ``x % block_size != 0`` (or ``0 != x % block_size``)."""
+    found: set[str] = set()
+    for child in ast.walk(node):
+        if not (
+            isinstance(child, ast.Compare)
+            and len(child.ops) == 1
+            and isinstance(child.ops[0], ast.NotEq)
+        ):
+            continue
+        for side, other in (
+            (child.left, child.comparators[0]),
+            (child.comparators[0], child.left),
+        ):
+            if (
+                isinstance(other, ast.Constant)
+                and other.value == 0
+                and isinstance(side, ast.BinOp)
+                and isinstance(side.op, ast.Mod)
+                and _is_block_size(side.right)
+                and isinstance(side.left, ast.Name)
+            ):
+                found.add(side.left.id)
+    return found
+
+
+def stops_at_next_boundary(node: ast.AST) -> bool:
+    """Whether the split stops a chunk that starts off the grid at the next
+    boundary: it computes ``(x // block_size + 1) * block_size`` for a position
+    ``x`` it also tests with ``x % block_size != 0``. Read by shape, whatever
+    the names: 0.26.0+ call it ``next_block_boundary`` after ``start``, a
+    nightly build of vLLM main between 0.25.1 and 0.26.0 ``next_boundary`` after
+    ``num_computed_tokens``."""
+    return bool(_next_boundary_positions(node) & _off_grid_positions(node))
+
+
 def floor_guard_bounds(node: ast.AST) -> frozenset[str]:
     """The names on either side of the comparisons guarding a floor to the grid.
 
@@ -235,6 +310,7 @@ def analyse_source(source: str) -> CodeShape:
         parameters=parameters,
         names=frozenset(names),
         floor_guard_bounds=floor_guard_bounds(node),
+        stops_at_next_boundary=stops_at_next_boundary(node),
     )
 
 

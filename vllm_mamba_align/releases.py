@@ -219,10 +219,11 @@ def body_for(fingerprint: str | None) -> SplitBody | None:
 
 
 def stops_after_mid_block_start(shape: CodeShape) -> bool:
-    """Read from the split's code: the body names ``next_block_boundary``, the
-    stop it puts on a chunk starting off the grid (absent in 0.25.1 and before,
-    present from 0.26.0)."""
-    return "next_block_boundary" in shape.names
+    """Read from the split's code: the body computes the next grid boundary of
+    a start it tests to be off the grid, the stop it puts on a chunk starting
+    mid-block (absent in 0.25.1 and before, present from 0.26.0;
+    :attr:`CodeShape.stops_at_next_boundary`)."""
+    return shape.stops_at_next_boundary
 
 
 def aligns_drafter_tail(shape: CodeShape) -> bool:

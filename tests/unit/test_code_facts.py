@@ -149,3 +149,37 @@ def test_the_scratch_move_fact_is_read_from_the_class_the_scheduler_runs(
     assert installed_manager_skips_scratch_move(module.InheritingManager) is False
     assert installed_manager_skips_scratch_move(module.PlatformManager) is True
     assert installed_manager_skips_scratch_move(module.WrappingManager) is True
+
+
+@pytest.mark.parametrize(
+    ("stop", "stops"),
+    [
+        # 0.26.0+: a tuple of stops, the first for an off-grid start.
+        (
+            "next_block_boundary = (start // block_size + 1) * block_size\n"
+            "    stops = (next_block_boundary if start % block_size != 0 else 0,)",
+            True,
+        ),
+        # A nightly build of vLLM main between 0.25.1 and 0.26.0: other names.
+        (
+            "next_boundary = (num_computed_tokens // block_size + 1) * block_size\n"
+            "    if num_computed_tokens % block_size != 0 and next_boundary < end:\n"
+            "        num_new_tokens = next_boundary - num_computed_tokens",
+            True,
+        ),
+        # The next boundary of one position, the off-grid test of another.
+        (
+            "next_boundary = (end // block_size + 1) * block_size\n"
+            "    if start % block_size != 0:\n"
+            "        num_new_tokens = next_boundary - start",
+            False,
+        ),
+        # The next boundary with no off-grid test: not the mid-block stop.
+        ("next_boundary = (start // block_size + 1) * block_size", False),
+    ],
+)
+def test_the_mid_block_stop_is_read_by_shape_not_by_name(
+    stop: str, stops: bool
+) -> None:
+    source = SPLIT.format(guard="end < prefill_end", mid_block=stop)
+    assert stops_after_mid_block_start(analyse_source(source)) is stops

@@ -20,7 +20,9 @@ The inference rules, one per field of the entry:
 - ``wide_block_exemption``: the body computes ``max_prefill_tokens`` (vLLM's
   "block too wide for one chunk" rule);
 - ``extra_parameter``: a parameter after the five every release has;
-- ``stops_after_mid_block_start``: the body names ``next_block_boundary``;
+- ``stops_after_mid_block_start``: the body computes the next grid boundary,
+  ``(x // block_size + 1) * block_size``, of a position ``x`` it tests with
+  ``x % block_size != 0``, whatever the names;
 - ``aligns_drafter_tail``: the ``if`` that floors a chunk end to the grid
   compares it with ``prefill_end`` (not ``last_cache_position``);
 - ``checkpoint_grid`` (``OBSERVED`` bodies): which cache-config field the GPU
@@ -410,9 +412,10 @@ def draft_entry(code: ReleaseCode, release: str | None = None) -> Draft:
             else "the five usual parameters"
         ),
         "stops_after_mid_block_start": (
-            "names next_block_boundary (the stop after an off-grid start)"
+            "computes the next grid boundary of a start it tests to be off "
+            "the grid, (x // block_size + 1) * block_size"
             if body.stops_after_mid_block_start
-            else "no next_block_boundary in the body"
+            else "no next grid boundary of an off-grid start in the body"
         ),
         "aligns_drafter_tail": (
             "the grid floor's guard compares with "
