@@ -299,9 +299,42 @@ def remove_release(text: str, release: str) -> str:
     return text
 
 
-def _extend_range(text: str, old: str, release: str) -> str:
-    """A seed range ``a-b`` (or ``a``) stretched to include ``release``."""
-    first, _, last = old.partition("-")
+def _range_string_node(tree: ast.Module, fingerprint: str) -> ast.Constant | None:
+    """The release-range string paired with ``fingerprint`` in the seed tables:
+    ``SeedCode("a-b", fingerprint, ...)`` or ``GROUP_INFO_BODIES``' entry
+    ``fingerprint: "a-b"``. Found by its fingerprint, so a range that reads
+    like some other string in the file (a one-release range is also a body's
+    releases string) is never the one changed."""
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "SeedCode"
+            and len(node.args) >= 2
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value == fingerprint
+        ):
+            return node.args[0]
+        if isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values, strict=True):
+                if (
+                    isinstance(key, ast.Constant)
+                    and key.value == fingerprint
+                    and isinstance(value, ast.Constant)
+                    and isinstance(value.value, str)
+                ):
+                    return value
+    return None
+
+
+def _extend_range(text: str, fingerprint: str, release: str) -> str:
+    """The seed range ``a-b`` (or ``a``) paired with ``fingerprint`` stretched
+    to include ``release``."""
+    node = _range_string_node(ast.parse(text), fingerprint)
+    if node is None:
+        return text
+    first, _, last = str(node.value).partition("-")
     last = last or first
     releases_in = sorted({first, last, release}, key=Version)
     new = (
@@ -309,17 +342,15 @@ def _extend_range(text: str, old: str, release: str) -> str:
         if releases_in[0] == releases_in[-1]
         else f"{releases_in[0]}-{releases_in[-1]}"
     )
-    return text.replace(f'"{old}"', f'"{new}"', 1)
+    return _replace_constant(text, node, new)
 
 
 def extend_seed_ranges(text: str, seed: drafting.SeedReading, release: str) -> str:
     """releases.py with the seed fingerprints' release ranges covering ``release``."""
-    code = releases.seed_code(seed.add_request)
-    if code is not None:
-        text = _extend_range(text, code.releases, release)
-    ranges = releases.GROUP_INFO_BODIES.get(seed.group_info or "")
-    if ranges is not None:
-        text = _extend_range(text, ranges, release)
+    if seed.add_request is not None and releases.seed_code(seed.add_request):
+        text = _extend_range(text, seed.add_request, release)
+    if seed.group_info in releases.GROUP_INFO_BODIES:
+        text = _extend_range(text, seed.group_info, release)
     return text
 
 

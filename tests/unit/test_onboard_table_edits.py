@@ -111,6 +111,17 @@ def test_seed_ranges_stretch_to_a_new_release() -> None:
     assert '"0.29.0-0.34.0"' in edited  # _get_mamba_group_info's range
 
 
+def test_a_one_release_seed_range_is_found_by_its_fingerprint() -> None:
+    """0.26.0's seed range is the string "0.26.0", which is also its split
+    body's releases string (earlier in the file): only the seed range moves."""
+    single = next(code for code in releases.SEED_BODIES if code.releases == "0.26.0")
+    seed = drafting.SeedReading(single.site, single.fingerprint, None, True, "")
+    edited = onboard.extend_seed_ranges(TABLE, seed, "0.26.1")
+    after = _entries(edited)
+    assert list(after.values()) == list(BODIES)  # the split table is unchanged
+    assert f'SeedCode("0.26.0-0.26.1", "{single.fingerprint}"' in edited
+
+
 def test_the_table_without_a_release() -> None:
     without = drafting.table_without("0.29.0")
     assert all("0.29.0" not in b.releases for b in without)
