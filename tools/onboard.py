@@ -13,8 +13,9 @@
    does not.
 3. Builds the release's CPU environment in ``.nox/onboard-<release>``: torch's
    CPU build, vLLM with ``--no-deps``, then the pure-Python stack of its pinned
-   file, or, for a release without one, of the newest pinned file, adding any
-   module the scheduler's import path misses; writes ``envs/vllm-<release>.txt``
+   file, or, for a release without one, of the newest older release's (the
+   oldest pinned file for a release older than all), adding any module the
+   scheduler's import path misses; writes ``envs/vllm-<release>.txt``
    when it had none.
 4. Installs the plugin with the drafted table (a staged copy of this checkout)
    and checks a real scheduler in that environment: the plugin recognizes the
@@ -329,13 +330,17 @@ def _pinned_version(path: Path) -> Version:
 
 
 def newest_pinned(before: str | None = None) -> Path:
-    """The newest pinned file (older than ``before`` when one is; else the
-    newest of all)."""
+    """The pinned file a release's environment starts from: the newest one
+    older than ``before``; for a release older than every pinned file, the
+    oldest (the nearest release's stack, not the newest's); without
+    ``before``, the newest of all."""
     files = sorted(ENVS.glob("vllm-*.txt"), key=_pinned_version)
     if not files:
         raise OnboardError(f"no pinned file in {ENVS} to start from")
-    older = [p for p in files if before and _pinned_version(p) < Version(before)]
-    return (older or files)[-1]
+    if before is None:
+        return files[-1]
+    older = [p for p in files if _pinned_version(p) < Version(before)]
+    return older[-1] if older else files[0]
 
 
 # The scheduler's import path, the plugin on it, and a prompt through the fix.

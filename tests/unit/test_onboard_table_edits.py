@@ -146,6 +146,23 @@ def test_forgetting_a_release_and_adding_it_back_restores_the_table(
     assert list(_entries(restored).values()) == list(BODIES)
 
 
+def test_a_new_release_starts_from_the_nearest_pinned_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A release without a pinned file starts from the newest older release's
+    stack; one older than every pinned file from the oldest (0.15.0 next to
+    0.15.1's stack, not 0.33.0's, which lacks the CPU platform plugin the old
+    releases need)."""
+    for release in ("0.15.1", "0.20.2", "0.33.0"):
+        (tmp_path / f"vllm-{release}.txt").write_text(f"# vllm=={release}\n")
+    monkeypatch.setattr(onboard, "ENVS", tmp_path)
+    assert onboard.newest_pinned("0.34.0").name == "vllm-0.33.0.txt"
+    assert onboard.newest_pinned("0.22.0").name == "vllm-0.20.2.txt"
+    assert onboard.newest_pinned("0.20.2").name == "vllm-0.15.1.txt"
+    assert onboard.newest_pinned("0.15.0").name == "vllm-0.15.1.txt"
+    assert onboard.newest_pinned().name == "vllm-0.33.0.txt"
+
+
 def test_the_version_is_read_where_vllm_writes_it(tmp_path: Path) -> None:
     """vLLM's build backend writes ``vllm/_version.py``; ``version.py`` only
     imports it."""
