@@ -385,6 +385,23 @@ def smoke_expectation(answer: dict[str, object]) -> list[int]:
 
 
 _MISSING = re.compile(r"No module named '([A-Za-z0-9_]+)")
+_CONFLICT = re.compile(
+    r"^vllm \S+ has requirement (?P<requirement>[^;]+?)(?:;.*)?, but you have "
+    r"(?P<name>\S+) (?P<version>\S+)\.$",
+    re.M,
+)
+
+
+def vllm_conflicts(check: str) -> list[tuple[str, str, str]]:
+    """(requirement without its marker, distribution, installed version) for
+    each of vLLM's requirements that ``pip check`` (its output ``check``) finds
+    contradicted; a package left out on purpose is "not installed", no
+    conflict."""
+    return [
+        (m["requirement"].strip(), m["name"], m["version"])
+        for m in _CONFLICT.finditer(check)
+    ]
+
 # Import names whose distribution is called otherwise.
 DISTRIBUTIONS = {
     "yaml": "pyyaml",
@@ -496,6 +513,20 @@ class Environment:
             added.append(distribution)
         raise OnboardError(f"still missing modules after adding {', '.join(added)}")
 
+    def meet_vllm_requirements(self, change: bool) -> list[str]:
+        """vLLM's requirements the installed stack contradicts (an older
+        release's pins); with ``change``, each is installed as vLLM requires it
+        (without dependencies, as the stack is)."""
+        check = subprocess.run(
+            [self.python, "-m", "pip", "check"], capture_output=True, text=True
+        )
+        found = []
+        for requirement, name, version in vllm_conflicts(check.stdout):
+            if change:
+                self.pip("--no-deps", requirement)
+            found.append(f"{name} {version} (vLLM requires {requirement})")
+        return found
+
     def freeze(self) -> list[str]:
         result = subprocess.run(
             [self.python, "-m", "pip", "freeze", "--exclude-editable"],
@@ -522,16 +553,28 @@ def pinned_text_for(release: str, template: str, frozen: list[str], torch: str) 
         f"# vLLM {release} scheduler stack on CPU ({torch.replace('==', ' ')} CPU "
         "build), exact versions."
     )
+    installed = {_distribution(line): line for line in frozen if "==" in line}
+    for word in nodeps:  # the versions the environment has (vLLM's requirements)
+        header = [
+            line.replace(word, installed.get(_distribution(word), word))
+            if line.startswith("# NODEPS:")
+            else line
+            for line in header
+        ]
     packages = sorted(
         (
             line
             for line in frozen
             if "==" in line
-            and line.split("==")[0].lower().replace("_", "-") not in skip
+            and _distribution(line) not in skip
         ),
         key=str.lower,
     )
     return "\n".join([*header, *packages]) + "\n"
+
+
+def _distribution(pin: str) -> str:
+    return pin.split("==")[0].lower().replace("_", "-")
 
 
 def _template_release(template: str) -> str:
@@ -922,6 +965,7 @@ def _environment(
     environment = Environment(release, scratch / "venv")
     environment.create(args.torch)
     environment.install(wheel, template.read_text())
+    conflicts = environment.meet_vllm_requirements(change=fresh)
     staged = stage_checkout(drafted_text, scratch / "checkout")
     install_staged_plugin(environment, staged)
     if args.local_version:
@@ -945,6 +989,13 @@ def _environment(
         f"expectation is {expected} (a stop at each kept boundary, then the "
         f"prompt's end); {answer.get('poisoned')} wrong states published.",
     ]
+    if conflicts:
+        said = (
+            "Installed as vLLM requires (the pinned file had another version)"
+            if fresh
+            else "The pinned file contradicts vLLM's requirements"
+        )
+        lines.insert(1, f"{said}: {'; '.join(conflicts)}.")
     if not ok:
         report.fail("the smoke check failed in the release's environment")
     if args.local_version:
@@ -956,14 +1007,15 @@ def _environment(
         text = pinned_text_for(
             release, template.read_text(), environment.freeze(), args.torch
         )
-        if args.pretend_unknown or args.dry_run or pinned.exists():
+        committed = pinned.exists()
+        if args.pretend_unknown or args.dry_run or committed:
             target = scratch / pinned.name
             lines.append(f"Pinned file written to `{target}` (not into envs/).")
         else:
             target = pinned
             lines.append(f"Pinned file written: `{target.relative_to(REPO)}`.")
         target.write_text(text)
-        if pinned.exists():
+        if committed:
             changes = text_diff(pinned.read_text(), text, pinned.name)
             lines.append(
                 f"Against the committed `{pinned.relative_to(REPO)}`:\n\n"
