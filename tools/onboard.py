@@ -392,14 +392,22 @@ _CONFLICT = re.compile(
 )
 
 
-def vllm_conflicts(check: str) -> list[tuple[str, str, str]]:
+def vllm_conflicts(check: str, pinned_text: str) -> list[tuple[str, str, str]]:
     """(requirement without its marker, distribution, installed version) for
     each of vLLM's requirements that ``pip check`` (its output ``check``) finds
-    contradicted; a package left out on purpose is "not installed", no
-    conflict."""
+    contradicted by a version ``pinned_text`` pins. A package left out on
+    purpose is "not installed", no conflict; torch, installed before the
+    pinned stack (its CPU build), is not the pinned file's to change."""
+    lines = [line for line in pinned_text.splitlines() if not line.startswith("#")]
+    pinned = {
+        _distribution(pin)
+        for pin in [*lines, *_marker(pinned_text, "NODEPS")]
+        if "==" in pin
+    }
     return [
         (m["requirement"].strip(), m["name"], m["version"])
         for m in _CONFLICT.finditer(check)
+        if _distribution(m["name"]) in pinned
     ]
 
 # Import names whose distribution is called otherwise.
@@ -513,15 +521,15 @@ class Environment:
             added.append(distribution)
         raise OnboardError(f"still missing modules after adding {', '.join(added)}")
 
-    def meet_vllm_requirements(self, change: bool) -> list[str]:
-        """vLLM's requirements the installed stack contradicts (an older
-        release's pins); with ``change``, each is installed as vLLM requires it
-        (without dependencies, as the stack is)."""
+    def meet_vllm_requirements(self, pinned_text: str, change: bool) -> list[str]:
+        """vLLM's requirements the pinned stack contradicts (an older release's
+        pins); with ``change``, each is installed as vLLM requires it (without
+        dependencies, as the stack is)."""
         check = subprocess.run(
             [self.python, "-m", "pip", "check"], capture_output=True, text=True
         )
         found = []
-        for requirement, name, version in vllm_conflicts(check.stdout):
+        for requirement, name, version in vllm_conflicts(check.stdout, pinned_text):
             if change:
                 self.pip("--no-deps", requirement)
             found.append(f"{name} {version} (vLLM requires {requirement})")
@@ -965,7 +973,7 @@ def _environment(
     environment = Environment(release, scratch / "venv")
     environment.create(args.torch)
     environment.install(wheel, template.read_text())
-    conflicts = environment.meet_vllm_requirements(change=fresh)
+    conflicts = environment.meet_vllm_requirements(template.read_text(), fresh)
     staged = stage_checkout(drafted_text, scratch / "checkout")
     install_staged_plugin(environment, staged)
     if args.local_version:

@@ -167,26 +167,28 @@ def test_a_new_pinned_file_meets_the_releases_requirements() -> None:
     """An older release's pins that the new release's requirements contradict
     (0.27.0 requires apache-tvm-ffi==0.1.11, 0.26.0's file pins 0.1.10; 0.18.0
     requires xgrammar>=0.1.32, 0.17.1's pins 0.1.29) are found in ``pip
-    check``'s words; packages left out on purpose are no conflict. The pinned
+    check``'s words; packages left out on purpose, and torch (its CPU build,
+    not the pinned file's), are no conflict. The pinned
     file then states the versions installed, its NODEPS line too."""
-    check = (
-        "xgrammar 0.1.29 requires triton, which is not installed.\n"
-        "vllm 0.18.0 requires fastapi, which is not installed.\n"
-        "vllm 0.18.0 has requirement xgrammar<1.0.0,>=0.1.32; platform_machine == "
-        '"x86_64" or platform_machine == "aarch64", but you have xgrammar 0.1.29.\n'
-        "vllm 0.18.0 has requirement apache-tvm-ffi==0.1.11, but you have "
-        "apache-tvm-ffi 0.1.10.\n"
-    )
-    assert onboard.vllm_conflicts(check) == [
-        ("xgrammar<1.0.0,>=0.1.32", "xgrammar", "0.1.29"),
-        ("apache-tvm-ffi==0.1.11", "apache-tvm-ffi", "0.1.10"),
-    ]
     template = (
         "# vLLM 0.17.1 scheduler stack on CPU (torch 2.13.0 CPU build), exact.\n"
         "# Installed with --no-deps after: vllm==0.17.1 and the NODEPS line.\n"
         "# NODEPS: xgrammar==0.1.29\n"
         "apache-tvm-ffi==0.1.10\n"
     )
+    check = (
+        "xgrammar 0.1.29 requires triton, which is not installed.\n"
+        "vllm 0.18.0 has requirement torch==2.10.0, but you have torch 2.13.0.\n"
+        "vllm 0.18.0 requires fastapi, which is not installed.\n"
+        "vllm 0.18.0 has requirement xgrammar<1.0.0,>=0.1.32; platform_machine == "
+        '"x86_64" or platform_machine == "aarch64", but you have xgrammar 0.1.29.\n'
+        "vllm 0.18.0 has requirement apache-tvm-ffi==0.1.11, but you have "
+        "apache-tvm-ffi 0.1.10.\n"
+    )
+    assert onboard.vllm_conflicts(check, template) == [
+        ("xgrammar<1.0.0,>=0.1.32", "xgrammar", "0.1.29"),
+        ("apache-tvm-ffi==0.1.11", "apache-tvm-ffi", "0.1.10"),
+    ]
     frozen = ["apache_tvm_ffi==0.1.11", "xgrammar==0.2.9", "vllm==0.18.0"]
     text = onboard.pinned_text_for("0.18.0", template, frozen, "torch==2.13.0")
     assert text.splitlines()[1:] == [
