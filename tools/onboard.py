@@ -13,8 +13,8 @@
    does not.
 3. Builds the release's CPU environment in ``.nox/onboard-<release>``: torch's
    CPU build, vLLM with ``--no-deps``, then the pure-Python stack of its pinned
-   file, or, for a release without one, of the newest older release's (the
-   oldest pinned file for a release older than all), adding any module the
+   file, or, for a release without one, of a neighbour's that meets the
+   release's requirements (:func:`template_for`), adding any module the
    scheduler's import path misses; writes ``envs/vllm-<release>.txt``
    when it had none.
 4. Installs the plugin with the drafted table (a staged copy of this checkout)
@@ -56,6 +56,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from packaging.requirements import Requirement  # noqa: E402
+from packaging.utils import canonicalize_name  # noqa: E402
 from packaging.version import InvalidVersion, Version  # noqa: E402
 
 from vllm_mamba_align import releases  # noqa: E402
@@ -343,6 +345,65 @@ def newest_pinned(before: str | None = None) -> Path:
     return older[-1] if older else files[0]
 
 
+def _pins(pinned_text: str) -> dict[str, str]:
+    """Distribution (canonical name) -> version, of a pinned file's stack and
+    its NODEPS line."""
+    lines = [line for line in pinned_text.splitlines() if not line.startswith("#")]
+    return {
+        canonicalize_name(pin.split("==")[0]): pin.split("==", 1)[1].strip()
+        for pin in [*lines, *_marker(pinned_text, "NODEPS")]
+        if "==" in pin
+    }
+
+
+def requirement_conflicts(wheel: Path, pinned_text: str) -> list[str]:
+    """The release's own requirements (its wheel's metadata, markers as on this
+    machine) that ``pinned_text`` pins another version of."""
+    with zipfile.ZipFile(wheel) as contents:
+        name = next(
+            n
+            for n in contents.namelist()
+            if n.endswith(".dist-info/METADATA") and n.count("/") == 1
+        )
+        metadata = contents.read(name).decode()
+    pins = _pins(pinned_text)
+    conflicts = []
+    for line in metadata.splitlines():
+        if not line.startswith("Requires-Dist:"):
+            continue
+        requirement = Requirement(line.split(":", 1)[1].strip())
+        if requirement.marker is not None and not requirement.marker.evaluate(
+            {"extra": ""}
+        ):
+            continue
+        version = pins.get(canonicalize_name(requirement.name))
+        if version is not None and not requirement.specifier.contains(
+            version, prereleases=True
+        ):
+            conflicts.append(f"{requirement.name}=={version} ({requirement.specifier})")
+    return conflicts
+
+
+def template_for(release: str, wheel: Path) -> tuple[Path, list[str]]:
+    """The pinned file a release without one starts from: of its two
+    neighbours, the newest older release's and the oldest newer one's, the
+    first whose pins meet the release's requirements (0.20.0 takes 0.20.2's:
+    0.19.1's pins apache-tvm-ffi 0.1.11, 0.20.0 requires 0.1.9); when neither
+    does, the newest older release's (:func:`newest_pinned`), whose
+    contradicted pins are then installed as vLLM requires. Returns it and why
+    each neighbour was passed over."""
+    files = sorted(ENVS.glob("vllm-*.txt"), key=_pinned_version)
+    older = [p for p in files if _pinned_version(p) < Version(release)]
+    newer = [p for p in files if _pinned_version(p) > Version(release)]
+    passed_over = []
+    for candidate in (*older[-1:], *newer[:1]):
+        conflicts = requirement_conflicts(wheel, candidate.read_text())
+        if not conflicts:
+            return candidate, passed_over
+        passed_over.append(f"`{candidate.name}`: {', '.join(conflicts)}")
+    return newest_pinned(before=release), passed_over
+
+
 # The scheduler's import path, the plugin on it, and a prompt through the fix.
 SMOKE = """
 import json, os
@@ -398,16 +459,11 @@ def vllm_conflicts(check: str, pinned_text: str) -> list[tuple[str, str, str]]:
     contradicted by a version ``pinned_text`` pins. A package left out on
     purpose is "not installed", no conflict; torch, installed before the
     pinned stack (its CPU build), is not the pinned file's to change."""
-    lines = [line for line in pinned_text.splitlines() if not line.startswith("#")]
-    pinned = {
-        _distribution(pin)
-        for pin in [*lines, *_marker(pinned_text, "NODEPS")]
-        if "==" in pin
-    }
+    pinned = _pins(pinned_text)
     return [
         (m["requirement"].strip(), m["name"], m["version"])
         for m in _CONFLICT.finditer(check)
-        if _distribution(m["name"]) in pinned
+        if canonicalize_name(m["name"]) in pinned
     ]
 
 # Import names whose distribution is called otherwise.
@@ -969,7 +1025,9 @@ def _environment(
     started = time.monotonic()
     pinned = ENVS / f"vllm-{release}.txt"
     fresh = args.fresh_pins or not pinned.exists()
-    template = newest_pinned(before=release) if fresh else pinned
+    template, passed_over = (
+        template_for(release, wheel) if fresh else (pinned, [])
+    )
     environment = Environment(release, scratch / "venv")
     environment.create(args.torch)
     environment.install(wheel, template.read_text())
@@ -997,13 +1055,20 @@ def _environment(
         f"expectation is {expected} (a stop at each kept boundary, then the "
         f"prompt's end); {answer.get('poisoned')} wrong states published.",
     ]
+    notes = []
+    if passed_over:
+        notes.append(
+            f"Nearer pinned files contradict vLLM {release}'s requirements: "
+            f"{'; '.join(passed_over)}."
+        )
     if conflicts:
         said = (
             "Installed as vLLM requires (the pinned file had another version)"
             if fresh
             else "The pinned file contradicts vLLM's requirements"
         )
-        lines.insert(1, f"{said}: {'; '.join(conflicts)}.")
+        notes.append(f"{said}: {'; '.join(conflicts)}.")
+    lines[1:1] = notes
     if not ok:
         report.fail("the smoke check failed in the release's environment")
     if args.local_version:
@@ -1098,7 +1163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fresh-pins",
         action="store_true",
-        help="build the environment from the newest older release's pinned file, "
+        help="build the environment from a neighbouring release's pinned file, "
         "as for a new release, even if this one has its own (the result goes to "
         ".nox/onboard-<release>/, with its diff against the committed file)",
     )

@@ -5,6 +5,7 @@ changes nothing else."""
 from __future__ import annotations
 
 import ast
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -118,7 +119,7 @@ def test_the_table_without_a_release() -> None:
     assert len(drafting.table_without("0.28.0")) == len(BODIES)  # shared body
     assert drafting.nearest_release("0.29.0", without) == "0.28.0"
     assert drafting.nearest_release("0.34.0", BODIES) == "0.33.0"
-    assert drafting.nearest_release("0.14.0", BODIES) == "0.15.1"
+    assert drafting.nearest_release("0.14.0", BODIES) == BODIES[0].releases[0]
 
 
 def test_a_bad_release_name_is_a_clear_error(
@@ -161,6 +162,46 @@ def test_a_new_release_starts_from_the_nearest_pinned_file(
     assert onboard.newest_pinned("0.20.2").name == "vllm-0.15.1.txt"
     assert onboard.newest_pinned("0.15.0").name == "vllm-0.15.1.txt"
     assert onboard.newest_pinned().name == "vllm-0.33.0.txt"
+
+
+def test_a_new_release_starts_from_the_nearest_file_meeting_its_requirements(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The requirements are read from the release's wheel: 0.20.0 pins
+    apache-tvm-ffi==0.1.9, which 0.19.1's file contradicts (0.1.11) and
+    0.20.2's meets; a release every file meets takes the newest older one,
+    and so does one its neighbours both contradict."""
+    envs = tmp_path / "envs"
+    envs.mkdir()
+    for release, tvm in (("0.18.1", "0.1.11"), ("0.19.1", "0.1.11"), ("0.20.2", "0.1.9")):
+        (envs / f"vllm-{release}.txt").write_text(
+            f"# vLLM {release}\n# NODEPS: xgrammar==0.2.5\napache_tvm_ffi=={tvm}\n"
+        )
+    monkeypatch.setattr(onboard, "ENVS", envs)
+
+    def wheel(release: str, requirements: str) -> Path:
+        path = tmp_path / f"vllm-{release}-cp38-abi3-linux_x86_64.whl"
+        with zipfile.ZipFile(path, "w") as out:
+            out.writestr(
+                f"vllm-{release}.dist-info/METADATA",
+                f"Metadata-Version: 2.1\nName: vllm\nVersion: {release}\n"
+                + "".join(f"Requires-Dist: {r}\n" for r in requirements.split("|")),
+            )
+        return path
+
+    strict = wheel(
+        "0.20.0",
+        "apache-tvm-ffi==0.1.9|xgrammar<1.0.0,>=0.1.32; platform_machine != 'none'"
+        '|pytest; extra == "dev"',
+    )
+    template, passed_over = onboard.template_for("0.20.0", strict)
+    assert template.name == "vllm-0.20.2.txt"
+    assert passed_over == ["`vllm-0.19.1.txt`: apache-tvm-ffi==0.1.11 (==0.1.9)"]
+    loose = wheel("0.19.0", "apache-tvm-ffi>=0.1.9|xgrammar==0.2.5")
+    assert onboard.template_for("0.19.0", loose) == (envs / "vllm-0.18.1.txt", [])
+    none_fits = wheel("0.21.0", "xgrammar==0.3.0")
+    template, passed_over = onboard.template_for("0.21.0", none_fits)
+    assert template.name == "vllm-0.20.2.txt" and len(passed_over) == 1
 
 
 def test_a_new_pinned_file_meets_the_releases_requirements() -> None:
@@ -223,7 +264,6 @@ def test_a_relabelled_wheel_is_a_valid_wheel_of_the_local_version(
     import csv
     import hashlib
     import io
-    import zipfile
 
     files = {
         "vllm/_version.py": b"__version__ = version = '0.33.0'\n",
