@@ -178,6 +178,14 @@ def find_wheel(
 
 def _body_string_node(tree: ast.Module, fingerprint: str) -> ast.Constant | None:
     """The releases string of the ``_body(...)`` call holding ``fingerprint``."""
+    call = _body_call(tree, fingerprint)
+    if call is None or not isinstance(call.args[0], ast.Constant):
+        return None
+    return call.args[0]
+
+
+def _body_call(tree: ast.Module, fingerprint: str) -> ast.Call | None:
+    """The ``_body(...)`` call holding ``fingerprint``."""
     for node in ast.walk(tree):
         if (
             isinstance(node, ast.Call)
@@ -186,19 +194,57 @@ def _body_string_node(tree: ast.Module, fingerprint: str) -> ast.Constant | None
             and len(node.args) >= 2
             and isinstance(node.args[1], ast.Constant)
             and node.args[1].value == fingerprint
-            and isinstance(node.args[0], ast.Constant)
         ):
-            return node.args[0]
+            return node
     return None
 
 
+LINE_LENGTH = 88
+"""ruff's line length (pyproject.toml): releases.py as edited must pass lint."""
+
+
 def _replace_constant(text: str, node: ast.Constant, new: str) -> str:
+    """``text`` with the string ``node`` (on one line or an implicit
+    concatenation over several) replaced by ``new``: on one line when it fits,
+    else as ruff formats a string too long for its line, an implicit
+    concatenation of lines at the string's indentation (the string alone on its
+    lines, as in a call written one argument per line)."""
     lines = text.splitlines(keepends=True)
-    assert node.end_lineno == node.lineno and node.end_col_offset is not None
-    line = lines[node.lineno - 1]
-    lines[node.lineno - 1] = (
-        line[: node.col_offset] + f'"{new}"' + line[node.end_col_offset :]
-    )
+    assert node.end_lineno is not None and node.end_col_offset is not None
+    before = lines[node.lineno - 1][: node.col_offset]
+    after = lines[node.end_lineno - 1][node.end_col_offset :]
+    rendered = f'"{new}"'
+    if len(before + rendered + after.rstrip("\n")) > LINE_LENGTH:
+        room = LINE_LENGTH - len(before) - len(after.rstrip("\n")) - 3  # quotes, space
+        parts: list[str] = []
+        for word in new.split():
+            if parts and len(parts[-1]) + 1 + len(word) <= room:
+                parts[-1] += f" {word}"
+            else:
+                parts.append(word)
+        rendered = f"\n{' ' * len(before)}".join(
+            f'"{part} "' if index < len(parts) - 1 else f'"{part}"'
+            for index, part in enumerate(parts)
+        )
+    lines[node.lineno - 1 : node.end_lineno] = [before + rendered + after]
+    return "".join(lines)
+
+
+def _one_argument_per_line(text: str, call: ast.Call) -> str:
+    """``text`` with a call written on one line rewritten one argument per line
+    (as ruff formats a call too long for its line); others as they are."""
+    assert call.end_lineno is not None and call.end_col_offset is not None
+    if call.lineno != call.end_lineno:
+        return text
+    lines = text.splitlines(keepends=True)
+    line = lines[call.lineno - 1]
+    indent = line[: len(line) - len(line.lstrip())]
+    arguments = [
+        ast.get_source_segment(text, node) for node in (*call.args, *call.keywords)
+    ]
+    head = line[: call.func.end_col_offset] + "(\n"
+    body = "".join(f"{indent}    {argument},\n" for argument in arguments)
+    lines[call.lineno - 1] = head + body + indent + ")" + line[call.end_col_offset :]
     return "".join(lines)
 
 
@@ -210,8 +256,16 @@ def add_release_to_body(text: str, fingerprint: str, release: str) -> str:
     listed = node.value.split()
     if release in listed:
         return text
-    ordered = sorted({*listed, release}, key=Version)
-    return _replace_constant(text, node, " ".join(ordered))
+    joined = " ".join(sorted({*listed, release}, key=Version))
+    edited = _replace_constant(text, node, joined)
+    call = _body_call(ast.parse(text), fingerprint)
+    assert call is not None
+    if call.lineno == call.end_lineno and edited.count("\n") > text.count("\n"):
+        text = _one_argument_per_line(text, call)  # too long for one line now
+        node = _body_string_node(ast.parse(text), fingerprint)
+        assert node is not None
+        edited = _replace_constant(text, node, joined)
+    return edited
 
 
 def _bodies_tuple(tree: ast.Module) -> ast.Tuple:
@@ -350,7 +404,7 @@ def _pins(pinned_text: str) -> dict[str, str]:
     its NODEPS line."""
     lines = [line for line in pinned_text.splitlines() if not line.startswith("#")]
     return {
-        canonicalize_name(pin.split("==")[0]): pin.split("==", 1)[1].strip()
+        _distribution(pin): pin.split("==", 1)[1].strip()
         for pin in [*lines, *_marker(pinned_text, "NODEPS")]
         if "==" in pin
     }
@@ -463,8 +517,9 @@ def vllm_conflicts(check: str, pinned_text: str) -> list[tuple[str, str, str]]:
     return [
         (m["requirement"].strip(), m["name"], m["version"])
         for m in _CONFLICT.finditer(check)
-        if canonicalize_name(m["name"]) in pinned
+        if _distribution(m["name"]) in pinned
     ]
+
 
 # Import names whose distribution is called otherwise.
 DISTRIBUTIONS = {
@@ -626,19 +681,14 @@ def pinned_text_for(release: str, template: str, frozen: list[str], torch: str) 
             for line in header
         ]
     packages = sorted(
-        (
-            line
-            for line in frozen
-            if "==" in line
-            and _distribution(line) not in skip
-        ),
+        (line for line in frozen if "==" in line and _distribution(line) not in skip),
         key=str.lower,
     )
     return "\n".join([*header, *packages]) + "\n"
 
 
 def _distribution(pin: str) -> str:
-    return pin.split("==")[0].lower().replace("_", "-")
+    return canonicalize_name(pin.split("==")[0])
 
 
 def _template_release(template: str) -> str:
@@ -1025,9 +1075,7 @@ def _environment(
     started = time.monotonic()
     pinned = ENVS / f"vllm-{release}.txt"
     fresh = args.fresh_pins or not pinned.exists()
-    template, passed_over = (
-        template_for(release, wheel) if fresh else (pinned, [])
-    )
+    template, passed_over = template_for(release, wheel) if fresh else (pinned, [])
     environment = Environment(release, scratch / "venv")
     environment.create(args.torch)
     environment.install(wheel, template.read_text())

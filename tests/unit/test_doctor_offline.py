@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mamba_align import releases
-from vllm_mamba_align import doctor, retention
+from vllm_mamba_align import doctor, releases, retention
 from vllm_mamba_align.doctor import worker_seed_status, would_load
 from vllm_mamba_align.fingerprint import fingerprint_source
 from vllm_mamba_align.releases import SeedCode, SeedSite
@@ -90,7 +89,10 @@ def test_no_model_runner_v2(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("setting", "said"),
     [
-        ((True, 0, retention.RETENTION_VARIABLE), f"0 ({retention.RETENTION_VARIABLE}=0)"),
+        (
+            (True, 0, retention.RETENTION_VARIABLE),
+            f"0 ({retention.RETENTION_VARIABLE}=0)",
+        ),
         (
             (True, 0, "--prefix-cache-retention-interval"),
             "0 (--prefix-cache-retention-interval, vLLM's default)",

@@ -102,6 +102,41 @@ def test_a_drafted_body_is_appended_to_the_table() -> None:
     assert list(after.values()) == [*BODIES, draft]
 
 
+def test_a_releases_string_too_long_for_its_line_is_wrapped_as_ruff_formats_it() -> (
+    None
+):
+    """releases.py as the command edits it passes lint: a releases string past
+    the line length becomes an implicit concatenation, one line each, and a
+    body written on one line is rewritten one argument per line first; taking
+    releases out again gives back one line."""
+    tree = ast.parse(TABLE)
+    short = next(
+        b
+        for b in BODIES
+        if (call := onboard._body_call(tree, b.fingerprint)) is not None
+        and call.lineno == call.end_lineno  # a body written on one line
+    )
+    text = TABLE
+    added = [f"0.{minor}.{patch}" for minor in (40, 41, 42) for patch in range(4)]
+    for release in added:
+        text = onboard.add_release_to_body(text, short.fingerprint, release)
+    assert max(len(line) for line in text.splitlines()) <= onboard.LINE_LENGTH
+    entries = _entries(text)
+    assert entries[short.fingerprint].releases == (*short.releases, *added)
+    assert {f: b for f, b in entries.items() if f != short.fingerprint} == {
+        b.fingerprint: b for b in BODIES if b is not short
+    }
+    call = onboard._body_call(ast.parse(text), short.fingerprint)
+    assert call is not None and call.args[0].lineno > call.lineno  # one per line
+    string = call.args[0]
+    assert string.end_lineno is not None and string.end_lineno > string.lineno
+    for release in added:
+        text = onboard.remove_release(text, release)
+    assert _entries(text) == {b.fingerprint: b for b in BODIES}
+    string = onboard._body_string_node(ast.parse(text), short.fingerprint)
+    assert string is not None and string.lineno == string.end_lineno
+
+
 def test_seed_ranges_stretch_to_a_new_release() -> None:
     newest = releases.SEED_BODIES[-1]
     seed = drafting.SeedReading(
@@ -173,7 +208,11 @@ def test_a_new_release_starts_from_the_nearest_file_meeting_its_requirements(
     and so does one its neighbours both contradict."""
     envs = tmp_path / "envs"
     envs.mkdir()
-    for release, tvm in (("0.18.1", "0.1.11"), ("0.19.1", "0.1.11"), ("0.20.2", "0.1.9")):
+    for release, tvm in (
+        ("0.18.1", "0.1.11"),
+        ("0.19.1", "0.1.11"),
+        ("0.20.2", "0.1.9"),
+    ):
         (envs / f"vllm-{release}.txt").write_text(
             f"# vLLM {release}\n# NODEPS: xgrammar==0.2.5\napache_tvm_ffi=={tvm}\n"
         )
