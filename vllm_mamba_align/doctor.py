@@ -217,10 +217,10 @@ def _retention() -> tuple[str, dict[str, str]]:
         text = f"dense ({where} not set): every boundary state kept"
     elif interval == 0:
         # The variable's default is dense (0.24.0-0.28.0): 0 there is the user's.
-        source = f"{where}=0" if where == RETENTION_VARIABLE else f"{where}, vLLM's default"
-        text = (
-            f"0 ({source}): only replay boundaries and shared-prefix junctions kept"
+        source = (
+            f"{where}=0" if where == RETENTION_VARIABLE else f"{where}, vLLM's default"
         )
+        text = f"0 ({source}): only replay boundaries and shared-prefix junctions kept"
     else:
         text = f"{interval} ({where}): multiples of it, replay boundaries, junctions"
     modes = ("full", "kept", "grid", "audit")
