@@ -13,8 +13,9 @@
    does not.
 3. Builds the release's CPU environment in ``.nox/onboard-<release>``: torch's
    CPU build, vLLM with ``--no-deps``, then the pure-Python stack of its pinned
-   file, or, for a release without one, of the newest pinned file, adding any
-   module the scheduler's import path misses; writes ``envs/vllm-<release>.txt``
+   file, or, for a release without one, of a neighbour's that meets the
+   release's requirements (:func:`template_for`), adding any module the
+   scheduler's import path misses; writes ``envs/vllm-<release>.txt``
    when it had none.
 4. Installs the plugin with the drafted table (a staged copy of this checkout)
    and checks a real scheduler in that environment: the plugin recognizes the
@@ -58,6 +59,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from packaging.requirements import Requirement  # noqa: E402
+from packaging.utils import canonicalize_name  # noqa: E402
 from packaging.version import InvalidVersion, Version  # noqa: E402
 
 from vllm_mamba_align import releases  # noqa: E402
@@ -200,6 +203,14 @@ def find_wheel(
 
 def _body_string_node(tree: ast.Module, fingerprint: str) -> ast.Constant | None:
     """The releases string of the ``_body(...)`` call holding ``fingerprint``."""
+    call = _body_call(tree, fingerprint)
+    if call is None or not isinstance(call.args[0], ast.Constant):
+        return None
+    return call.args[0]
+
+
+def _body_call(tree: ast.Module, fingerprint: str) -> ast.Call | None:
+    """The ``_body(...)`` call holding ``fingerprint``."""
     for node in ast.walk(tree):
         if (
             isinstance(node, ast.Call)
@@ -208,19 +219,57 @@ def _body_string_node(tree: ast.Module, fingerprint: str) -> ast.Constant | None
             and len(node.args) >= 2
             and isinstance(node.args[1], ast.Constant)
             and node.args[1].value == fingerprint
-            and isinstance(node.args[0], ast.Constant)
         ):
-            return node.args[0]
+            return node
     return None
 
 
+LINE_LENGTH = 88
+"""ruff's line length (pyproject.toml): releases.py as edited must pass lint."""
+
+
 def _replace_constant(text: str, node: ast.Constant, new: str) -> str:
+    """``text`` with the string ``node`` (on one line or an implicit
+    concatenation over several) replaced by ``new``: on one line when it fits,
+    else as ruff formats a string too long for its line, an implicit
+    concatenation of lines at the string's indentation (the string alone on its
+    lines, as in a call written one argument per line)."""
     lines = text.splitlines(keepends=True)
-    assert node.end_lineno == node.lineno and node.end_col_offset is not None
-    line = lines[node.lineno - 1]
-    lines[node.lineno - 1] = (
-        line[: node.col_offset] + f'"{new}"' + line[node.end_col_offset :]
-    )
+    assert node.end_lineno is not None and node.end_col_offset is not None
+    before = lines[node.lineno - 1][: node.col_offset]
+    after = lines[node.end_lineno - 1][node.end_col_offset :]
+    rendered = f'"{new}"'
+    if len(before + rendered + after.rstrip("\n")) > LINE_LENGTH:
+        room = LINE_LENGTH - len(before) - len(after.rstrip("\n")) - 3  # quotes, space
+        parts: list[str] = []
+        for word in new.split():
+            if parts and len(parts[-1]) + 1 + len(word) <= room:
+                parts[-1] += f" {word}"
+            else:
+                parts.append(word)
+        rendered = f"\n{' ' * len(before)}".join(
+            f'"{part} "' if index < len(parts) - 1 else f'"{part}"'
+            for index, part in enumerate(parts)
+        )
+    lines[node.lineno - 1 : node.end_lineno] = [before + rendered + after]
+    return "".join(lines)
+
+
+def _one_argument_per_line(text: str, call: ast.Call) -> str:
+    """``text`` with a call written on one line rewritten one argument per line
+    (as ruff formats a call too long for its line); others as they are."""
+    assert call.end_lineno is not None and call.end_col_offset is not None
+    if call.lineno != call.end_lineno:
+        return text
+    lines = text.splitlines(keepends=True)
+    line = lines[call.lineno - 1]
+    indent = line[: len(line) - len(line.lstrip())]
+    arguments = [
+        ast.get_source_segment(text, node) for node in (*call.args, *call.keywords)
+    ]
+    head = line[: call.func.end_col_offset] + "(\n"
+    body = "".join(f"{indent}    {argument},\n" for argument in arguments)
+    lines[call.lineno - 1] = head + body + indent + ")" + line[call.end_col_offset :]
     return "".join(lines)
 
 
@@ -232,8 +281,16 @@ def add_release_to_body(text: str, fingerprint: str, release: str) -> str:
     listed = node.value.split()
     if release in listed:
         return text
-    ordered = sorted({*listed, release}, key=Version)
-    return _replace_constant(text, node, " ".join(ordered))
+    joined = " ".join(sorted({*listed, release}, key=Version))
+    edited = _replace_constant(text, node, joined)
+    call = _body_call(ast.parse(text), fingerprint)
+    assert call is not None
+    if call.lineno == call.end_lineno and edited.count("\n") > text.count("\n"):
+        text = _one_argument_per_line(text, call)  # too long for one line now
+        node = _body_string_node(ast.parse(text), fingerprint)
+        assert node is not None
+        edited = _replace_constant(text, node, joined)
+    return edited
 
 
 def _bodies_tuple(tree: ast.Module) -> ast.Tuple:
@@ -385,13 +442,76 @@ def _pinned_version(path: Path) -> Version:
 
 
 def newest_pinned(before: str | None = None) -> Path:
-    """The newest pinned file (older than ``before`` when one is; else the
-    newest of all)."""
+    """The pinned file a release's environment starts from: the newest one
+    older than ``before``; for a release older than every pinned file, the
+    oldest (the nearest release's stack, not the newest's); without
+    ``before``, the newest of all."""
     files = sorted(ENVS.glob("vllm-*.txt"), key=_pinned_version)
     if not files:
         raise OnboardError(f"no pinned file in {ENVS} to start from")
-    older = [p for p in files if before and _pinned_version(p) < Version(before)]
-    return (older or files)[-1]
+    if before is None:
+        return files[-1]
+    older = [p for p in files if _pinned_version(p) < Version(before)]
+    return older[-1] if older else files[0]
+
+
+def _pins(pinned_text: str) -> dict[str, str]:
+    """Distribution (canonical name) -> version, of a pinned file's stack and
+    its NODEPS line."""
+    lines = [line for line in pinned_text.splitlines() if not line.startswith("#")]
+    return {
+        _distribution(pin): pin.split("==", 1)[1].strip()
+        for pin in [*lines, *_marker(pinned_text, "NODEPS")]
+        if "==" in pin
+    }
+
+
+def requirement_conflicts(wheel: Path, pinned_text: str) -> list[str]:
+    """The release's own requirements (its wheel's metadata, markers as on this
+    machine) that ``pinned_text`` pins another version of."""
+    with zipfile.ZipFile(wheel) as contents:
+        name = next(
+            n
+            for n in contents.namelist()
+            if n.endswith(".dist-info/METADATA") and n.count("/") == 1
+        )
+        metadata = contents.read(name).decode()
+    pins = _pins(pinned_text)
+    conflicts = []
+    for line in metadata.splitlines():
+        if not line.startswith("Requires-Dist:"):
+            continue
+        requirement = Requirement(line.split(":", 1)[1].strip())
+        if requirement.marker is not None and not requirement.marker.evaluate(
+            {"extra": ""}
+        ):
+            continue
+        version = pins.get(canonicalize_name(requirement.name))
+        if version is not None and not requirement.specifier.contains(
+            version, prereleases=True
+        ):
+            conflicts.append(f"{requirement.name}=={version} ({requirement.specifier})")
+    return conflicts
+
+
+def template_for(release: str, wheel: Path) -> tuple[Path, list[str]]:
+    """The pinned file a release without one starts from: of its two
+    neighbours, the newest older release's and the oldest newer one's, the
+    first whose pins meet the release's requirements (0.20.0 takes 0.20.2's:
+    0.19.1's pins apache-tvm-ffi 0.1.11, 0.20.0 requires 0.1.9); when neither
+    does, the newest older release's (:func:`newest_pinned`), whose
+    contradicted pins are then installed as vLLM requires. Returns it and why
+    each neighbour was passed over."""
+    files = sorted(ENVS.glob("vllm-*.txt"), key=_pinned_version)
+    older = [p for p in files if _pinned_version(p) < Version(release)]
+    newer = [p for p in files if _pinned_version(p) > Version(release)]
+    passed_over = []
+    for candidate in (*older[-1:], *newer[:1]):
+        conflicts = requirement_conflicts(wheel, candidate.read_text())
+        if not conflicts:
+            return candidate, passed_over
+        passed_over.append(f"`{candidate.name}`: {', '.join(conflicts)}")
+    return newest_pinned(before=release), passed_over
 
 
 # The scheduler's import path, the plugin on it, and a prompt through the fix.
@@ -436,6 +556,27 @@ def smoke_expectation(answer: dict[str, object]) -> list[int]:
 
 
 _MISSING = re.compile(r"No module named '([A-Za-z0-9_]+)")
+_CONFLICT = re.compile(
+    r"^vllm \S+ has requirement (?P<requirement>[^;]+?)(?:;.*)?, but you have "
+    r"(?P<name>\S+) (?P<version>\S+)\.$",
+    re.M,
+)
+
+
+def vllm_conflicts(check: str, pinned_text: str) -> list[tuple[str, str, str]]:
+    """(requirement without its marker, distribution, installed version) for
+    each of vLLM's requirements that ``pip check`` (its output ``check``) finds
+    contradicted by a version ``pinned_text`` pins. A package left out on
+    purpose is "not installed", no conflict; torch, installed before the
+    pinned stack (its CPU build), is not the pinned file's to change."""
+    pinned = _pins(pinned_text)
+    return [
+        (m["requirement"].strip(), m["name"], m["version"])
+        for m in _CONFLICT.finditer(check)
+        if _distribution(m["name"]) in pinned
+    ]
+
+
 # Import names whose distribution is called otherwise.
 DISTRIBUTIONS = {
     "yaml": "pyyaml",
@@ -547,6 +688,20 @@ class Environment:
             added.append(distribution)
         raise OnboardError(f"still missing modules after adding {', '.join(added)}")
 
+    def meet_vllm_requirements(self, pinned_text: str, change: bool) -> list[str]:
+        """vLLM's requirements the pinned stack contradicts (an older release's
+        pins); with ``change``, each is installed as vLLM requires it (without
+        dependencies, as the stack is)."""
+        check = subprocess.run(
+            [self.python, "-m", "pip", "check"], capture_output=True, text=True
+        )
+        found = []
+        for requirement, name, version in vllm_conflicts(check.stdout, pinned_text):
+            if change:
+                self.pip("--no-deps", requirement)
+            found.append(f"{name} {version} (vLLM requires {requirement})")
+        return found
+
     def freeze(self) -> list[str]:
         result = subprocess.run(
             [self.python, "-m", "pip", "freeze", "--exclude-editable"],
@@ -573,16 +728,23 @@ def pinned_text_for(release: str, template: str, frozen: list[str], torch: str) 
         f"# vLLM {release} scheduler stack on CPU ({torch.replace('==', ' ')} CPU "
         "build), exact versions."
     )
+    installed = {_distribution(line): line for line in frozen if "==" in line}
+    for word in nodeps:  # the versions the environment has (vLLM's requirements)
+        header = [
+            line.replace(word, installed.get(_distribution(word), word))
+            if line.startswith("# NODEPS:")
+            else line
+            for line in header
+        ]
     packages = sorted(
-        (
-            line
-            for line in frozen
-            if "==" in line
-            and line.split("==")[0].lower().replace("_", "-") not in skip
-        ),
+        (line for line in frozen if "==" in line and _distribution(line) not in skip),
         key=str.lower,
     )
     return "\n".join([*header, *packages]) + "\n"
+
+
+def _distribution(pin: str) -> str:
+    return canonicalize_name(pin.split("==")[0])
 
 
 def _template_release(template: str) -> str:
@@ -985,10 +1147,11 @@ def _environment(
     started = time.monotonic()
     pinned = ENVS / f"vllm-{release}.txt"
     fresh = args.fresh_pins or not pinned.exists()
-    template = newest_pinned(before=release) if fresh else pinned
+    template, passed_over = template_for(release, wheel) if fresh else (pinned, [])
     environment = Environment(release, scratch / "venv")
     environment.create(args.torch)
     environment.install(wheel, template.read_text())
+    conflicts = environment.meet_vllm_requirements(template.read_text(), fresh)
     staged = stage_checkout(drafted_text, scratch / "checkout")
     install_staged_plugin(environment, staged)
     if args.local_version:
@@ -1012,6 +1175,20 @@ def _environment(
         f"expectation is {expected} (a stop at each kept boundary, then the "
         f"prompt's end); {answer.get('poisoned')} wrong states published.",
     ]
+    notes = []
+    if passed_over:
+        notes.append(
+            f"Nearer pinned files contradict vLLM {release}'s requirements: "
+            f"{'; '.join(passed_over)}."
+        )
+    if conflicts:
+        said = (
+            "Installed as vLLM requires (the pinned file had another version)"
+            if fresh
+            else "The pinned file contradicts vLLM's requirements"
+        )
+        notes.append(f"{said}: {'; '.join(conflicts)}.")
+    lines[1:1] = notes
     if not ok:
         report.fail("the smoke check failed in the release's environment")
     if args.local_version:
@@ -1023,14 +1200,15 @@ def _environment(
         text = pinned_text_for(
             release, template.read_text(), environment.freeze(), args.torch
         )
-        if args.pretend_unknown or args.dry_run or pinned.exists():
+        committed = pinned.exists()
+        if args.pretend_unknown or args.dry_run or committed:
             target = scratch / pinned.name
             lines.append(f"Pinned file written to `{target}` (not into envs/).")
         else:
             target = pinned
             lines.append(f"Pinned file written: `{target.relative_to(REPO)}`.")
         target.write_text(text)
-        if pinned.exists():
+        if committed:
             changes = text_diff(pinned.read_text(), text, pinned.name)
             lines.append(
                 f"Against the committed `{pinned.relative_to(REPO)}`:\n\n"
@@ -1109,7 +1287,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fresh-pins",
         action="store_true",
-        help="build the environment from the newest older release's pinned file, "
+        help="build the environment from a neighbouring release's pinned file, "
         "as for a new release, even if this one has its own (the result goes to "
         ".nox/onboard-<release>/, with its diff against the committed file)",
     )

@@ -208,7 +208,7 @@ def worker_seed_status(vllm_root: Path, mode: str | None) -> tuple[str, str]:
 
 def _retention() -> tuple[str, dict[str, str]]:
     """vLLM's default state retention, and what each mode does under it."""
-    from .retention import installed_setting, mode_meaning
+    from .retention import RETENTION_VARIABLE, installed_setting, mode_meaning
 
     has_setting, interval, where = installed_setting()
     if not has_setting:
@@ -216,10 +216,11 @@ def _retention() -> tuple[str, dict[str, str]]:
     elif interval is None:
         text = f"dense ({where} not set): every boundary state kept"
     elif interval == 0:
-        text = (
-            f"0 ({where}, vLLM's default): only replay boundaries and shared-prefix "
-            "junctions kept"
+        # The variable's default is dense (0.24.0-0.28.0): 0 there is the user's.
+        source = (
+            f"{where}=0" if where == RETENTION_VARIABLE else f"{where}, vLLM's default"
         )
+        text = f"0 ({source}): only replay boundaries and shared-prefix junctions kept"
     else:
         text = f"{interval} ({where}): multiples of it, replay boundaries, junctions"
     modes = ("full", "kept", "grid", "audit")

@@ -140,14 +140,15 @@ def _body(
 # gives (tests/test_release_facts.py reads them off the installed code).
 BODIES: tuple[SplitBody, ...] = (
     _body(
-        "0.15.1 0.16.0",
+        "0.15.0 0.15.1 0.16.0",
         "135e05b99088c4ba",
         PrefillRule.NO_OUTPUT_YET,
         stops_after_mid_block_start=False,
         aligns_drafter_tail=False,
     ),
     _body(
-        "0.17.1 0.18.1 0.19.1 0.20.2 0.21.0 0.22.1",
+        "0.17.0 0.17.1 0.18.0 0.18.1 0.19.0 0.19.1 0.20.0 0.20.1 0.20.2 0.21.0 0.22.0 "
+        "0.22.1",
         "2143cb64ffd26346",
         stops_after_mid_block_start=False,
         aligns_drafter_tail=False,
@@ -159,7 +160,7 @@ BODIES: tuple[SplitBody, ...] = (
         aligns_drafter_tail=False,
     ),
     _body(
-        "0.24.0 0.25.1",
+        "0.24.0 0.25.0 0.25.1",
         "f5d07d86cd551d4f",
         extra_parameter="num_uncached_common_prefix_tokens",  # passed through
         stops_after_mid_block_start=False,
@@ -167,7 +168,7 @@ BODIES: tuple[SplitBody, ...] = (
     ),
     # stops tuple, partial-tail stop
     _body("0.26.0", "ef698701aa153b4b", aligns_drafter_tail=False),
-    _body("0.27.1 0.28.0", "f285174274bce8f3", wide_block_exemption=True),
+    _body("0.27.0 0.27.1 0.28.0", "f285174274bce8f3", wide_block_exemption=True),
     _body(
         "0.29.0",
         "449dccad75450784",
@@ -453,13 +454,13 @@ class SeedCode:
 
 
 SEED_BODIES: tuple[SeedCode, ...] = (
-    SeedCode("0.25.1", "15fe6a31bda00318", SeedSite.SEEDS_WITH_CACHE_BLOCK),
+    SeedCode("0.25.0-0.25.1", "15fe6a31bda00318", SeedSite.SEEDS_WITH_CACHE_BLOCK),
     SeedCode("0.26.0", "9be463981ada6b80", SeedSite.SEEDS_WITH_CACHE_BLOCK),
-    SeedCode("0.27.1-0.31.0", "c440bde5f6af797c", SeedSite.SEEDS_WITH_CACHE_BLOCK),
+    SeedCode("0.27.0-0.31.0", "c440bde5f6af797c", SeedSite.SEEDS_WITH_CACHE_BLOCK),
     SeedCode("0.32.0-0.33.0", "855d57fbda65b32d", SeedSite.SEEDS_WITH_MAMBA_BLOCK),
 )
 GROUP_INFO_BODIES: dict[str, str] = {
-    "e9850e0b37703e2e": "0.25.1-0.28.0",
+    "e9850e0b37703e2e": "0.25.0-0.28.0",
     "ab92c2fce7e1af45": "0.29.0-0.33.0",
 }
 """``_get_mamba_group_info`` fingerprints whose contract the deferred seed relies

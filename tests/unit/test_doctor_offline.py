@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mamba_align import releases
+from vllm_mamba_align import doctor, releases, retention
 from vllm_mamba_align.doctor import worker_seed_status, would_load
 from vllm_mamba_align.fingerprint import fingerprint_source
 from vllm_mamba_align.releases import SeedCode, SeedSite
@@ -84,6 +84,32 @@ def test_no_model_runner_v2(tmp_path: Path) -> None:
     assert worker_seed_status(tmp_path, "full")[0] == "absent"
     write_worker(tmp_path, GROUP_INFO)  # the class without add_request
     assert worker_seed_status(tmp_path, "full")[0] == "absent"
+
+
+@pytest.mark.parametrize(
+    ("setting", "said"),
+    [
+        (
+            (True, 0, retention.RETENTION_VARIABLE),
+            f"0 ({retention.RETENTION_VARIABLE}=0)",
+        ),
+        (
+            (True, 0, "--prefix-cache-retention-interval"),
+            "0 (--prefix-cache-retention-interval, vLLM's default)",
+        ),
+        ((True, None, retention.RETENTION_VARIABLE), "dense ("),
+    ],
+)
+def test_doctor_calls_a_retention_the_default_only_where_it_is(
+    setting: tuple[bool, int | None, str],
+    said: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """0.24.0-0.28.0 keep every state unless the variable is set: 0 there is
+    the user's setting; 0.29.0+ default to 0."""
+    monkeypatch.setattr(retention, "installed_setting", lambda: setting)
+    text, _ = doctor._retention()
+    assert text.startswith(said)
 
 
 def test_this_tier_runs_without_vllm() -> None:

@@ -4,6 +4,7 @@ block is detected (what `nox -s docs` runs before building the manual)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -53,3 +54,18 @@ def test_a_missing_block_is_an_error(
     monkeypatch.setattr(tool, "REPO", tmp_path)
     with pytest.raises(SystemExit, match="no <!-- t:begin"):
         tool.Block(page, "t", "records", lambda: "x").replaced(page.read_text())
+
+
+def test_the_readme_table_groups_releases_by_their_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A release that joins a body after its other releases were recorded is
+    named with the body's new range in its record; it shares their row."""
+    tool = load_matrix_tool()
+    for release, body in (("0.27.0", "0.27.0-0.28.0"), ("0.27.1", "0.27.1-0.28.0")):
+        record = {"release": release, "body": body, "fingerprint": "f285174274bce8f3"}
+        record |= {"passed": 300, "failed": 0, "commit": "abc1234"}
+        (tmp_path / f"{release}.json").write_text(json.dumps(record))
+    monkeypatch.setattr(tool, "RESULTS", tmp_path)
+    rows = [row for row in tool.compact_table().splitlines() if "f2851" in row]
+    assert rows == ["| 0.27.0, 0.27.1 | `f285174274bce8f3` | 300 / 0 |"]

@@ -5,6 +5,7 @@ changes nothing else."""
 from __future__ import annotations
 
 import ast
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,41 @@ def test_a_drafted_body_is_appended_to_the_table() -> None:
     assert list(after.values()) == [*BODIES, draft]
 
 
+def test_a_releases_string_too_long_for_its_line_is_wrapped_as_ruff_formats_it() -> (
+    None
+):
+    """releases.py as the command edits it passes lint: a releases string past
+    the line length becomes an implicit concatenation, one line each, and a
+    body written on one line is rewritten one argument per line first; taking
+    releases out again gives back one line."""
+    tree = ast.parse(TABLE)
+    short = next(
+        b
+        for b in BODIES
+        if (call := onboard._body_call(tree, b.fingerprint)) is not None
+        and call.lineno == call.end_lineno  # a body written on one line
+    )
+    text = TABLE
+    added = [f"0.{minor}.{patch}" for minor in (40, 41, 42) for patch in range(4)]
+    for release in added:
+        text = onboard.add_release_to_body(text, short.fingerprint, release)
+    assert max(len(line) for line in text.splitlines()) <= onboard.LINE_LENGTH
+    entries = _entries(text)
+    assert entries[short.fingerprint].releases == (*short.releases, *added)
+    assert {f: b for f, b in entries.items() if f != short.fingerprint} == {
+        b.fingerprint: b for b in BODIES if b is not short
+    }
+    call = onboard._body_call(ast.parse(text), short.fingerprint)
+    assert call is not None and call.args[0].lineno > call.lineno  # one per line
+    string = call.args[0]
+    assert string.end_lineno is not None and string.end_lineno > string.lineno
+    for release in added:
+        text = onboard.remove_release(text, release)
+    assert _entries(text) == {b.fingerprint: b for b in BODIES}
+    string = onboard._body_string_node(ast.parse(text), short.fingerprint)
+    assert string is not None and string.lineno == string.end_lineno
+
+
 def test_seed_ranges_stretch_to_a_new_release() -> None:
     newest = releases.SEED_BODIES[-1]
     seed = drafting.SeedReading(
@@ -129,7 +165,7 @@ def test_the_table_without_a_release() -> None:
     assert len(drafting.table_without("0.28.0")) == len(BODIES)  # shared body
     assert drafting.nearest_release("0.29.0", without) == "0.28.0"
     assert drafting.nearest_release("0.34.0", BODIES) == "0.33.0"
-    assert drafting.nearest_release("0.14.0", BODIES) == "0.15.1"
+    assert drafting.nearest_release("0.14.0", BODIES) == BODIES[0].releases[0]
 
 
 def test_a_bad_release_name_is_a_clear_error(
@@ -157,6 +193,102 @@ def test_forgetting_a_release_and_adding_it_back_restores_the_table(
     assert list(_entries(restored).values()) == list(BODIES)
 
 
+def test_a_new_release_starts_from_the_nearest_pinned_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A release without a pinned file starts from the newest older release's
+    stack; one older than every pinned file from the oldest (0.15.0 next to
+    0.15.1's stack, not 0.33.0's, which lacks the CPU platform plugin the old
+    releases need)."""
+    for release in ("0.15.1", "0.20.2", "0.33.0"):
+        (tmp_path / f"vllm-{release}.txt").write_text(f"# vllm=={release}\n")
+    monkeypatch.setattr(onboard, "ENVS", tmp_path)
+    assert onboard.newest_pinned("0.34.0").name == "vllm-0.33.0.txt"
+    assert onboard.newest_pinned("0.22.0").name == "vllm-0.20.2.txt"
+    assert onboard.newest_pinned("0.20.2").name == "vllm-0.15.1.txt"
+    assert onboard.newest_pinned("0.15.0").name == "vllm-0.15.1.txt"
+    assert onboard.newest_pinned().name == "vllm-0.33.0.txt"
+
+
+def test_a_new_release_starts_from_the_nearest_file_meeting_its_requirements(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The requirements are read from the release's wheel: 0.20.0 pins
+    apache-tvm-ffi==0.1.9, which 0.19.1's file contradicts (0.1.11) and
+    0.20.2's meets; a release every file meets takes the newest older one,
+    and so does one its neighbours both contradict."""
+    envs = tmp_path / "envs"
+    envs.mkdir()
+    for release, tvm in (
+        ("0.18.1", "0.1.11"),
+        ("0.19.1", "0.1.11"),
+        ("0.20.2", "0.1.9"),
+    ):
+        (envs / f"vllm-{release}.txt").write_text(
+            f"# vLLM {release}\n# NODEPS: xgrammar==0.2.5\napache_tvm_ffi=={tvm}\n"
+        )
+    monkeypatch.setattr(onboard, "ENVS", envs)
+
+    def wheel(release: str, requirements: str) -> Path:
+        path = tmp_path / f"vllm-{release}-cp38-abi3-linux_x86_64.whl"
+        with zipfile.ZipFile(path, "w") as out:
+            out.writestr(
+                f"vllm-{release}.dist-info/METADATA",
+                f"Metadata-Version: 2.1\nName: vllm\nVersion: {release}\n"
+                + "".join(f"Requires-Dist: {r}\n" for r in requirements.split("|")),
+            )
+        return path
+
+    strict = wheel(
+        "0.20.0",
+        "apache-tvm-ffi==0.1.9|xgrammar<1.0.0,>=0.1.32; platform_machine != 'none'"
+        '|pytest; extra == "dev"',
+    )
+    template, passed_over = onboard.template_for("0.20.0", strict)
+    assert template.name == "vllm-0.20.2.txt"
+    assert passed_over == ["`vllm-0.19.1.txt`: apache-tvm-ffi==0.1.11 (==0.1.9)"]
+    loose = wheel("0.19.0", "apache-tvm-ffi>=0.1.9|xgrammar==0.2.5")
+    assert onboard.template_for("0.19.0", loose) == (envs / "vllm-0.18.1.txt", [])
+    none_fits = wheel("0.21.0", "xgrammar==0.3.0")
+    template, passed_over = onboard.template_for("0.21.0", none_fits)
+    assert template.name == "vllm-0.20.2.txt" and len(passed_over) == 1
+
+
+def test_a_new_pinned_file_meets_the_releases_requirements() -> None:
+    """An older release's pins that the new release's requirements contradict
+    (0.27.0 requires apache-tvm-ffi==0.1.11, 0.26.0's file pins 0.1.10; 0.18.0
+    requires xgrammar>=0.1.32, 0.17.1's pins 0.1.29) are found in ``pip
+    check``'s words; packages left out on purpose, and torch (its CPU build,
+    not the pinned file's), are no conflict. The pinned
+    file then states the versions installed, its NODEPS line too."""
+    template = (
+        "# vLLM 0.17.1 scheduler stack on CPU (torch 2.13.0 CPU build), exact.\n"
+        "# Installed with --no-deps after: vllm==0.17.1 and the NODEPS line.\n"
+        "# NODEPS: xgrammar==0.1.29\n"
+        "apache-tvm-ffi==0.1.10\n"
+    )
+    check = (
+        "xgrammar 0.1.29 requires triton, which is not installed.\n"
+        "vllm 0.18.0 has requirement torch==2.10.0, but you have torch 2.13.0.\n"
+        "vllm 0.18.0 requires fastapi, which is not installed.\n"
+        "vllm 0.18.0 has requirement xgrammar<1.0.0,>=0.1.32; platform_machine == "
+        '"x86_64" or platform_machine == "aarch64", but you have xgrammar 0.1.29.\n'
+        "vllm 0.18.0 has requirement apache-tvm-ffi==0.1.11, but you have "
+        "apache-tvm-ffi 0.1.10.\n"
+    )
+    assert onboard.vllm_conflicts(check, template) == [
+        ("xgrammar<1.0.0,>=0.1.32", "xgrammar", "0.1.29"),
+        ("apache-tvm-ffi==0.1.11", "apache-tvm-ffi", "0.1.10"),
+    ]
+    frozen = ["apache_tvm_ffi==0.1.11", "xgrammar==0.2.9", "vllm==0.18.0"]
+    text = onboard.pinned_text_for("0.18.0", template, frozen, "torch==2.13.0")
+    assert text.splitlines()[1:] == [
+        "# Installed with --no-deps after: vllm==0.18.0 and the NODEPS line.",
+        "# NODEPS: xgrammar==0.2.9",
+        "apache_tvm_ffi==0.1.11",
+    ]
+
+
 def test_the_version_is_read_where_vllm_writes_it(tmp_path: Path) -> None:
     """vLLM's build backend writes ``vllm/_version.py``; ``version.py`` only
     imports it."""
@@ -182,7 +314,6 @@ def test_a_relabelled_wheel_is_a_valid_wheel_of_the_local_version(
     import csv
     import hashlib
     import io
-    import zipfile
 
     files = {
         "vllm/_version.py": b"__version__ = version = '0.33.0'\n",

@@ -56,12 +56,12 @@ def test_rules_change_where_the_domain_notes_say() -> None:
     no_output = {
         r for r, b in by_release.items() if b.prefill is PrefillRule.NO_OUTPUT_YET
     }
-    assert no_output == {"0.15.1", "0.16.0"}
+    assert no_output == {"0.15.0", "0.15.1", "0.16.0"}
     wide = {r for r, b in by_release.items() if b.wide_block_exemption}
-    assert min(wide, key=Version) == "0.27.1"
-    assert all(Version(r) >= Version("0.27.1") for r in wide)
+    assert min(wide, key=Version) == "0.27.0"
+    assert all(Version(r) >= Version("0.27.0") for r in wide)
     extra = {r for r, b in by_release.items() if b.extra_parameter}
-    assert extra == {"0.24.0", "0.25.1"}
+    assert extra == {"0.24.0", "0.25.0", "0.25.1"}
     assert {b.extra_parameter for b in BODIES} == {
         None,
         "num_uncached_common_prefix_tokens",
@@ -97,7 +97,7 @@ def test_worker_seed_table() -> None:
     for code in SEED_BODIES:
         assert classify_seed(code.fingerprint, group_info) is code.site
     fix = [c for c in SEED_BODIES if c.site is SeedSite.SEEDS_WITH_CACHE_BLOCK]
-    assert [c.releases for c in fix] == ["0.25.1", "0.26.0", "0.27.1-0.31.0"]
+    assert [c.releases for c in fix] == ["0.25.0-0.25.1", "0.26.0", "0.27.0-0.31.0"]
     # Without a recognized _get_mamba_group_info the deferred re-seed is not safe.
     assert classify_seed(fix[0].fingerprint, None) is SeedSite.UNRECOGNIZED
     assert classify_seed("0" * 16, group_info) is SeedSite.UNRECOGNIZED
@@ -107,9 +107,12 @@ def test_worker_seed_table() -> None:
 @pytest.mark.parametrize(
     ("version", "rule"),
     [
+        ("0.15.0", CacheBlockRule.DIVISOR),
         ("0.15.1", CacheBlockRule.DIVISOR),
         ("0.19.1", CacheBlockRule.DIVISOR),
+        ("0.20.0", CacheBlockRule.EQUAL),
         ("0.20.2", CacheBlockRule.EQUAL),
+        ("0.27.0", CacheBlockRule.EQUAL),
         ("0.27.1", CacheBlockRule.EQUAL),
         ("0.28.0", CacheBlockRule.ANY),
         ("0.33.0", CacheBlockRule.ANY),
