@@ -575,9 +575,3 @@ def requests_need_eos_token_id() -> bool:
     from vllm.v1.request import Request
 
     return "eos_token_id" in inspect.signature(Request.__init__).parameters
-
-
-AMX_DISABLES_PREFIX_CACHING = "0.24.0 0.25.1"
-"""Releases whose CPU platform turns prefix caching off for linear-attention
-models when the host CPU has AMX (no setting avoids it); the tools build configs
-as on a CPU without AMX (``tools.sim.engine``)."""

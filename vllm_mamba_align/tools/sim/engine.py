@@ -195,9 +195,10 @@ def base_vllm_config(
 def _without_amx(build: Any) -> Any:
     """Build a config as on a CPU without AMX, whatever this host has.
 
-    vLLM 0.24.0-0.25.1's CPU platform turns prefix caching off for linear-attention
-    models when the CPU has AMX; no setting avoids it. Results must not depend on
-    the host, and the scheduler under test never runs a CPU kernel.
+    vLLM 0.22.0-0.24.0's CPU platform turns prefix caching off for
+    linear-attention models when the CPU has AMX (platforms/cpu.py); no setting
+    avoids it. Results must not depend on the host, and the scheduler under
+    test never runs a CPU kernel.
     """
     import torch
 
