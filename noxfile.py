@@ -421,6 +421,73 @@ def fingerprints(session: nox.Session) -> None:
     )
 
 
+VLLM_SUITE = REPO / "tools" / "vllm_suite.py"
+VLLM_SUITE_RELEASES = ["0.33.0", "0.29.0"]
+"""The releases whose own scheduler tests judge the plugin (``vllm_suite``):
+the newest, and the internal-checkpoint rule's first body."""
+PLUGIN_MODES = ("kept", "full", "grid", "audit", "off")
+
+
+def run_vllm_suite(session: nox.Session, release: str, modes: tuple[str, ...]) -> None:
+    """vLLM ``release``'s own ``tests/v1/core`` (from its sdist on the registry),
+    stock and with the plugin registered in each of ``modes``; fails when the
+    plugin changes a test's outcome (tools/vllm_suite.py says which and why)."""
+    env = install_vllm(session, release)
+    session.install(*SUITE_TOOLS)
+    install_plugin_wheel(session)
+    work = Path(tempfile.mkdtemp(prefix="vllm-mamba-align-vllm-suite-"))
+    sdists = os.environ.get("MAMBA_ALIGN_SDISTS") or str(
+        Path(tempfile.gettempdir()) / "vllm-sdists"
+    )
+    suite = str(VLLM_SUITE)
+    fetch = ["fetch", release, "--cache", sdists, "--dest", str(work)]
+    session.run("python3", suite, *fetch, external=True)
+    env["HF_HOME"] = str(work / "hf")
+    session.run("python", suite, "hf-cache", env["HF_HOME"], env=env)
+    # vLLM's top-level conftest imports the whole engine: none is read. Its tests
+    # import `tests.…` from the extracted folder, the working directory.
+    env["PYTHONPATH"] = os.pathsep.join([str(work), str(VLLM_SUITE.parent)])
+    runs = []
+    with session.chdir(work):
+        for mode in ("stock", *modes):
+            junit = work / f"{mode}.xml"
+            registered = {
+                "MAMBA_ALIGN_SUITE_REGISTER": "1",
+                "VLLM_MAMBA_ALIGN_MODE": mode,
+            }
+            session.run(
+                "python",
+                "-m",
+                "pytest",
+                *("--noconftest", "-p", "vllm_suite", "-p", "no:cacheprovider"),
+                *("-c", "pyproject.toml", "--rootdir", ".", "-q", "-rN"),
+                *("-n", WORKERS, "--dist", "worksteal"),
+                f"--junitxml={junit}",
+                "tests/v1/core",
+                *session.posargs,
+                env=env if mode == "stock" else {**env, **registered},
+                success_codes=[0, 1],  # the environment's failures: judged below
+            )
+            runs.append(f"{mode}={junit}")
+    session.run("python3", suite, "compare", *runs, external=True)
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("vllm", VLLM_SUITE_RELEASES)
+@timed
+def vllm_suite(session: nox.Session, vllm: str) -> None:
+    """vLLM's own scheduler tests, stock and in every mode (release matrix)."""
+    run_vllm_suite(session, vllm, PLUGIN_MODES)
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("vllm", VLLM_SUITE_RELEASES[:1])
+@timed
+def vllm_suite_ci(session: nox.Session, vllm: str) -> None:
+    """vLLM's own scheduler tests, stock and in the default mode, newest release."""
+    run_vllm_suite(session, vllm, PLUGIN_MODES[:1])
+
+
 @nox.session(venv_backend="none")
 @timed
 def matrix_table(session: nox.Session) -> None:
