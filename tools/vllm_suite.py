@@ -50,12 +50,65 @@ SUPPORT_NAMES = ("__init__.py", "utils.py")
 ``utils.py`` modules of its test packages (``tests.utils``,
 ``tests.v1.kv_connector.unit.utils``, ...); every one of them is taken."""
 
-HF_MODELS = (
-    "facebook/opt-125m",
-    "llava-hf/llava-1.5-7b-hf",
-    "Qwen/Qwen3-Next-80B-A3B-Instruct",
-)
-"""The models whose configuration the tests load (offline: config.json only)."""
+HF_MODELS: dict[str, tuple[str, dict[str, object]]] = {
+    "facebook/opt-125m": (
+        "OPTConfig",
+        {"hidden_size": 768, "num_attention_heads": 12, "num_hidden_layers": 12},
+    ),
+    "facebook/opt-350m": (
+        "OPTConfig",
+        {
+            "hidden_size": 1024,
+            "num_attention_heads": 16,
+            "num_hidden_layers": 24,
+            "ffn_dim": 4096,
+            "word_embed_proj_dim": 512,
+        },
+    ),
+    "llava-hf/llava-1.5-7b-hf": ("LlavaConfig", {}),
+    "Qwen/Qwen3-Next-80B-A3B-Instruct": ("Qwen3NextConfig", {}),
+    "Qwen/Qwen3-0.6B": (
+        "Qwen3Config",
+        {
+            "hidden_size": 1024,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "max_position_embeddings": 40960,
+            "tie_word_embeddings": True,
+        },
+    ),
+    "Qwen/Qwen1.5-7B": ("Qwen2Config", {"max_position_embeddings": 32768}),
+    "Qwen/Qwen2.5-VL-3B-Instruct": (
+        "Qwen2_5_VLConfig",
+        {
+            "text_config": {
+                "hidden_size": 2048,
+                "intermediate_size": 11008,
+                "num_hidden_layers": 36,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 2,
+            }
+        },
+    ),
+    "Qwen/Qwen3.5-0.8B": ("Qwen3_5Config", {}),
+    "hmellor/tiny-random-LlamaForCausalLM": (
+        "LlamaConfig",
+        {
+            "hidden_size": 16,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+        },
+    ),
+}
+"""The models the tests name, offline: transformers' config class (whose
+defaults are the model's where no value is given) and the values that differ,
+read from each model's published configuration. A class this release's
+transformers lacks is left out; its tests fail alike in every run."""
 
 
 # -- the pytest plugin ------------------------------------------------------------
@@ -142,30 +195,29 @@ def extract(sdist: Path, dest: Path) -> None:
 
 
 def write_hf_cache(home: Path) -> None:
-    """A Hugging Face hub cache in ``home`` holding each of :data:`HF_MODELS`'s
-    ``config.json``, written by transformers' config class for that model (their
-    defaults are those models' configurations)."""
-    from transformers import LlavaConfig, OPTConfig, Qwen3NextConfig
+    """A Hugging Face hub cache in ``home`` with each of :data:`HF_MODELS`:
+    its ``config.json`` and a tiny tokenizer (the scheduler's structured-output
+    manager loads one; no test reads its vocabulary)."""
+    import transformers
+    from tokenizers import Tokenizer, models
 
-    configs = {
-        "facebook/opt-125m": OPTConfig(
-            hidden_size=768,
-            num_attention_heads=12,
-            num_hidden_layers=12,
-            ffn_dim=3072,
-            word_embed_proj_dim=768,
-            max_position_embeddings=2048,
-            vocab_size=50272,
-        ),
-        "llava-hf/llava-1.5-7b-hf": LlavaConfig(),
-        "Qwen/Qwen3-Next-80B-A3B-Instruct": Qwen3NextConfig(),
-    }
     revision = "0" * 40
-    for model, config in configs.items():
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+    )
+    for model, (name, values) in HF_MODELS.items():
+        config_class = getattr(transformers, name, None)
+        if config_class is None:
+            continue
         repo = home / "hub" / ("models--" + model.replace("/", "--"))
         snapshot = repo / "snapshots" / revision
         snapshot.mkdir(parents=True, exist_ok=True)
-        config.save_pretrained(snapshot)
+        config_class(**values).save_pretrained(snapshot)
+        tokenizer.save_pretrained(snapshot)
         (repo / "refs").mkdir(exist_ok=True)
         (repo / "refs" / "main").write_text(revision)
 
