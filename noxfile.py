@@ -280,6 +280,13 @@ def unit(session: nox.Session) -> None:
     pytest(session, "tests/unit", *session.posargs, env=env)
 
 
+def drop_env_if_asked(session: nox.Session) -> None:
+    """With ``MAMBA_ALIGN_DROP_ENVS=1``, remove the session's environment (each
+    release's takes about 2.3 GB of disk)."""
+    if os.environ.get("MAMBA_ALIGN_DROP_ENVS") == "1":
+        shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+
+
 def run_suite(
     session: nox.Session, release: str, record: bool, *selection: str
 ) -> None:
@@ -301,7 +308,6 @@ def run_suite(
             junit=junit,
         )
     finally:
-        drop = os.environ.get("MAMBA_ALIGN_DROP_ENVS") == "1"
         if record and junit.exists():
             seconds = str(time.monotonic() - started)
             session.run(
@@ -316,8 +322,7 @@ def run_suite(
                 seconds,
                 env=env,
             )
-        if drop:  # each release's environment takes about 2.3 GB of disk
-            shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+        drop_env_if_asked(session)
 
 
 @nox.session(python=PYTHON)
@@ -447,6 +452,16 @@ def run_vllm_suite(session: nox.Session, release: str, modes: tuple[str, ...]) -
     # vLLM's top-level conftest imports the whole engine: none is read. Its tests
     # import `tests.…` from the extracted folder, the working directory.
     env["PYTHONPATH"] = os.pathsep.join([str(work), str(VLLM_SUITE.parent)])
+    try:
+        judge_vllm_suite(session, work, modes, env)
+    finally:
+        drop_env_if_asked(session)
+
+
+def judge_vllm_suite(
+    session: nox.Session, work: Path, modes: tuple[str, ...], env: dict[str, str]
+) -> None:
+    """Run the extracted tests in ``work`` stock, then in each mode; compare."""
     runs = []
     with session.chdir(work):
         for mode in ("stock", *modes):
@@ -469,7 +484,7 @@ def run_vllm_suite(session: nox.Session, release: str, modes: tuple[str, ...]) -
                 success_codes=[0, 1],  # the environment's failures: judged below
             )
             runs.append(f"{mode}={junit}")
-    session.run("python3", suite, "compare", *runs, external=True)
+    session.run("python3", str(VLLM_SUITE), "compare", *runs, external=True)
 
 
 @nox.session(python=PYTHON)
