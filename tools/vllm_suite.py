@@ -39,9 +39,16 @@ from pathlib import Path
 STOCK = "stock"
 """The run without the plugin registered: every mode's run is compared with it."""
 
-EXCEPTIONS: dict[str, str] = {}
-"""Tests whose outcome the plugin changes on purpose: test id -> why. A test
-listed here is reported when it changes, never counted as a change."""
+EXCEPTIONS: dict[str, str] = {
+    "tests.v1.core.test_kv_cache_planning::test_is_kv_cache_spec_uniform": (
+        "runs `python -O` importing vLLM with a 60 s timeout: on a loaded machine it "
+        "times out in some runs and not others, stock included"
+    ),
+}
+"""Tests whose outcome may differ from stock's for a known reason other than a
+defect of the plugin (a change it makes on purpose, a test that depends on the
+machine's load): test id -> why. A listed test is reported when it changes,
+never counted as a change."""
 
 TEST_FOLDERS = ("tests/v1/core/",)
 """What runs: vLLM's scheduler, prefix-caching and KV-cache-manager tests."""
