@@ -54,7 +54,15 @@ def _expose_interpreters() -> None:
 _expose_interpreters()
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "unit", "docs", "ci", "ci_image", "e2e"]
+nox.options.sessions = [
+    "lint",
+    "unit",
+    "docs",
+    "ci",
+    "ci_image",
+    "vllm_suite_ci",
+    "e2e",
+]
 
 
 @dataclass
@@ -280,6 +288,13 @@ def unit(session: nox.Session) -> None:
     pytest(session, "tests/unit", *session.posargs, env=env)
 
 
+def drop_env_if_asked(session: nox.Session) -> None:
+    """With ``MAMBA_ALIGN_DROP_ENVS=1``, remove the session's environment (each
+    release's takes about 2.3 GB of disk)."""
+    if os.environ.get("MAMBA_ALIGN_DROP_ENVS") == "1":
+        shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+
+
 def run_suite(
     session: nox.Session, release: str, record: bool, *selection: str
 ) -> None:
@@ -301,7 +316,6 @@ def run_suite(
             junit=junit,
         )
     finally:
-        drop = os.environ.get("MAMBA_ALIGN_DROP_ENVS") == "1"
         if record and junit.exists():
             seconds = str(time.monotonic() - started)
             session.run(
@@ -316,8 +330,7 @@ def run_suite(
                 seconds,
                 env=env,
             )
-        if drop:  # each release's environment takes about 2.3 GB of disk
-            shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+        drop_env_if_asked(session)
 
 
 @nox.session(python=PYTHON)
@@ -419,6 +432,97 @@ def fingerprints(session: nox.Session) -> None:
     session.run(
         "python3", "-m", "vllm_mamba_align.tools.interpreters", *wheels, external=True
     )
+
+
+VLLM_SUITE = REPO / "tools" / "vllm_suite.py"
+VLLM_SUITE_RELEASES = ["0.33.0", "0.29.0"]
+"""The releases whose own scheduler tests judge the plugin (``vllm_suite``):
+the newest, and the internal-checkpoint rule's first body."""
+PLUGIN_MODES = ("kept", "full", "grid", "audit", "off")
+HYBRID_TESTS = ("-k", "mamba or hybrid or align")
+"""The tests whose module, class or name says Mamba, hybrid or align, where vLLM
+tests the schedulers and cache managers the plugin acts on (251 of 0.33.0's 1,215
+tests, 4% of their time); most others build attention-only schedulers, which the
+plugin leaves to vLLM."""
+
+
+def run_vllm_suite(
+    session: nox.Session, release: str, modes: tuple[str, ...], *selection: str
+) -> None:
+    """vLLM ``release``'s own ``tests/v1/core`` (from its sdist on the registry),
+    stock and with the plugin registered in each of ``modes``; fails when the
+    plugin changes a test's outcome (tools/vllm_suite.py says which and why).
+    ``selection``: pytest's arguments that choose the tests (default: all)."""
+    env = install_vllm(session, release)
+    session.install(*SUITE_TOOLS)
+    install_plugin_wheel(session)
+    work = Path(tempfile.mkdtemp(prefix="vllm-mamba-align-vllm-suite-"))
+    sdists = os.environ.get("MAMBA_ALIGN_SDISTS") or str(
+        Path(tempfile.gettempdir()) / "vllm-sdists"
+    )
+    suite = str(VLLM_SUITE)
+    fetch = ["fetch", release, "--cache", sdists, "--dest", str(work)]
+    session.run("python3", suite, *fetch, external=True)
+    env["HF_HOME"] = str(work / "hf")
+    session.run("python", suite, "hf-cache", env["HF_HOME"], env=env)
+    # vLLM's top-level conftest imports the whole engine: none is read. Its tests
+    # import `tests.…` from the extracted folder, the working directory.
+    env["PYTHONPATH"] = os.pathsep.join([str(work), str(VLLM_SUITE.parent)])
+    try:
+        judge_vllm_suite(session, work, modes, env, selection)
+    finally:
+        drop_env_if_asked(session)
+
+
+def judge_vllm_suite(
+    session: nox.Session,
+    work: Path,
+    modes: tuple[str, ...],
+    env: dict[str, str],
+    selection: tuple[str, ...],
+) -> None:
+    """Run the extracted tests in ``work`` stock, then in each mode; compare."""
+    runs = []
+    with session.chdir(work):
+        for mode in ("stock", *modes):
+            junit = work / f"{mode}.xml"
+            registered = {
+                "MAMBA_ALIGN_SUITE_REGISTER": "1",
+                "VLLM_MAMBA_ALIGN_MODE": mode,
+            }
+            session.run(
+                "python",
+                "-m",
+                "pytest",
+                *("--noconftest", "-p", "vllm_suite", "-p", "no:cacheprovider"),
+                *("-c", "pyproject.toml", "--rootdir", ".", "-q", "-rN"),
+                *("-n", WORKERS, "--dist", "worksteal"),
+                f"--junitxml={junit}",
+                "tests/v1/core",
+                *selection,
+                *session.posargs,
+                env=env if mode == "stock" else {**env, **registered},
+                success_codes=[0, 1],  # the environment's failures: judged below
+            )
+            runs.append(f"{mode}={junit}")
+    session.run("python3", str(VLLM_SUITE), "compare", *runs, external=True)
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("vllm", VLLM_SUITE_RELEASES)
+@timed
+def vllm_suite(session: nox.Session, vllm: str) -> None:
+    """vLLM's own scheduler tests, stock and in every mode (release matrix)."""
+    run_vllm_suite(session, vllm, PLUGIN_MODES)
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("vllm", VLLM_SUITE_RELEASES[:1])
+@timed
+def vllm_suite_ci(session: nox.Session, vllm: str) -> None:
+    """vLLM's own tests of the Mamba and hybrid paths (:data:`HYBRID_TESTS`), stock
+    and in the default mode, on the newest release."""
+    run_vllm_suite(session, vllm, PLUGIN_MODES[:1], *HYBRID_TESTS)
 
 
 @nox.session(venv_backend="none")
