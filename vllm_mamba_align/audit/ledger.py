@@ -28,9 +28,10 @@ def computes_known_tokens(request: Request, start: int) -> bool:
     It computes a token no one knows yet; a boundary it ends on is no prompt
     state, and it is no prefill chunk of the audit's (found by the release
     matrix: a 7-token prompt, B = 8, the first decode ``[7, 8)`` counted as a
-    non-canonical kept state). Every later body's rule implies this one.
+    non-canonical kept state). It is the later bodies' own prefill rule, which
+    implies it for them.
     """
-    return start < max(request.num_prompt_tokens, request.num_tokens - 1)
+    return in_prefill(PrefillRule.BEFORE_PREFILL_END, request, start)
 
 
 class StepLedger:
