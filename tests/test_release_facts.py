@@ -49,3 +49,24 @@ def test_code_read_as_unverified_gets_the_rows_facts() -> None:
         "aligns_drafter_tail",
     ):
         assert getattr(drafted, name) == getattr(body, name), name
+
+
+def test_the_checkpoint_backends_read_from_the_layers_are_the_releases() -> None:
+    """Which backends declare prefill checkpoint blocks is read from the
+    installed layer files; on a release it must be the backends that release
+    first shipped with (CHECKPOINT_BACKENDS_SINCE, read off each wheel), and a
+    body with no internal checkpointing has none to use."""
+    from packaging.version import Version
+
+    found = releases.checkpoint_backends_in(releases.vllm_package_dir())
+    version = releases.installed_version()
+    if version in releases.SUPPORTED_RELEASES:
+        assert found == tuple(
+            backend
+            for backend, since in releases.CHECKPOINT_BACKENDS_SINCE.items()
+            if Version(version) >= Version(since)
+        )
+    if installed_body().internal_checkpoint is releases.InternalCheckpoint.NONE:
+        assert found == ()
+    else:
+        assert "flashkda" in found

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
+from packaging.version import Version
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "matrix"
 README = REPO / "README.md"
@@ -81,6 +83,17 @@ def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} CPUs"
 
 
+NIGHTLY_RESULTS = RESULTS / "nightly"
+"""Records of nightly builds of vLLM main (``nox -s tests_nightly``), apart
+from the releases' so that no release table counts them."""
+
+
+def record_path(release: str) -> Path:
+    """matrix/<release>.json; a dev version (a nightly build) under nightly/."""
+    nightly = Version(release).is_devrelease
+    return (NIGHTLY_RESULTS if nightly else RESULTS) / f"{release}.json"
+
+
 def record(release: str, junit: Path, seconds: float) -> None:
     sys.path.insert(0, str(REPO))
     import vllm
@@ -120,7 +133,9 @@ def record(release: str, junit: Path, seconds: float) -> None:
         "machine": machine(),
         "python": platform.python_version().rsplit(".", 1)[0],
     }
-    (RESULTS / f"{release}.json").write_text(json.dumps(entry, indent=1) + "\n")
+    path = record_path(release)
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(entry, indent=1) + "\n")
     print(json.dumps(entry))
 
 

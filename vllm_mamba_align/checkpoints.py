@@ -18,12 +18,12 @@ import ast
 import enum
 import functools
 import inspect
+import re
 import textwrap
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from packaging.version import InvalidVersion, Version
 
 if TYPE_CHECKING:
     from .protocols import Request, Scheduler
@@ -66,30 +66,49 @@ class CheckpointGrid(enum.Enum):
     (model_executor/layers/mamba/checkpoint.py:111-133 in 0.32.0)."""
 
 
+CHECKPOINT_BACKEND_FILES: dict[str, str] = {
+    "flashkda": "models/kimi_k3/nvidia/kda.py",
+    "mamba2": "model_executor/layers/mamba/mamba_mixer2.py",
+    "gdn-flashinfer": "model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py",
+}
+"""GPU backends that can declare ``MambaSpec.num_prefill_checkpoint_blocks``,
+and the layer file (relative to vLLM's package directory) whose spec sets it:
+KDA on flashkda, Mamba2, GDN on FlashInfer. Which of them a vLLM has is read
+from these files (:func:`checkpoint_backends_in`), never from the version."""
+
 CHECKPOINT_BACKENDS_SINCE: dict[str, str] = {
     "flashkda": "0.29.0",
     "mamba2": "0.32.0",
     "gdn-flashinfer": "0.33.0",
 }
-"""GPU backends that declare ``MambaSpec.num_prefill_checkpoint_blocks`` and
-the first release where they do: KDA on flashkda (models/kimi_k3/nvidia/kda.py:
-599 in 0.29.0, :805 in 0.30.0, :747 in 0.31.0, :835 in 0.32.0), Mamba2
+"""The first release whose layer file declares the blocks, as read from each
+release's wheel: KDA (models/kimi_k3/nvidia/kda.py:599 in 0.29.0, :805 in
+0.30.0, :747 in 0.31.0, :835 in 0.32.0), Mamba2
 (model_executor/layers/mamba/mamba_mixer2.py:1107 in 0.32.0), GDN
 (model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py:748 in 0.33.0; 0.32.0
-builds the checkpoint metadata for GDN but its layer declares no block)."""
+builds the checkpoint metadata for GDN but its layer declares no block). Kept
+for the documentation and for the tests that hold
+:func:`checkpoint_backends_in` to it on every release; a nightly build of vLLM
+main may have a backend's blocks before any release does."""
+
+_DECLARES_CHECKPOINT_BLOCKS = re.compile(r"\bnum_prefill_checkpoint_blocks\s*=")
 
 
-def checkpoint_backends(version: str | None) -> tuple[str, ...]:
-    """The backends of :data:`CHECKPOINT_BACKENDS_SINCE` a release has."""
-    try:
-        release = Version(version or "").release
-    except InvalidVersion:
+def checkpoint_backends_in(package_dir: Path | None) -> tuple[str, ...]:
+    """The backends of :data:`CHECKPOINT_BACKEND_FILES` whose layer, in the vLLM
+    installed at ``package_dir``, sets ``num_prefill_checkpoint_blocks`` (a
+    keyword or an assignment); () when vLLM is not installed."""
+    if package_dir is None:
         return ()
-    return tuple(
-        backend
-        for backend, since in CHECKPOINT_BACKENDS_SINCE.items()
-        if release >= Version(since).release
-    )
+    found = []
+    for backend, relative in CHECKPOINT_BACKEND_FILES.items():
+        try:
+            text = (package_dir / relative).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if _DECLARES_CHECKPOINT_BLOCKS.search(text):
+            found.append(backend)
+    return tuple(found)
 
 
 FLASHKDA_CHUNK_SIZE = 16

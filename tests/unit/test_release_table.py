@@ -22,7 +22,7 @@ from vllm_mamba_align.releases import (
     SeedSite,
     body_for,
     cache_block_rule,
-    checkpoint_backends,
+    checkpoint_backends_in,
     classify_seed,
     expected_body,
     in_prefill,
@@ -34,7 +34,7 @@ HEX16 = re.compile(r"[0-9a-f]{16}")
 
 def test_every_body_has_its_own_fingerprint_and_releases() -> None:
     fingerprints = [body.fingerprint for body in BODIES]
-    assert len(set(fingerprints)) == len(fingerprints) == 11
+    assert len(set(fingerprints)) == len(fingerprints) == 15  # 11 released
     assert all(HEX16.fullmatch(f) for f in fingerprints)
     shipped = [r for body in BODIES for r in body.releases]
     assert len(set(shipped)) == len(shipped), "a release listed twice"
@@ -49,6 +49,20 @@ def test_every_body_has_its_own_fingerprint_and_releases() -> None:
 def test_every_pinned_environment_is_a_verified_release() -> None:
     pinned = {p.stem.removeprefix("vllm-") for p in ENVS.glob("vllm-*.txt")}
     assert pinned == set(SUPPORTED_RELEASES)
+
+
+def test_every_nightly_only_body_has_one_pinned_build() -> None:
+    """A body no release shipped names the nightly builds that carry it; one of
+    them has a pinned environment (envs/nightly-<build>.txt), where the whole
+    suite runs (``nox -s tests_nightly``)."""
+    pinned = {p.stem.removeprefix("nightly-") for p in ENVS.glob("nightly-*.txt")}
+    for body in BODIES:
+        assert body.releases or body.nightlies, body.name
+        assert all(Version(build).is_devrelease for build in body.nightlies)
+        if not body.releases:
+            assert len(pinned & set(body.nightlies)) == 1, body.name
+            assert expected_body(body.nightlies[-1]) is body
+    assert pinned <= set(releases.VERIFIED_NIGHTLIES)
 
 
 def test_rules_change_where_the_domain_notes_say() -> None:
@@ -82,13 +96,21 @@ def test_rules_change_where_the_domain_notes_say() -> None:
     assert grids["0.32.0"] is grids["0.33.0"] is CheckpointGrid.CACHE_HIT_ALIGNMENT
 
 
-def test_checkpoint_backends_by_release() -> None:
-    assert checkpoint_backends("0.28.0") == ()
-    assert checkpoint_backends("0.29.0") == ("flashkda",)
-    assert checkpoint_backends("0.31.0") == ("flashkda",)
-    assert checkpoint_backends("0.32.0") == ("flashkda", "mamba2")
-    assert checkpoint_backends("0.33.0") == ("flashkda", "mamba2", "gdn-flashinfer")
-    assert checkpoint_backends(None) == checkpoint_backends("not a version") == ()
+def test_checkpoint_backends_are_read_from_the_layer_files(tmp_path: Path) -> None:
+    """A backend counts where its layer sets ``num_prefill_checkpoint_blocks``
+    (keyword or assignment); naming the field is not declaring it."""
+    files = releases.CHECKPOINT_BACKEND_FILES
+    assert checkpoint_backends_in(None) == checkpoint_backends_in(tmp_path) == ()
+    kda = tmp_path / files["flashkda"]
+    kda.parent.mkdir(parents=True)
+    kda.write_text("spec = MambaSpec(num_prefill_checkpoint_blocks=1)\n")
+    mixer = tmp_path / files["mamba2"]
+    mixer.parent.mkdir(parents=True)
+    mixer.write_text("if spec.num_prefill_checkpoint_blocks > 0:\n    pass\n")
+    assert checkpoint_backends_in(tmp_path) == ("flashkda",)
+    mixer.write_text("self.num_prefill_checkpoint_blocks = 1\n")
+    assert checkpoint_backends_in(tmp_path) == ("flashkda", "mamba2")
+    assert set(releases.CHECKPOINT_BACKENDS_SINCE) == set(files)
 
 
 def test_worker_seed_table() -> None:

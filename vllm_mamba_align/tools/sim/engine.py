@@ -19,13 +19,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ...checkpoints import CHECKPOINT_BACKEND_FILES, checkpoint_backends_in
 from ...releases import (
-    CHECKPOINT_BACKENDS_SINCE,
-    checkpoint_backends,
     installed_version,
     retention_in_kv_config,
     supports_hash_block,
     supports_lookahead_hashes,
+    vllm_package_dir,
 )
 from ..modes import environment_variable
 
@@ -275,16 +275,18 @@ class Geometry:
     nothing."""
 
 
-CHECKPOINT_BACKENDS = tuple(CHECKPOINT_BACKENDS_SINCE)
-"""Backends whose in-chunk prefill checkpoint the worker model writes, each from
-the release where it declares checkpoint blocks (releases.CHECKPOINT_BACKENDS_SINCE):
-flashkda 0.29.0+, Mamba2 0.32.0+, GDN on FlashInfer 0.33.0+. 0.29.0 has no
-alignment field (flashkda's rule is 16 there)."""
+CHECKPOINT_BACKENDS = tuple(CHECKPOINT_BACKEND_FILES)
+"""Backends whose in-chunk prefill checkpoint the worker model writes, where
+the installed vLLM's layer declares checkpoint blocks
+(checkpoints.CHECKPOINT_BACKEND_FILES; in releases: flashkda 0.29.0+, Mamba2
+0.32.0+, GDN on FlashInfer 0.33.0+). 0.29.0 has no alignment field (flashkda's
+rule is 16 there)."""
 
 
 def available_checkpoint_backends() -> tuple[str, ...]:
-    """The backends of :data:`CHECKPOINT_BACKENDS` the installed vLLM has."""
-    return checkpoint_backends(installed_version())
+    """The backends of :data:`CHECKPOINT_BACKENDS` the installed vLLM's layers
+    declare checkpoint blocks for (read from its files, not its version)."""
+    return checkpoint_backends_in(vllm_package_dir())
 
 
 def checkpoint_alignment(backend: str, hash_block: int) -> int:
