@@ -267,7 +267,7 @@ def _nightly_records() -> dict[str, dict[str, object]]:
     return {
         str(entry["fingerprint"]): entry
         for entry in (
-            json.loads(p.read_text()) for p in sorted(NIGHTLY_RESULTS.glob("[0-9]*.json"))
+            json.loads(p.read_text()) for p in sorted(NIGHTLY_RESULTS.glob("*.json"))
         )
     }
 
@@ -479,7 +479,8 @@ def main() -> None:
     rec.add_argument("--junit", type=Path, required=True)
     rec.add_argument("--seconds", type=float, required=True)
     nightly = sub.add_parser(
-        "record-nightlies", help="keep a nightlies --json report as matrix/nightlies.json"
+        "record-nightlies",
+        help="keep a nightlies --json report as matrix/nightlies.json",
     )
     nightly.add_argument("--report", type=Path, required=True)
     sub.add_parser("table", help="rewrite every generated block")

@@ -579,25 +579,11 @@ variable for a model without a sliding window (kv_cache_coordinator.py:46 in
 or vendor build says nothing reliable by its number."""
 
 
-def retention_variable_reaches_mamba() -> bool:
-    """Whether the installed vLLM's retention environment variable (0.24.0 to
-    0.28.0; still read later) decides which Mamba states are kept: the variable
-    is vLLM's and its Mamba manager masks what it publishes
-    (:func:`retention.masks_by_retention`; 0.23.0 reads it for sliding-window
-    groups only)."""
-    import vllm.envs
-    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
-
-    from .retention import RETENTION_VARIABLE, masks_by_retention
-
-    if RETENTION_VARIABLE not in getattr(vllm.envs, "environment_variables", {}):
-        return False
-    return masks_by_retention(MambaManager)
-
-
 def supports_retention_setting() -> bool:
     """Whether this vLLM has a state retention setting for Mamba states (0.24.0+:
     an environment variable until 0.28.0, the cache config from 0.29.0)."""
+    from .retention import retention_variable_reaches_mamba
+
     return retention_in_kv_config() or retention_variable_reaches_mamba()
 
 

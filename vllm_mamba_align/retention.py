@@ -277,6 +277,20 @@ def _default_interval() -> Any:
         return _NO_FIELD
 
 
+def retention_variable_reaches_mamba() -> bool:
+    """Whether the installed vLLM's retention environment variable (0.24.0 to
+    0.28.0; still read later) decides which Mamba states are kept: the variable
+    is vLLM's and its Mamba manager masks what it publishes
+    (:func:`masks_by_retention`; 0.23.0 reads it for sliding-window
+    groups only)."""
+    import vllm.envs
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    if RETENTION_VARIABLE not in getattr(vllm.envs, "environment_variables", {}):
+        return False
+    return masks_by_retention(MambaManager)
+
+
 def installed_setting() -> tuple[bool, int | None, str]:
     """The retention a new engine of the installed vLLM runs with when the user
     sets nothing: (whether vLLM has the setting, the value, where it is set).
@@ -286,8 +300,6 @@ def installed_setting() -> tuple[bool, int | None, str]:
     default = _default_interval()
     if default is not _NO_FIELD:  # 0.29.0+
         return True, default, "--prefix-cache-retention-interval"
-    from .releases import retention_variable_reaches_mamba
-
     if retention_variable_reaches_mamba():
         raw = os.environ.get(RETENTION_VARIABLE, "").strip()
         return True, int(raw) if raw else None, RETENTION_VARIABLE
