@@ -342,3 +342,53 @@ def test_a_chunk_from_mid_block_stops_at_the_next_boundary(mode: str) -> None:
     assert sim.reused("long") == 8
     assert 16 in sim.chunk_ends("long")
     assert not sim.poisoned, [str(p) for p in sim.poisoned.values()]
+
+
+def _slot_from_cached_tokens() -> bool:
+    """Whether the installed Mamba manager finds the reserved checkpoint slot
+    from the tokens cached in the step (read from its code)."""
+    import inspect
+
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    method = getattr(MambaManager, "_cache_partial_tail_block", None)
+    if method is None:
+        return False
+    source = "".join(inspect.getsource(method).split())
+    return "checkpoint_idx=cdiv(num_tokens,self.block_size)-2" in source
+
+
+def test_stock_vllm_fails_the_checkpoint_slot_assertion() -> None:
+    """Where vLLM's Mamba manager computes the reserved checkpoint slot from
+    the tokens cached in the step, stock vLLM itself fails its assertion on
+    this workload (the random-workload tests record such cases as vLLM's own
+    defect, random_workloads.CHECKPOINT_SLOT_FROM_CACHED_TOKENS, never as the
+    plugin's failure): one 17-token prompt, then three of one token."""
+    from random_workloads import (
+        CHECKPOINT_SLOT_FROM_CACHED_TOKENS,
+        VllmDefect,
+        Workload,
+        simulate,
+    )
+
+    if not _slot_from_cached_tokens():
+        pytest.skip("this vLLM keeps the checkpoint slot it reserved")
+    geometry = Geometry(
+        cache_block=24,
+        state_block=8,
+        budget=24,
+        hash_block=8,
+        max_num_seqs=1,
+        num_blocks=10,
+        reserve_full_input=True,
+        prefill_checkpoint="flashkda",
+    )
+    workload = Workload(
+        geometry,
+        prompts=[list(range(100, 117)), [596], [152], [732]],
+        max_tokens=[1, 1, 1, 1],
+        arrivals=[0, 0, 0, 0],
+    )
+    with pytest.raises(VllmDefect, match="reserved checkpoint slot") as raised:
+        simulate("stock", workload)
+    assert str(raised.value) == CHECKPOINT_SLOT_FROM_CACHED_TOKENS

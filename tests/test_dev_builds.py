@@ -37,7 +37,8 @@ def _relabel(monkeypatch: pytest.MonkeyPatch) -> str:
 def _as_release(text: str, release: str) -> str:
     """Text written under the dev label, with the label read as the release."""
     labelled = releases.describe_version(DEV_LABEL)
-    return text.replace(labelled, release).replace(DEV_LABEL, release)
+    described = releases.describe_version(release)  # a nightly build's says so
+    return text.replace(labelled, described).replace(DEV_LABEL, release)
 
 
 def _doctor(capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:

