@@ -151,6 +151,42 @@ def checkpoint_slot_from_cached_tokens(error: BaseException) -> bool:
     )
 
 
+CHECKPOINT_SLOT_MISKEYED = (
+    "vLLM's Mamba manager keys the reserved checkpoint slot from the tokens "
+    "it caches this step, floored to the hash block: a final chunk ending "
+    "just past a boundary gets the column before the checkpoint's hashed as "
+    "the checkpoint (stock publishes the same wrong state on the same chunks)"
+)
+
+
+@functools.cache
+def manager_keys_checkpoint_slot_from_cached_tokens() -> bool:
+    """Whether the installed Mamba manager finds the reserved checkpoint slot
+    from the tokens cached in the step, ``cdiv(num_tokens, block_size) - 2``
+    (read from its code: nightly builds 0.28.1.dev202609061028 to
+    0.28.1.dev202609081048; 0.30.0 keeps the slot it reserved)."""
+    import inspect
+
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    method = getattr(MambaManager, "_cache_partial_tail_block", None)
+    if method is None:
+        return False
+    source = "".join(inspect.getsource(method).split())
+    return "checkpoint_idx=cdiv(num_tokens,self.block_size)-2" in source
+
+
+def stock_publishes_alike(workload: Workload, sim: Simulation) -> bool:
+    """Whether stock vLLM, on the same workload, ends the same chunks and
+    publishes the same wrong states: then the wrong states are vLLM's own."""
+    stock = simulate("stock", workload)
+    return all(
+        stock.chunk_ends(request) == sim.chunk_ends(request) for request in sim.records
+    ) and {str(p) for p in stock.poisoned.values()} == {
+        str(p) for p in sim.poisoned.values()
+    }
+
+
 def external_block_undercounted(error: BaseException) -> bool:
     """Whether ``error`` is vLLM's own block accounting defect with KV
     connectors (seen on 0.23.0-0.33.0): in align mode the Mamba manager's
@@ -431,14 +467,7 @@ def simulate(mode: str, workload: Workload) -> Simulation:
             raise
         for prefix in workload.held:
             sim.scheduler.connector.hold(prefix)
-        try:
-            drive(sim, workload)
-        except (ValueError, AssertionError) as error:
-            if external_block_undercounted(error):
-                raise VllmDefect(EXTERNAL_BLOCK_UNDERCOUNTED) from error
-            if checkpoint_slot_from_cached_tokens(error):
-                raise VllmDefect(CHECKPOINT_SLOT_FROM_CACHED_TOKENS) from error
-            raise
+        drive(sim, workload)
     if resumed_requests_unsplit() and any(
         r.request.num_preemptions for r in sim.records.values()
     ):
@@ -449,7 +478,20 @@ def simulate(mode: str, workload: Workload) -> Simulation:
 
 
 def drive(sim: Simulation, workload: Workload) -> None:
-    """Add each request at its arrival step and run until all have finished."""
+    """Add each request at its arrival step and run until all have finished;
+    :class:`VllmDefect` where vLLM's own ``schedule()`` fails in a way stock
+    vLLM fails too."""
+    try:
+        _drive(sim, workload)
+    except (ValueError, AssertionError) as error:
+        if external_block_undercounted(error):
+            raise VllmDefect(EXTERNAL_BLOCK_UNDERCOUNTED) from error
+        if checkpoint_slot_from_cached_tokens(error):
+            raise VllmDefect(CHECKPOINT_SLOT_FROM_CACHED_TOKENS) from error
+        raise
+
+
+def _drive(sim: Simulation, workload: Workload) -> None:
     pending = sorted(
         zip(workload.arrivals, range(len(workload.prompts)), strict=True),
         reverse=True,
@@ -473,6 +515,12 @@ def check_mode(mode: str, workload: Workload, sim: Simulation) -> None:
     prefill a whole state block. And the plugin's retention model predicted
     every one of vLLM's keep-or-drop decisions."""
     assert not RetentionWatch.of(sim).wrong, RetentionWatch.of(sim).wrong[:5]
+    if (
+        sim.poisoned
+        and manager_keys_checkpoint_slot_from_cached_tokens()
+        and stock_publishes_alike(workload, sim)
+    ):
+        raise VllmDefect(CHECKPOINT_SLOT_MISKEYED)
     assert not sim.poisoned, [str(p) for p in sim.poisoned.values()]
     assert not sim.wrong_reuse, sim.wrong_reuse
     assert not sim.wrong_offloads, sim.wrong_offloads

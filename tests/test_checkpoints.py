@@ -344,20 +344,6 @@ def test_a_chunk_from_mid_block_stops_at_the_next_boundary(mode: str) -> None:
     assert not sim.poisoned, [str(p) for p in sim.poisoned.values()]
 
 
-def _slot_from_cached_tokens() -> bool:
-    """Whether the installed Mamba manager finds the reserved checkpoint slot
-    from the tokens cached in the step (read from its code)."""
-    import inspect
-
-    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
-
-    method = getattr(MambaManager, "_cache_partial_tail_block", None)
-    if method is None:
-        return False
-    source = "".join(inspect.getsource(method).split())
-    return "checkpoint_idx=cdiv(num_tokens,self.block_size)-2" in source
-
-
 def test_stock_vllm_fails_the_checkpoint_slot_assertion() -> None:
     """Where vLLM's Mamba manager computes the reserved checkpoint slot from
     the tokens cached in the step, stock vLLM itself fails its assertion on
@@ -368,10 +354,11 @@ def test_stock_vllm_fails_the_checkpoint_slot_assertion() -> None:
         CHECKPOINT_SLOT_FROM_CACHED_TOKENS,
         VllmDefect,
         Workload,
+        manager_keys_checkpoint_slot_from_cached_tokens,
         simulate,
     )
 
-    if not _slot_from_cached_tokens():
+    if not manager_keys_checkpoint_slot_from_cached_tokens():
         pytest.skip("this vLLM keeps the checkpoint slot it reserved")
     geometry = Geometry(
         cache_block=24,
@@ -392,3 +379,47 @@ def test_stock_vllm_fails_the_checkpoint_slot_assertion() -> None:
     with pytest.raises(VllmDefect, match="reserved checkpoint slot") as raised:
         simulate("stock", workload)
     assert str(raised.value) == CHECKPOINT_SLOT_FROM_CACHED_TOKENS
+
+
+def test_stock_vllm_keys_the_checkpoint_slot_a_column_early() -> None:
+    """Where vLLM's Mamba manager keys the reserved checkpoint slot from the
+    tokens it caches in the step (floored to the hash block), stock vLLM itself
+    publishes the column before the checkpoint as the checkpoint's state: a
+    161-token prompt, C = B = 80, its final chunk 80 -> 161 checkpointed at
+    160. The plugin ends the same chunks, and the random-workload tests record
+    such cases as vLLM's own (random_workloads.CHECKPOINT_SLOT_MISKEYED)."""
+    from random_workloads import (
+        CHECKPOINT_SLOT_MISKEYED,
+        VllmDefect,
+        Workload,
+        check_mode,
+        manager_keys_checkpoint_slot_from_cached_tokens,
+        simulate,
+    )
+
+    if not manager_keys_checkpoint_slot_from_cached_tokens():
+        pytest.skip("this vLLM keeps the checkpoint slot it reserved")
+    geometry = Geometry(
+        cache_block=80,
+        state_block=80,
+        budget=81,
+        max_num_seqs=1,
+        num_blocks=12,
+        reserve_full_input=True,
+        prefill_checkpoint="flashkda",
+    )
+    workload = Workload(
+        geometry,
+        prompts=[[150], [596], list(range(200, 361))],
+        max_tokens=[1, 1, 1],
+        arrivals=[0, 0, 0],
+    )
+    stock = simulate("stock", workload)
+    assert [str(p) for p in stock.poisoned.values()] == [
+        "block 2 hashed as state@160 holds state@80"
+    ]
+    kept = simulate("kept", workload)
+    assert kept.chunk_ends("r2") == stock.chunk_ends("r2") == [80, 161]
+    with pytest.raises(VllmDefect) as raised:
+        check_mode("kept", workload, kept)
+    assert str(raised.value) == CHECKPOINT_SLOT_MISKEYED
