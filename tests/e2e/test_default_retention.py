@@ -56,9 +56,10 @@ from .test_engine import (
     run_engine,
 )
 
-# The in-process engines and the recipe run beside the servers (nox -s e2e
-# runs two xdist workers, one a group).
-pytestmark = pytest.mark.xdist_group("engines")
+# In the servers' xdist group, to even out nox -s e2e's two workers (one a
+# group): test_engine.py and the image recipe are the longer half
+# (docs/maintaining, the measured runs of .ci/run). Nothing here reads a server.
+pytestmark = pytest.mark.xdist_group("serve")
 
 WRITER_TOKENS = 2030
 SHARED_TOKENS = 2020  # the follower shares this prefix with the writer
