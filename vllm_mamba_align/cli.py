@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import os
 import sys
@@ -41,9 +40,7 @@ PROG = "vllm-mamba-align"
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error (and, with ``--json``, a JSON one), exit 2."""
 
-    def __init__(self, *args: Any, json_errors: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.json_errors = json_errors
+    json_errors = False
 
     def error(self, message: str) -> NoReturn:
         problem = f"{message} (see {self.prog} --help)"
@@ -68,6 +65,7 @@ def _failure_json(problem: str, exit_code: int, url: str | None = None) -> str:
         indent=1,
     )
 
+
 NO_VLLM = (
     "vllm-mamba-align: vLLM is not installed in this Python environment "
     "({detail}).\nInstall the plugin into the environment that runs `vllm serve` "
@@ -80,17 +78,17 @@ def _parser(json_errors: bool = False) -> argparse.ArgumentParser:
     from .tools.modes import STOCK
     from .tools.simulate import Scenario
 
-    parser = _Parser(
+    parser_class: type[_Parser] = type(
+        "_Parser", (_Parser,), {"json_errors": json_errors}
+    )
+    parser = parser_class(
         prog=PROG,
         description="Check and demonstrate align-mode prefix caching of hybrid "
         "Mamba/GDN models in vLLM (backport of vLLM PR #54076).",
-        json_errors=json_errors,
     )
     parser.add_argument("--version", action="version", version=__version__)
     commands = parser.add_subparsers(
-        dest="command",
-        required=True,
-        parser_class=functools.partial(_Parser, json_errors=json_errors),
+        dest="command", required=True, parser_class=parser_class
     )
 
     doctor = commands.add_parser(

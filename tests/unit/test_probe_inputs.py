@@ -19,8 +19,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -92,9 +92,7 @@ def serve() -> Iterator[Callable[[dict[str, Answer]], Server]]:
 
     def start(answers: dict[str, Answer]) -> Server:
         server = Server(answers)
-        threading.Thread(
-            target=server.serve_forever, args=(0.05,), daemon=True
-        ).start()
+        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
         started.append(server)
         return server
 
@@ -189,9 +187,7 @@ BAD_URLS = {
 }
 
 
-@pytest.mark.parametrize(
-    ("url", "words"), list(BAD_URLS.values()), ids=list(BAD_URLS)
-)
+@pytest.mark.parametrize(("url", "words"), list(BAD_URLS.values()), ids=list(BAD_URLS))
 def test_a_bad_url_exits_2_naming_it(
     capsys: pytest.CaptureFixture[str], url: str, words: str
 ) -> None:
@@ -285,7 +281,11 @@ BAD_COMPLETIONS = {
         "not what an OpenAI-compatible",
     ),
     "NaN logprob": (
-        (200, "application/json", json.dumps(completion([{"t": float("nan")}])).encode()),
+        (
+            200,
+            "application/json",
+            json.dumps(completion([{"t": float("nan")}])).encode(),
+        ),
         "not a finite number",
     ),
     "positions not objects": (json_answer(completion([[1]])), "not what an OpenAI"),
@@ -437,4 +437,3 @@ def test_sigint_during_a_probe_exits_130(
         assert json.loads(out)["exit_code"] == cli.EXIT_INTERRUPTED
     else:
         assert out == ""
-

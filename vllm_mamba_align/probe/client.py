@@ -200,7 +200,7 @@ class Client:
         where = f"{self.base}/v1/models"
         if not isinstance(data, list) or not data:
             raise CannotProbe(
-                f"{where} lists no model (no non-empty \"data\" list): not an "
+                f'{where} lists no model (no non-empty "data" list): not an '
                 "OpenAI-compatible vLLM server, or it serves nothing: check --url"
             )
         cards = [m for m in data if isinstance(m, dict)]
@@ -208,7 +208,7 @@ class Client:
             not isinstance(card.get("id"), str) or not card["id"] for card in cards
         ):
             raise CannotProbe(
-                f"{where} lists a model without a name (\"id\"): not an "
+                f'{where} lists a model without a name ("id"): not an '
                 "OpenAI-compatible vLLM server: check --url"
             )
         return cards
@@ -233,7 +233,9 @@ class Client:
             "return_tokens_as_token_ids": True,
         }
         try:
-            answer = self._json("/v1/completions", self._request("/v1/completions", body))
+            answer = self._json(
+                "/v1/completions", self._request("/v1/completions", body)
+            )
         except CannotProbe as problem:
             text = str(problem)
             if "logprobs" in text.lower():

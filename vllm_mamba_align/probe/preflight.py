@@ -57,7 +57,9 @@ def check_url(raw: str) -> str:
     """The server's base address (``http[s]://HOST[:PORT][/PATH]``), or BadOption."""
     text = raw.strip()
     if not text:
-        raise BadOption(f"--url is empty: give the server's address, e.g. {EXAMPLE_URL}")
+        raise BadOption(
+            f"--url is empty: give the server's address, e.g. {EXAMPLE_URL}"
+        )
     if any(c.isspace() or not c.isprintable() for c in text):
         raise BadOption(
             f"--url {raw!r} contains a space or a control character: give the "

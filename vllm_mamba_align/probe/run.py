@@ -151,7 +151,9 @@ def run(
     return probe
 
 
-def _run(options: Options, probe: Probe, progress: Progress, announce: Announce) -> None:
+def _run(
+    options: Options, probe: Probe, progress: Progress, announce: Announce
+) -> None:
     client = Client(options.url, options.api_key, options.timeout)
     probe.base = client.base
     probe.model, probe.max_model_len = _choose_model(client, options.model)
