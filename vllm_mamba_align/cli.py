@@ -44,6 +44,8 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         problem = f"{message} (see {self.prog} --help)"
+        if self.prog == PROG:  # no command, or words no command takes
+            print(self.format_usage().rstrip(), file=sys.stderr)
         print(f"{self.prog}: {problem}", file=sys.stderr)
         if self.json_errors:
             print(_failure_json(problem, EXIT_USAGE))
