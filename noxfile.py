@@ -106,13 +106,23 @@ def timed(function: Callable[..., None]) -> Callable[..., None]:
     return run
 
 
+INSTALLED_PACKAGE = "MAMBA_ALIGN_INSTALLED_PACKAGE"
+
+
 def pytest(
     session: nox.Session, *args: str, env: dict[str, str], junit: Path | None = None
 ) -> None:
-    """pytest in the session's environment, its counts added to the session's leg."""
+    """pytest in the session's environment, its counts added to the session's leg.
+
+    The suites judge the installed wheel, not the checkout: pytest runs as its
+    console script (``python -m pytest`` would put the checkout, the working
+    directory, first on ``sys.path``), and ``INSTALLED_PACKAGE`` tells
+    tests/unit/test_installed_package.py to fail if the package is imported
+    from anywhere but the environment's site-packages."""
     junit = junit or Path(tempfile.mkdtemp(prefix="vllm-mamba-align-junit-")) / "j.xml"
+    env = {**env, INSTALLED_PACKAGE: "1"}
     try:
-        session.run("python", "-m", "pytest", f"--junitxml={junit}", *args, env=env)
+        session.run("pytest", f"--junitxml={junit}", *args, env=env)
     finally:
         if junit.exists() and LEGS:
             leg = LEGS[-1]
