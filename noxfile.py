@@ -582,6 +582,7 @@ def matrix_table(session: nox.Session) -> None:
     session.run("python3", "tools/matrix.py", "table")
 
 
+SITE = REPO / "site"
 DOCS_TOOLS = ["mkdocs==1.6.1", "mkdocs-material==9.8.2", "pymdown-extensions==13.1.2"]
 
 
@@ -589,14 +590,22 @@ DOCS_TOOLS = ["mkdocs==1.6.1", "mkdocs-material==9.8.2", "pymdown-extensions==13
 @timed
 def docs(session: nox.Session) -> None:
     """The manual (docs/, mkdocs-material), built with warnings as errors, after
-    checking that every generated table matches the recorded results."""
+    checking that every generated table matches the recorded results, into
+    ``site/`` (git ignores it; open ``site/index.html`` from disk: the pages link
+    to ``page.html`` files, mkdocs.yml's ``use_directory_urls: false``)."""
     session.install(*DOCS_TOOLS)
     session.run("python", "tools/matrix.py", "check")
-    site = tempfile.mkdtemp(prefix="vllm-mamba-align-site-")
     env = {"NO_MKDOCS_2_WARNING": "1"}
     session.run(
-        "mkdocs", "build", "--strict", "--site-dir", site, *session.posargs, env=env
+        "mkdocs",
+        "build",
+        "--strict",
+        "--site-dir",
+        str(SITE),
+        *session.posargs,
+        env=env,
     )
+    session.log(f"the manual: {SITE / 'index.html'}")
 
 
 @nox.session(venv_backend="none")
