@@ -252,19 +252,6 @@ NOT_VLLM = {
 }
 
 
-@pytest.mark.parametrize(
-    ("models", "words"), list(NOT_VLLM.values()), ids=list(NOT_VLLM)
-)
-def test_a_models_answer_that_is_not_vllms_exits_2(
-    capsys: pytest.CaptureFixture[str],
-    serve: Callable[[dict[str, Answer]], Server],
-    models: Answer,
-    words: str,
-) -> None:
-    server = serve({"/v1/models": models})
-    assert_cannot_probe(capsys, ["--url", server.url], words)
-
-
 def completion(top: Any, tokens: Any = ("token_id:7",)) -> dict[str, Any]:
     return {
         "choices": [{"logprobs": {"tokens": list(tokens), "top_logprobs": top}}],
@@ -293,16 +280,31 @@ BAD_COMPLETIONS = {
 }
 
 
+ANSWERS = {
+    **{
+        f"models: {case}": ({"/v1/models": answer}, words)
+        for case, (answer, words) in NOT_VLLM.items()
+    },
+    **{
+        f"completion: {case}": (
+            {"/v1/models": json_answer(MODELS), "/v1/completions": answer},
+            words,
+        )
+        for case, (answer, words) in BAD_COMPLETIONS.items()
+    },
+}
+
+
 @pytest.mark.parametrize(
-    ("answer", "words"), list(BAD_COMPLETIONS.values()), ids=list(BAD_COMPLETIONS)
+    ("answers", "words"), list(ANSWERS.values()), ids=list(ANSWERS)
 )
-def test_a_completion_answer_that_is_not_vllms_exits_2(
+def test_a_server_answer_that_is_not_vllms_exits_2(
     capsys: pytest.CaptureFixture[str],
     serve: Callable[[dict[str, Answer]], Server],
-    answer: Answer,
+    answers: dict[str, Answer],
     words: str,
 ) -> None:
-    server = serve({"/v1/models": json_answer(MODELS), "/v1/completions": answer})
+    server = serve(answers)
     assert_cannot_probe(capsys, ["--url", server.url], words)
 
 
