@@ -427,6 +427,8 @@ def test_sigint_during_a_probe_exits_130(
         text=True,
         cwd=tmp_path,
         env=env,
+        # A shell's background job ignores SIGINT, and children inherit that.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert silent.accepted.wait(30)
     time.sleep(0.2)
