@@ -111,9 +111,9 @@ def check_url(raw: str) -> str:
 def check_threshold(value: float) -> float:
     if not math.isfinite(value) or value < 0:
         raise BadOption(
-            f"--threshold {value:g} is not a number >= 0: give a |delta logprob| "
-            f"below {MAX_THRESHOLD:g}, or leave it out (the default rises with "
-            "the server's own noise)"
+            f"--threshold {value:g} is not a finite number >= 0: give a |delta "
+            f"logprob| below {MAX_THRESHOLD:g}, or leave it out (the default rises "
+            "with the server's own noise)"
         )
     if value >= MAX_THRESHOLD:
         raise BadOption(
