@@ -106,13 +106,23 @@ def timed(function: Callable[..., None]) -> Callable[..., None]:
     return run
 
 
+INSTALLED_PACKAGE = "MAMBA_ALIGN_INSTALLED_PACKAGE"
+
+
 def pytest(
     session: nox.Session, *args: str, env: dict[str, str], junit: Path | None = None
 ) -> None:
-    """pytest in the session's environment, its counts added to the session's leg."""
+    """pytest in the session's environment, its counts added to the session's leg.
+
+    The suites judge the installed wheel, not the checkout: pytest runs as its
+    console script (``python -m pytest`` would put the checkout, the working
+    directory, first on ``sys.path``), and ``INSTALLED_PACKAGE`` tells
+    tests/unit/test_installed_package.py to fail if the package is imported
+    from anywhere but the environment's site-packages."""
     junit = junit or Path(tempfile.mkdtemp(prefix="vllm-mamba-align-junit-")) / "j.xml"
+    env = {**env, INSTALLED_PACKAGE: "1"}
     try:
-        session.run("python", "-m", "pytest", f"--junitxml={junit}", *args, env=env)
+        session.run("pytest", f"--junitxml={junit}", *args, env=env)
     finally:
         if junit.exists() and LEGS:
             leg = LEGS[-1]
@@ -572,6 +582,7 @@ def matrix_table(session: nox.Session) -> None:
     session.run("python3", "tools/matrix.py", "table")
 
 
+SITE = REPO / "site"
 DOCS_TOOLS = ["mkdocs==1.6.1", "mkdocs-material==9.8.2", "pymdown-extensions==13.1.2"]
 
 
@@ -579,14 +590,22 @@ DOCS_TOOLS = ["mkdocs==1.6.1", "mkdocs-material==9.8.2", "pymdown-extensions==13
 @timed
 def docs(session: nox.Session) -> None:
     """The manual (docs/, mkdocs-material), built with warnings as errors, after
-    checking that every generated table matches the recorded results."""
+    checking that every generated table matches the recorded results, into
+    ``site/`` (git ignores it; open ``site/index.html`` from disk: the pages link
+    to ``page.html`` files, mkdocs.yml's ``use_directory_urls: false``)."""
     session.install(*DOCS_TOOLS)
     session.run("python", "tools/matrix.py", "check")
-    site = tempfile.mkdtemp(prefix="vllm-mamba-align-site-")
     env = {"NO_MKDOCS_2_WARNING": "1"}
     session.run(
-        "mkdocs", "build", "--strict", "--site-dir", site, *session.posargs, env=env
+        "mkdocs",
+        "build",
+        "--strict",
+        "--site-dir",
+        str(SITE),
+        *session.posargs,
+        env=env,
     )
+    session.log(f"the manual: {SITE / 'index.html'}")
 
 
 @nox.session(venv_backend="none")

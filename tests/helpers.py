@@ -68,16 +68,19 @@ def load_onboard_tool() -> Any:
 def run_python(code: str, **env: str) -> Any:
     """Run ``code`` in a fresh interpreter of this environment (a new vLLM process).
 
-    Returns the CompletedProcess; ``tests/`` is importable there. Variables set to
-    "" are removed from the child's environment.
+    Returns the CompletedProcess; ``tests/`` is importable there, and the
+    package is the one this session imports (the installed wheel under nox).
+    Variables set to "" are removed from the child's environment.
     """
     import subprocess
     import sys
 
+    import vllm_mamba_align
+
     child_env = dict(os.environ)
-    repo = os.path.dirname(TESTS_DIR)  # this checkout's package, not another copy
+    package = os.path.dirname(os.path.dirname(vllm_mamba_align.__file__))
     child_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (repo, TESTS_DIR, child_env.get("PYTHONPATH", "")) if p
+        p for p in (package, TESTS_DIR, child_env.get("PYTHONPATH", "")) if p
     )
     for key, value in env.items():
         if value == "":

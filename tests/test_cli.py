@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import subprocess
+import sys
 import textwrap
+import time
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 from helpers import geometry_rule, run_python
 
-from vllm_mamba_align import releases
+from vllm_mamba_align import MambaAlignError, releases, settings
 from vllm_mamba_align.cli import EXIT_OK, EXIT_REFUSE, EXIT_USAGE, main
 
 VLLM_LOG_LINE = re.compile(r"(\(\w+.*?\) )?(DEBUG|INFO|WARNING|ERROR) \d\d-\d\d ")
@@ -191,6 +196,78 @@ def test_doctor_exits_1_on_a_bad_mode(
     assert "VLLM_MAMBA_ALIGN_MODE='sideways' is not a valid mode" in out
 
 
+SETTING_VALUES = {
+    settings.MODE_VARIABLE: ["sideways", " FULL ", "off", ""],
+    settings.AUDIT_INTERVAL_VARIABLE: ["abc", "0", "-5", "nan", "inf", "300", ""],
+}
+"""Values of every setting register() checks at start, bad and good ("" unset)."""
+
+
+def test_every_setting_register_checks_has_values_here() -> None:
+    assert len(SETTING_VALUES) == len(settings.STARTUP_CHECKS)
+
+
+def _register_error() -> str | None:
+    """What vLLM's plugin loader meets: the entry point's function, called."""
+    (entry,) = [
+        e
+        for e in metadata.entry_points(group="vllm.general_plugins")
+        if e.name == "mamba_align"
+    ]
+    try:
+        entry.load()()
+    except MambaAlignError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        (variable, value)
+        for variable, values in SETTING_VALUES.items()
+        for value in values
+    ],
+)
+def test_doctor_judges_every_setting_as_register_does(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    variable: str,
+    value: str,
+) -> None:
+    """Whatever register() raises on stops vLLM: doctor --strict fails on it,
+    with register()'s own words; whatever register() takes, doctor takes."""
+    for name in SETTING_VALUES:
+        monkeypatch.delenv(name, raising=False)
+    if value:
+        monkeypatch.setenv(variable, value)
+    raised = _register_error()
+    code, out = doctor(capsys, "--strict", "--json")
+    report = json.loads(out)
+    assert report["setting_errors"] == ([] if raised is None else [raised])
+    assert (code == EXIT_REFUSE) is (raised is not None)
+    assert report["would_refuse"] is (raised is not None)
+
+
+def test_a_setting_that_stops_vllm_fails_doctor_strict() -> None:
+    """The case as an operator meets it: vLLM's own plugin loader refuses to go
+    on, and the image check (`doctor --strict`) exits non-zero, naming it."""
+    bad = {settings.AUDIT_INTERVAL_VARIABLE: "abc"}
+    loaded = run_python(
+        "from vllm.plugins import load_general_plugins; load_general_plugins()", **bad
+    )
+    assert loaded.returncode != 0
+    assert "VLLM_MAMBA_ALIGN_AUDIT_INTERVAL='abc'" in loaded.stderr
+    checked = run_python(
+        "import sys; from vllm_mamba_align.cli import main; "
+        "sys.exit(main(['doctor', '--strict']))",
+        **bad,
+    )
+    assert checked.returncode == EXIT_REFUSE, checked.stdout + checked.stderr
+    assert "verdict: [!!] vLLM would NOT START" in checked.stdout
+    assert "VLLM_MAMBA_ALIGN_AUDIT_INTERVAL='abc'" in checked.stdout
+
+
 # -- no vLLM ----------------------------------------------------------------------
 
 NO_VLLM = textwrap.dedent(
@@ -282,10 +359,11 @@ def test_python_dash_m_runs_the_command() -> None:
     result = run_python(
         "import runpy; runpy.run_module('vllm_mamba_align', run_name='__main__')",
     )
-    # No arguments: argparse's usage error (a subcommand is required).
+    # No arguments: the usage, and one line saying a command is required.
     assert result.returncode == 2
     assert "usage: vllm-mamba-align" in result.stderr
     assert "{doctor,simulate,probe}" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 # -- simulate ----------------------------------------------------------------------
@@ -505,10 +583,11 @@ def test_simulate_bad_geometry_is_a_clear_message(
 def test_simulate_unparseable_arguments_exit_2(
     args: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        main(["simulate", *args])
-    assert exit_.value.code == EXIT_USAGE
-    assert "usage: vllm-mamba-align simulate" in capsys.readouterr().err
+    assert main(["simulate", *args]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("vllm-mamba-align simulate: argument ")
+    assert err.endswith(" (see vllm-mamba-align simulate --help)\n")
+    assert len(err.splitlines()) == 1
 
 
 @upstream_geometry
@@ -556,3 +635,26 @@ def test_doctor_classifies_the_worker_seed_with_the_plugins_fingerprints() -> No
     if site is SeedSite.SEEDS_WITH_CACHE_BLOCK:  # 0.25.1-0.31.0
         assert detail.startswith("patched by the plugin: vLLM ")
         assert worker_seed_status(root, "off")[0] == "affected"
+
+
+def test_ctrl_c_during_simulate_exits_130_without_a_traceback(tmp_path: Path) -> None:
+    """A real SIGINT while simulate imports vLLM or runs its schedulers (32
+    concurrent prompts: tens of seconds), as a terminal's Ctrl-C sends it."""
+    running = subprocess.Popen(
+        [sys.executable, "-m", "vllm_mamba_align", "simulate", "--requests", "32"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        # A shell's background job ignores SIGINT, and children inherit that.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    time.sleep(3)
+    running.send_signal(signal.SIGINT)
+    out, err = running.communicate(timeout=120)
+    # 130, or the same status a shell sees (128 + 2) when CPython re-raises the
+    # signal at exit: it does so when a KeyboardInterrupt crossed its own code
+    # while importing (torch's import), after main() returned 130.
+    assert running.returncode in (130, -signal.SIGINT), out + err
+    assert "Traceback" not in err
+    assert err.splitlines()[-1] == "vllm-mamba-align simulate: interrupted"

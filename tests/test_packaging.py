@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from importlib import metadata
 from pathlib import Path
@@ -72,3 +74,48 @@ def test_installing_the_wheel_leaves_vllm_and_torch_untouched(wheel: Path) -> No
     after = _freeze()
     assert after == before
     assert "vllm-mamba-align" in _pip("list").lower().replace("_", "-")
+
+
+def _tracked_files() -> list[str]:
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(REPO), "ls-files"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: no list of the files the sdist must hold")
+    return done.stdout.splitlines()
+
+
+def test_the_sdist_holds_every_tracked_file(tmp_path: Path) -> None:
+    """Unpacked, the source distribution runs the tests and checks a clone runs:
+    tests/ (conftest, unit, e2e, support), noxfile.py, envs/, tools/, docs/."""
+    setuptools = pytest.importorskip("setuptools")
+    if int(setuptools.__version__.split(".")[0]) < 77:
+        pytest.skip("setuptools before 77 does not read the SPDX license field")
+    tracked = _tracked_files()
+    source = tmp_path / "checkout"  # the build writes egg-info beside the sources
+    for name in tracked:
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, source / name)
+    out = tmp_path / "dist"
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from setuptools import build_meta; "
+            "build_meta.build_sdist(sys.argv[1])",
+            str(out),
+        ],
+        cwd=source,
+        check=True,
+        capture_output=True,
+    )
+    (sdist,) = out.glob("vllm_mamba_align-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        held = {name.split("/", 1)[-1] for name in archive.getnames()}
+    assert sorted(set(tracked) - held) == []
+    for needed in ("tests/conftest.py", "tests/unit/test_probe.py", "noxfile.py"):
+        assert needed in held

@@ -1,22 +1,28 @@
 """The ``vllm-mamba-align`` command: ``doctor``, ``simulate`` and ``probe``.
 
 Exit status: 0 fine; 1 ``doctor`` found that the plugin would refuse to start a
-hybrid align-mode scheduler, or ``probe`` found wrong states served; 2 bad
-usage, vLLM is not installed, or ``probe`` could not probe the server; 3 ``doctor``
-found that the plugin itself cannot be imported (a missing dependency: vLLM would
-only log that and run without the fix); 4 ``doctor --strict`` found that vLLM
-would not load the plugin (``VLLM_PLUGINS`` or no entry point). vLLM (and its
-torch) are imported only inside the commands, so ``--help`` works anywhere;
-``probe`` needs no vLLM at all (it talks HTTP to a running server).
+hybrid align-mode scheduler (or a setting stops vLLM at start), or ``probe``
+found wrong states served (only ever from a verdict); 2 bad usage (one line
+naming the option and the way out), vLLM is not installed, or ``probe`` could
+not probe the server; 3 ``doctor`` found that the plugin itself cannot be
+imported (a missing dependency: vLLM would only log that and run without the
+fix); 4 ``doctor --strict`` found that vLLM would not load the plugin
+(``VLLM_PLUGINS`` or no entry point); 130 interrupted (Ctrl-C), without a
+traceback. Under ``--json`` every exit of ``probe`` prints one JSON object.
+vLLM (and its torch) are imported only inside the commands, so ``--help``
+works anywhere; ``probe`` needs no vLLM at all (it talks HTTP to a running
+server).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import os
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from . import __version__
 from .errors import MambaAlignError
@@ -26,6 +32,41 @@ EXIT_REFUSE = 1
 EXIT_USAGE = 2
 EXIT_BROKEN = 3
 EXIT_NOT_LOADED = 4
+EXIT_INTERRUPTED = 130
+"""128 + SIGINT, what a shell reports for a command ended by Ctrl-C."""
+PROG = "vllm-mamba-align"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (and, with ``--json``, a JSON one), exit 2."""
+
+    json_errors = False
+
+    def error(self, message: str) -> NoReturn:
+        problem = f"{message} (see {self.prog} --help)"
+        if self.prog == PROG:  # no command, or words no command takes
+            print(self.format_usage().rstrip(), file=sys.stderr)
+        print(f"{self.prog}: {problem}", file=sys.stderr)
+        if self.json_errors:
+            print(_failure_json(problem, EXIT_USAGE))
+        sys.exit(EXIT_USAGE)
+
+
+def _failure_json(problem: str, exit_code: int, url: str | None = None) -> str:
+    """The JSON of a run that ended before any verdict: the keys of the
+    probe's report that carry meaning without one."""
+    verdict = "interrupted" if exit_code == EXIT_INTERRUPTED else "could not probe"
+    return json.dumps(
+        {
+            "probe_version": __version__,
+            "url": url,
+            "exit_code": exit_code,
+            "verdict": f"{verdict}: {problem}",
+            "problem": problem,
+        },
+        indent=1,
+    )
+
 
 NO_VLLM = (
     "vllm-mamba-align: vLLM is not installed in this Python environment "
@@ -34,18 +75,23 @@ NO_VLLM = (
 )
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(json_errors: bool = False) -> argparse.ArgumentParser:
     from .settings import Mode
     from .tools.modes import STOCK
     from .tools.simulate import Scenario
 
-    parser = argparse.ArgumentParser(
-        prog="vllm-mamba-align",
+    parser_class: type[_Parser] = type(
+        "_Parser", (_Parser,), {"json_errors": json_errors}
+    )
+    parser = parser_class(
+        prog=PROG,
         description="Check and demonstrate align-mode prefix caching of hybrid "
         "Mamba/GDN models in vLLM (backport of vLLM PR #54076).",
     )
     parser.add_argument("--version", action="version", version=__version__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(
+        dest="command", required=True, parser_class=parser_class
+    )
 
     doctor = commands.add_parser(
         "doctor",
@@ -154,16 +200,20 @@ def _parser() -> argparse.ArgumentParser:
 def _add_probe(commands: Any) -> None:
     from .probe import judge
     from .probe import run as probe
+    from .probe.preflight import MAX_THRESHOLD
 
     probe_parser = commands.add_parser(
         "probe",
         help="ask a running vLLM server whether it serves wrong Mamba states",
-        description="Send a small workload to a running OpenAI-compatible vLLM "
+        description="Send a bounded workload to a running OpenAI-compatible vLLM "
         "server (any release, with or without this plugin) and compare each "
         "continuation from a cached prefix with a fresh run of the same prompt "
-        "under a new cache_salt. Exit 0: no difference beyond the noise; 1: wrong "
-        "states served (the cases are named); 2: could not probe (why, and the "
-        "way out).",
+        "under a new cache_salt. By default 25 serial completions, a writer of "
+        "up to 16,384 tokens (less to fit max_model_len), about 16 times its "
+        "length in prompt tokens in all; the exact load is printed before the "
+        "first completion, and --prompt-tokens makes it smaller. Exit 0: no "
+        "difference beyond the noise; 1: wrong states served (the cases are "
+        "named); 2: could not probe (why, and the way out); 130: interrupted.",
     )
     probe_parser.add_argument(
         "--url", required=True, help="the server, e.g. http://127.0.0.1:8000"
@@ -171,7 +221,11 @@ def _add_probe(commands: Any) -> None:
     probe_parser.add_argument(
         "--model", help="served model name (default: the only one served)"
     )
-    probe_parser.add_argument("--api-key", help="vllm serve's --api-key, if set")
+    probe_parser.add_argument(
+        "--api-key",
+        help="vllm serve's --api-key, if set (default: $VLLM_API_KEY, which "
+        "keeps it out of ps and shell history)",
+    )
     probe_parser.add_argument("--json", action="store_true", help="JSON report")
     probe_parser.add_argument(
         "--timeout",
@@ -195,8 +249,8 @@ def _add_probe(commands: Any) -> None:
         "--state-block",
         type=int,
         metavar="B",
-        help="the server's Mamba state block (the plugin's start line names it; "
-        "default: read from /metrics, else unknown)",
+        help="the server's Mamba state block, a multiple of 8, 16 or more (the "
+        "plugin's start line names it; default: read from /metrics, else unknown)",
     )
     probe_parser.add_argument(
         "--prompt-tokens",
@@ -224,8 +278,9 @@ def _add_probe(commands: Any) -> None:
         "--threshold",
         type=float,
         default=judge.DEFAULT_THRESHOLD,
-        help="largest |delta logprob| taken as rounding (default "
-        f"{judge.DEFAULT_THRESHOLD:g}; raised to 10x the measured noise floor)",
+        help="largest |delta logprob| taken as rounding, 0 to below "
+        f"{MAX_THRESHOLD:g} (default {judge.DEFAULT_THRESHOLD:g}; raised to 10x "
+        "the measured noise floor)",
     )
 
 
@@ -379,40 +434,83 @@ def _run_simulation(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.command == "doctor":
-        return _doctor(args.json, args.strict)
-    if args.command == "probe":
-        return _probe(args)
-    return _simulate(args)
+    words = list(sys.argv[1:] if argv is None else argv)
+    json_wanted = "--json" in words and "probe" in words
+    parser = _parser(json_errors=json_wanted)
+    try:
+        args = parser.parse_args(words)
+    except SystemExit as done:  # --help, --version, or a usage error (said)
+        return done.code if isinstance(done.code, int) else EXIT_USAGE
+    try:
+        if args.command == "doctor":
+            return _doctor(args.json, args.strict)
+        if args.command == "probe":
+            return _probe(args)
+        return _simulate(args)
+    except KeyboardInterrupt:
+        # Ctrl-C is the operator's decision, not a failure to report.
+        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        if json_wanted and args.command == "probe":
+            print(_failure_json("interrupted (Ctrl-C)", EXIT_INTERRUPTED))
+        return EXIT_INTERRUPTED
+
+
+def _probe_options(args: argparse.Namespace) -> Any:
+    """The run's ``Options`` from the command line; BadOption names what is wrong."""
+    from .probe import preflight as check
+    from .probe.run import Options
+
+    return Options(
+        url=check.check_url(args.url),
+        model=args.model,
+        api_key=check.api_key(args.api_key, os.environ),
+        timeout=check.check_timeout(args.timeout),
+        max_requests=check.check_at_least_one("--max-requests", args.max_requests),
+        seed=args.seed,
+        logprobs=check.check_at_least_one("--logprobs", args.logprobs),
+        max_tokens=check.check_at_least_one("--max-tokens", args.max_tokens),
+        threshold=check.check_threshold(args.threshold),
+        state_block=check.check_state_block(args.state_block),
+        prompt_tokens=check.check_prompt_tokens(args.prompt_tokens),
+    )
 
 
 def _probe(args: argparse.Namespace) -> int:
+    from .probe.preflight import BadOption, load_line
     from .probe.progress import terminal_progress
     from .probe.report import decide, render_text, to_json
-    from .probe.run import Options, run
 
-    for name in ("max_requests", "logprobs", "max_tokens", "state_block"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            flag = "--" + name.replace("_", "-")
-            print(f"vllm-mamba-align probe: {flag} must be 1 or more", file=sys.stderr)
-            return EXIT_USAGE
-    options = Options(
-        url=args.url,
-        model=args.model,
-        api_key=args.api_key,
-        timeout=args.timeout,
-        max_requests=args.max_requests,
-        seed=args.seed,
-        logprobs=args.logprobs,
-        max_tokens=args.max_tokens,
-        threshold=args.threshold,
-        state_block=args.state_block,
-        prompt_tokens=args.prompt_tokens,
-    )
-    with terminal_progress() as progress:
-        probe = run(options, progress)
-    print(to_json(probe) if args.json else render_text(probe))
-    return decide(probe).exit_code
+    def fail(problem: str, url: str | None) -> int:
+        print(f"{PROG} probe: {problem}", file=sys.stderr)
+        if args.json:
+            print(_failure_json(problem, EXIT_USAGE, url))
+        return EXIT_USAGE
+
+    try:
+        options = _probe_options(args)
+    except BadOption as bad:
+        return fail(str(bad), args.url)
+
+    def announce(plan: Any) -> None:
+        print(load_line(plan), file=sys.stderr, flush=True)
+
+    try:
+        with terminal_progress() as progress:
+            probe = _run_probe(options, progress, announce)
+        text = to_json(probe) if args.json else render_text(probe)
+        code = decide(probe).exit_code
+    except Exception as error:  # a bug must not read as exit 1 (wrong states)
+        return fail(
+            f"the probe itself failed ({type(error).__name__}: {error}): a bug in "
+            "vllm-mamba-align, not a verdict on the server: please report this "
+            "line with the command that gave it",
+            options.url,
+        )
+    print(text)
+    return int(code)
+
+
+def _run_probe(options: Any, progress: Any, announce: Any) -> Any:
+    from .probe.run import run
+
+    return run(options, progress, announce)

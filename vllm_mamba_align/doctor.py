@@ -113,6 +113,9 @@ class Report:
     """``VLLM_MAMBA_ALIGN_MODE`` is unset: the mode is the default."""
     batch_invariance: str = ""
     """What vLLM's batch-invariant mode means for the modes on this release."""
+    setting_errors: list[str] = field(default_factory=list)
+    """What ``register()`` raises on the current settings, one error per bad
+    setting (``settings.startup_problems``): vLLM does not start with any."""
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
@@ -319,6 +322,7 @@ def collect() -> Report:
         mode = settings.read_mode().value
     except MambaAlignError as error:
         mode_error = str(error)
+    setting_errors = settings.startup_problems()
 
     entry = _entry_point()
     plugins = os.environ.get("VLLM_PLUGINS")
@@ -332,8 +336,8 @@ def collect() -> Report:
 
     upstream = upstream_fix_present(scheduler_class)
     refusal: str | None = None
-    if mode_error is not None:
-        refusal = mode_error
+    if setting_errors:
+        refusal = "\n  ".join(setting_errors)
     elif not upstream:
         refused = split_refusal(recognition, scheduler_class)
         refusal = None if refused is None else str(refused)
@@ -380,6 +384,7 @@ def collect() -> Report:
         retention_by_mode=by_mode,
         would_refuse=refusal is not None,
         refusal=refusal,
+        setting_errors=setting_errors,
         metrics_exported=export.exported,
         metrics_detail=export.describe(),
         mode_is_default=not os.environ.get(settings.MODE_VARIABLE, "").strip(),
@@ -471,7 +476,12 @@ def render_text(report: Report) -> str:
     )
     lines.append(f"  batch-invariant {report.batch_invariance}")
     lines.extend(f"  note            {note}" for note in report.notes)
-    if report.would_refuse:
+    if report.setting_errors:
+        lines.append(
+            "verdict: [!!] vLLM would NOT START: the plugin's register() stops "
+            "it on a setting:\n  " + "\n  ".join(report.setting_errors)
+        )
+    elif report.would_refuse:
         lines.append(
             "verdict: [!!] the plugin would REFUSE to start a hybrid model in align "
             f"mode:\n  {report.refusal}"

@@ -99,8 +99,7 @@ _hook_installed = False
 def register() -> None:
     """Entry point of the ``mamba_align`` plugin (group ``vllm.general_plugins``)."""
     global _hook_installed
-    settings.read_mode()  # a bad setting fails here, before anything is patched
-    settings.audit_interval()
+    settings.check_startup()  # a bad setting fails here, before anything is patched
     if _hook_installed:
         return
     wrapt.register_post_import_hook(declare_settings, ENVS_MODULE)

@@ -81,3 +81,27 @@ def audit_interval() -> float:
             f"{AUDIT_INTERVAL_VARIABLE}=300."
         )
     return value
+
+
+STARTUP_CHECKS = (read_mode, audit_interval)
+"""Every setting ``register()`` reads when vLLM loads the plugin: a bad value
+raises there, and vLLM (0.33.0's ``load_general_plugins``) does not start. The
+doctor runs these same functions (:func:`startup_problems`), so it cannot pass a
+setting that stops ``vllm serve``; a setting read later belongs here too."""
+
+
+def check_startup() -> None:
+    """Raise the first ``MambaAlignError`` a setting gives (``register()``)."""
+    for check in STARTUP_CHECKS:
+        check()
+
+
+def startup_problems() -> list[str]:
+    """Each setting's error, as ``register()`` would raise it (the doctor)."""
+    problems = []
+    for check in STARTUP_CHECKS:
+        try:
+            check()
+        except MambaAlignError as error:
+            problems.append(str(error))
+    return problems

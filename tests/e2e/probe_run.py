@@ -4,6 +4,7 @@ command, in its own process, against a server's address, with ``--json``."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -46,6 +47,8 @@ def run_probe(url: str, *arguments: str) -> ProbeRun:
         text=True,
         timeout=PROBE_TIMEOUT,
         stdin=subprocess.DEVNULL,
+        # `-m` would put the working directory (the checkout) first on sys.path.
+        env={**os.environ, "PYTHONSAFEPATH": "1"},
     )
     try:
         report = json.loads(done.stdout)

@@ -118,7 +118,9 @@ class Server:
             str(self.port),
             *cli_arguments(options),
         ]
-        self.env = {**os.environ, **env}
+        # `-m` would put the working directory (the checkout) first on
+        # sys.path: the plugin vLLM loads must be the installed wheel.
+        self.env = {**os.environ, "PYTHONSAFEPATH": "1", **env}
         self.process: subprocess.Popen[bytes] | None = None
         self.start_seconds = 0.0
         self.stop_seconds = 0.0

@@ -4,16 +4,25 @@ The probe needs three things from a server: the served models
 (``GET /v1/models``), greedy completions of token-id prompts with top-k
 logprobs (``POST /v1/completions``), and, when it is there, the Prometheus text
 of ``GET /metrics``. Every failure becomes a ``CannotProbe`` that says what went
-wrong and the way out, so the command can exit 2 with one clear message.
+wrong and the way out, so the command can exit 2 with one clear message: a
+refused or dropped connection, a listener that does not speak HTTP, an answer
+that is not JSON (a proxy's login page), JSON of another shape, a logprob that
+is not a finite number (it would compare as "no difference").
 """
 
 from __future__ import annotations
 
+import http.client
 import json
+import math
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
+
+MAX_ANSWER_BYTES = 64 << 20
+"""The largest answer read: a completion of a few tokens is kilobytes, vLLM's
+/metrics a few megabytes; a server streaming more is not one the probe knows."""
 
 
 class CannotProbe(Exception):
@@ -50,30 +59,43 @@ NO_LOGPROBS = (
 )
 
 
+NOT_A_COMPLETION = (
+    "the server's completion response is not what an OpenAI-compatible vLLM "
+    "server sends ({detail}): check --url (the probe adds /v1/completions itself)"
+)
+
+
 def parse_completion(body: Any, logprobs: int) -> Completion:
-    """A completions response -> ``Completion``; missing fields -> CannotProbe."""
+    """A completions response -> ``Completion``; anything else -> CannotProbe."""
     try:
         choice = body["choices"][0]
         usage = body.get("usage") or {}
+        found = choice.get("logprobs") or {}
+        tokens, top = found.get("tokens"), found.get("top_logprobs")
     except (KeyError, IndexError, TypeError, AttributeError) as missing:
-        raise CannotProbe(
-            f"the server's completion response has no choices ({missing!r}): "
-            "is this an OpenAI-compatible completions endpoint?"
-        ) from None
-    found = choice.get("logprobs") or {}
-    tokens, top = found.get("tokens"), found.get("top_logprobs")
+        raise CannotProbe(NOT_A_COMPLETION.format(detail=f"no {missing!r}")) from None
     if not tokens or not top or any(not position for position in top):
         raise CannotProbe(NO_LOGPROBS.format(k=logprobs))
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return Completion(
-        tokens=tuple(str(t) for t in tokens),
-        top_logprobs=tuple(
-            {str(t): float(v) for t, v in position.items()} for position in top
-        ),
-        cached_tokens=None if cached is None else int(cached),
-        prompt_tokens=int(usage.get("prompt_tokens") or 0),
-    )
+    try:
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        completion = Completion(
+            tokens=tuple(str(t) for t in tokens),
+            top_logprobs=tuple(
+                {str(t): float(v) for t, v in position.items()} for position in top
+            ),
+            cached_tokens=None if cached is None else int(cached),
+            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+        )
+    except (TypeError, ValueError, AttributeError, OverflowError) as error:
+        raise CannotProbe(NOT_A_COMPLETION.format(detail=str(error))) from None
+    if not all(math.isfinite(v) for p in completion.top_logprobs for v in p.values()):
+        raise CannotProbe(
+            "the server returned a logprob that is not a finite number (NaN or "
+            "infinite): differences cannot be judged on it; vLLM's OpenAI server "
+            "sends finite logprobs (check --url, or the server's dtype)"
+        )
+    return completion
 
 
 def base_url(url: str) -> str:
@@ -103,27 +125,52 @@ class Client:
         request = urllib.request.Request(self.base + path, data, headers)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                return bytes(response.read())
+                answer = bytes(response.read(MAX_ANSWER_BYTES + 1))
         except urllib.error.HTTPError as error:
             raise self._http_problem(path, error) from None
-        except (TimeoutError, urllib.error.URLError, ConnectionError) as error:
-            reason = getattr(error, "reason", error)
-            if isinstance(reason, TimeoutError) or isinstance(error, TimeoutError):
-                raise CannotProbe(
-                    f"{self.base}{path} did not answer within {self.timeout:g} s: "
-                    "raise --timeout (a long prompt on a busy server takes longer)"
-                ) from None
+        except (OSError, http.client.HTTPException, ValueError) as error:
+            raise self._transport_problem(path, error) from None
+        if len(answer) > MAX_ANSWER_BYTES:
             raise CannotProbe(
-                f"cannot reach {self.base} ({reason}): check --url, the address "
+                f"{self.base}{path} answered more than {MAX_ANSWER_BYTES >> 20} MB: "
+                "not a vLLM server's answer (check --url)"
+            )
+        return answer
+
+    def _transport_problem(self, path: str, error: Exception) -> CannotProbe:
+        """A failure below HTTP's status codes, in words an operator acts on."""
+        reason = getattr(error, "reason", error)
+        if isinstance(reason, TimeoutError) or isinstance(error, TimeoutError):
+            return CannotProbe(
+                f"{self.base}{path} did not answer within {self.timeout:g} s: "
+                "raise --timeout (a long prompt on a busy server takes longer)"
+            )
+        if isinstance(reason, http.client.BadStatusLine) and not isinstance(
+            reason, ConnectionError
+        ):
+            return CannotProbe(
+                f"{self.base} does not speak HTTP (it answered "
+                f"{str(reason)[:60]!r}): check --url, the port `vllm serve` "
+                "listens on (its --port, default 8000)"
+            )
+        if isinstance(reason, http.client.HTTPException | ValueError):
+            return CannotProbe(
+                f"{self.base}{path} answered something that is not valid HTTP "
+                f"({type(reason).__name__}: {reason}): check --url, the address "
                 "`vllm serve` listens on (http://HOST:PORT)"
-            ) from None
+            )
+        return CannotProbe(
+            f"cannot reach {self.base} ({reason}): check --url, the address "
+            "`vllm serve` listens on (http://HOST:PORT)"
+        )
 
     def _http_problem(self, path: str, error: urllib.error.HTTPError) -> CannotProbe:
         detail = _error_message(error)
         if error.code in (401, 403):
             return CannotProbe(
                 f"{path}: HTTP {error.code} ({detail}): the server wants an API "
-                "key: pass --api-key (the value of vllm serve's --api-key)"
+                "key: set VLLM_API_KEY or pass --api-key (the value of vllm "
+                "serve's --api-key)"
             )
         if error.code == 404 and path.startswith("/v1"):
             return CannotProbe(
@@ -133,13 +180,38 @@ class Client:
         return CannotProbe(f"{path}: HTTP {error.code}: {detail}")
 
     def get_json(self, path: str) -> Any:
-        return json.loads(self._request(path))
+        return self._json(path, self._request(path))
+
+    def _json(self, path: str, answer: bytes) -> Any:
+        try:
+            return json.loads(answer)
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError
+            start = answer[:40].decode(errors="replace").strip()
+            raise CannotProbe(
+                f"{self.base}{path} answered something that is not JSON "
+                f"(it begins {start!r}): not a vLLM server (a proxy's login "
+                "page?): check --url"
+            ) from None
 
     def models(self) -> list[dict[str, Any]]:
-        data = self.get_json("/v1/models").get("data")
+        """The model cards of ``/v1/models``, each with a string ``id``."""
+        listing = self.get_json("/v1/models")
+        data = listing.get("data") if isinstance(listing, dict) else None
+        where = f"{self.base}/v1/models"
         if not isinstance(data, list) or not data:
-            raise CannotProbe(f"{self.base}/v1/models lists no model")
-        return [m for m in data if isinstance(m, dict)]
+            raise CannotProbe(
+                f'{where} lists no model (no non-empty "data" list): not an '
+                "OpenAI-compatible vLLM server, or it serves nothing: check --url"
+            )
+        cards = [m for m in data if isinstance(m, dict)]
+        if len(cards) < len(data) or any(
+            not isinstance(card.get("id"), str) or not card["id"] for card in cards
+        ):
+            raise CannotProbe(
+                f'{where} lists a model without a name ("id"): not an '
+                "OpenAI-compatible vLLM server: check --url"
+            )
+        return cards
 
     def complete(
         self,
@@ -161,7 +233,9 @@ class Client:
             "return_tokens_as_token_ids": True,
         }
         try:
-            answer = json.loads(self._request("/v1/completions", body))
+            answer = self._json(
+                "/v1/completions", self._request("/v1/completions", body)
+            )
         except CannotProbe as problem:
             text = str(problem)
             if "logprobs" in text.lower():
@@ -188,8 +262,8 @@ class Client:
 
 def _error_message(error: urllib.error.HTTPError) -> str:
     try:
-        body = json.loads(error.read() or b"{}")
-    except (ValueError, OSError):
+        body = json.loads(error.read(MAX_ANSWER_BYTES) or b"{}")
+    except (ValueError, OSError, http.client.HTTPException):
         return str(error.reason)
     if isinstance(body, dict):
         inner = body.get("error", body)

@@ -128,17 +128,32 @@ def _plan(options: Options, probe: Probe) -> workloads.Workload:
     )
 
 
-def run(options: Options, progress: Progress | None = None) -> Probe:
+Announce = Callable[[workloads.Workload], None]
+"""Told the workload once it is planned, before the first completion."""
+
+
+def run(
+    options: Options,
+    progress: Progress | None = None,
+    announce: Announce | None = None,
+) -> Probe:
     """Probe the server; a server that cannot be probed sets ``problem``."""
     probe = Probe(options)
     try:
-        _run(options, probe, progress or (lambda done, total, what: None))
+        _run(
+            options,
+            probe,
+            progress or (lambda done, total, what: None),
+            announce or (lambda plan: None),
+        )
     except CannotProbe as problem:
         probe.problem = str(problem)
     return probe
 
 
-def _run(options: Options, probe: Probe, progress: Progress) -> None:
+def _run(
+    options: Options, probe: Probe, progress: Progress, announce: Announce
+) -> None:
     client = Client(options.url, options.api_key, options.timeout)
     probe.base = client.base
     probe.model, probe.max_model_len = _choose_model(client, options.model)
@@ -151,6 +166,7 @@ def _run(options: Options, probe: Probe, progress: Progress) -> None:
             "--no-enable-prefix-caching to serve cached states (and probe them)"
         )
     plan = probe.workload = _plan(options, probe)
+    announce(plan)
     probe.salt_prefix = f"{SALT_PREFIX}{secrets.token_hex(4)}-"
 
     def send(prompt: list[int], salt: str, what: str) -> Completion:
