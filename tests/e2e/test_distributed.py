@@ -1,0 +1,290 @@
+"""Distributed ``vllm serve`` end to end: two "nodes" on one machine.
+
+vLLM's multi-node data parallelism with the multiprocessing backend: a head node
+(``--data-parallel-size 2 --data-parallel-size-local 1 --data-parallel-address
+127.0.0.1 --data-parallel-rpc-port P``) runs rank 0 and two API servers
+(``--api-server-count 2``), a second node (``--headless
+--data-parallel-start-rank 1``) runs rank 1 and no API server. Each node is a
+process group of its own with an environment of its own, as on two machines:
+node 1 runs the plugin in ``full`` mode, node 0 in the default ``kept``, so each
+engine core's start line shows which environment it read. Both bind 127.0.0.1
+on free ports and are stopped (SIGINT, then SIGKILL to the group after a bound)
+with nothing left running.
+
+The same scenario as ``test_serve.py`` (first prompt, sibling, re-ask, the
+sibling under another ``cache_salt``) runs on each rank, pinned with the header
+``X-data-parallel-rank``: each rank reuses the sibling's state and its logprobs
+equal a fresh run's. Metrics: with two API servers vLLM sets up multiprocess
+Prometheus itself, so rank 0's series reach ``/metrics`` with no setting; rank
+1's engine core on the other node writes where no API server reads.
+
+A second deployment gives node 1 a setting the plugin refuses
+(``VLLM_MAMBA_ALIGN_MODE=bogus``): node 1 stops with the plugin's message, and
+the head keeps waiting for rank 1 (vLLM's ``wait_for_engine_startup`` has no
+bound for remote engines); the test records both and stops the head.
+
+vLLM's Ray data-parallel backend does not run on the CPU build (see
+``test_ray_data_parallel_places_engines_on_devices_the_cpu_platform_lacks``).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .server import (
+    VLLM_CLI,
+    Completion,
+    Headless,
+    Server,
+    free_port,
+    samples,
+    stop_together,
+)
+from .test_serve import (
+    PLUGIN_LINE,
+    SERVE_OPTIONS,
+    ServeRun,
+    _environment,
+    _scenario,
+    check_fix,
+    write_served_model,
+)
+
+pytestmark = pytest.mark.xdist_group("serve")
+
+NODE_MODES = {0: None, 1: "full"}  # None: the default mode (kept)
+REFUSED_MODE = "bogus"
+REFUSAL_BOUND = 300.0  # seconds for the refusing node to exit (it fails at start)
+HEAD_WATCH = 300.0
+"""Seconds the head is watched, after the refusing node exited, for the line
+that shows it still waits for the remote rank."""
+WAITING = re.compile(r"Waiting for 0 local, 1 remote core engine proc\(s\) to")
+
+
+def data_parallel(rpc_port: int) -> dict[str, Any]:
+    """The flags both nodes share: two ranks, one per node, rank 0's address."""
+    return {
+        "data_parallel_size": 2,
+        "data_parallel_size_local": 1,
+        "data_parallel_address": "127.0.0.1",
+        "data_parallel_rpc_port": rpc_port,
+    }
+
+
+def node_environment(mode: str | None, workdir: Path) -> dict[str, str]:
+    """A node's own environment: ``test_serve``'s, less PROMETHEUS_MULTIPROC_DIR
+    (vLLM sets one up itself for two API servers; a headless node has none)."""
+    env = _environment(mode, workdir)
+    del env["PROMETHEUS_MULTIPROC_DIR"]
+    return env
+
+
+@dataclass
+class Deployment:
+    head_log: str = ""
+    node_log: str = ""
+    seconds: float = 0.0
+    start_seconds: float = 0.0
+    done: dict[str, Completion] = field(default_factory=dict)
+    metrics: str = ""
+    stopped_cleanly: tuple[bool, bool] = (False, False)
+    left: tuple[bool, bool] = (True, True)
+    node_exit: int | None = None
+    head_exit: int | None = None
+
+
+_deployments: dict[str, Deployment] = {}
+
+
+def _without_multiproc_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither node may inherit a Prometheus directory from the test's shell."""
+    for name in ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="module")
+def multinode(tmp_path_factory: pytest.TempPathFactory) -> Deployment:
+    """Two nodes, the fix on each, started and stopped once for the module."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _without_multiproc_dir(monkeypatch)
+        return _run_multinode(tmp_path_factory.mktemp("multinode"))
+
+
+def _run_multinode(root: Path) -> Deployment:
+    model = write_served_model(root)
+    shared = {**SERVE_OPTIONS, **data_parallel(free_port())}
+    found = _deployments["multinode"] = Deployment()
+    node = Headless(
+        model,
+        {**shared, "data_parallel_start_rank": 1},
+        node_environment(NODE_MODES[1], root),
+        root / "node1.log",
+    )
+    head = Server(
+        model,
+        {**shared, "api_server_count": 2},
+        node_environment(NODE_MODES[0], root),
+        root / "node0.log",
+        entry=VLLM_CLI,
+    )
+    started = time.monotonic()
+    try:
+        node.launch()
+        head.start()
+        found.start_seconds = time.monotonic() - started
+        run = ServeRun("multinode")
+        for rank in (0, 1):
+            _scenario(head, run, rank)
+        found.done = run.done
+        found.metrics = head.metrics()
+    finally:
+        stop_together(head, node)
+        found.seconds = time.monotonic() - started
+        found.head_log, found.node_log = head.log(), node.log()
+        found.stopped_cleanly = (head.stopped_cleanly, node.stopped_cleanly)
+        found.left = (head.group_alive(), node.group_alive())
+    return found
+
+
+def as_run(deployment: Deployment) -> ServeRun:
+    """Both nodes' logs and the completions as ``test_serve``'s checks read them."""
+    return ServeRun(
+        "multinode",
+        log=deployment.head_log + "\n" + deployment.node_log,
+        done=deployment.done,
+        metrics=deployment.metrics,
+    )
+
+
+def test_each_node_runs_its_rank_with_the_plugin_settings_of_its_environment(
+    multinode: Deployment,
+) -> None:
+    on_head = [m.groupdict() for m in PLUGIN_LINE.finditer(multinode.head_log)]
+    on_node = [m.groupdict() for m in PLUGIN_LINE.finditer(multinode.node_log)]
+    assert [line["process"] for line in on_head] == ["EngineCore_DP0"]
+    assert [line["process"] for line in on_node] == ["EngineCore_DP1"]
+    assert on_head[0]["status"].startswith("ACTIVE, mode=kept"), on_head
+    assert on_node[0]["status"].startswith("ACTIVE, mode=full"), on_node
+    assert "headless mode" in multinode.node_log
+    # Two API servers on the head, none on node 1.
+    assert "(ApiServer_1 " in multinode.head_log
+    assert "ApiServer" not in multinode.node_log
+
+
+def test_the_fix_is_active_on_every_rank_of_both_nodes(
+    multinode: Deployment,
+) -> None:
+    run = as_run(multinode)
+    for rank in (0, 1):
+        check_fix(run, rank)  # each rank its own prefix cache, on its own node
+
+
+def test_two_api_servers_export_the_head_rank_not_the_headless_one(
+    multinode: Deployment,
+) -> None:
+    info = {
+        labels["engine"]: labels
+        for labels, value in samples(multinode.metrics, "vllm_mamba_align_info")
+        if value == 1
+    }
+    # vLLM's own multiprocess Prometheus (two API servers) carries rank 0's
+    # series; rank 1 writes in another node's process, which no API server reads.
+    assert sorted(info) == ["0"]
+    assert info["0"]["mode"] == "kept" and info["0"]["status"] == "ACTIVE"
+
+
+def test_both_nodes_stop_within_bounds_leaving_no_process(
+    multinode: Deployment,
+) -> None:
+    assert multinode.stopped_cleanly == (True, True)
+    assert multinode.left == (False, False)
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory: pytest.TempPathFactory) -> Deployment:
+    """Node 1 with a setting the plugin refuses; the head as in ``multinode``."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _without_multiproc_dir(monkeypatch)
+        return _run_refused(tmp_path_factory.mktemp("refused"))
+
+
+def _run_refused(root: Path) -> Deployment:
+    model = write_served_model(root)
+    shared = {**SERVE_OPTIONS, **data_parallel(free_port())}
+    found = _deployments["refused"] = Deployment()
+    node = Headless(
+        model,
+        {**shared, "data_parallel_start_rank": 1},
+        node_environment(REFUSED_MODE, root),
+        root / "node1.log",
+    )
+    head = Server(
+        model,
+        {**shared, "api_server_count": 1},
+        {**node_environment(None, root), "VLLM_LOGGING_LEVEL": "DEBUG"},
+        root / "node0.log",
+        entry=VLLM_CLI,
+    )
+    started = time.monotonic()
+    try:
+        node.launch()
+        head.launch()
+        assert node.process is not None and head.process is not None
+        found.node_exit = node.process.wait(timeout=REFUSAL_BOUND)
+        found.start_seconds = time.monotonic() - started
+        # What the head does once the refusing node is gone: its local engine
+        # starts, then vLLM's startup loop reports (at DEBUG, every 10 s) the
+        # remote rank it still waits for.
+        deadline = time.monotonic() + HEAD_WATCH
+        while (
+            time.monotonic() < deadline
+            and head.process.poll() is None
+            and not WAITING.search(head.log())
+        ):
+            time.sleep(1.0)
+        found.head_exit = head.process.poll()
+    finally:
+        stop_together(head, node)
+        found.seconds = time.monotonic() - started
+        found.head_log, found.node_log = head.log(), node.log()
+        found.stopped_cleanly = (head.stopped_cleanly, node.stopped_cleanly)
+        found.left = (head.group_alive(), node.group_alive())
+    return found
+
+
+def test_a_refused_setting_on_the_headless_node_stops_that_node_with_the_message(
+    refused: Deployment,
+) -> None:
+    assert refused.node_exit not in (None, 0)
+    assert (
+        f"VLLM_MAMBA_ALIGN_MODE='{REFUSED_MODE}' is not a valid mode"
+        in refused.node_log
+    )
+    assert "EngineCore_DP1" not in refused.node_log  # refused before any engine
+
+
+def test_the_head_waits_for_the_refused_rank_until_it_is_stopped(
+    refused: Deployment,
+) -> None:
+    """vLLM's behaviour, recorded: the head has no bound for a remote engine
+    that never connects, so the refused node's log is where the reason is."""
+    assert refused.head_exit is None  # still running, waiting
+    assert WAITING.search(refused.head_log), refused.head_log[-3000:]
+    assert "is not a valid mode" not in refused.head_log
+    assert refused.left == (False, False)
+
+
+def summary_lines() -> list[str]:
+    """What each deployment cost (printed after the tests)."""
+    return [
+        f"distributed {key}: {found.seconds:.1f} s in all (until ready or "
+        f"refused {found.start_seconds:.1f} s); cached "
+        + ", ".join(f"{name} {c.cached_tokens}" for name, c in found.done.items())
+        for key, found in _deployments.items()
+    ]
