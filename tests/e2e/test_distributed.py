@@ -47,16 +47,23 @@ from .server import (
     stop_together,
 )
 from .test_serve import (
+    COUNTER_NAMES,
     PLUGIN_LINE,
     SERVE_OPTIONS,
     ServeRun,
     _environment,
     _scenario,
+    _wait_for_audit,
     check_fix,
+    counters,
+    expected_prefill_tokens,
+    last_summary,
     write_served_model,
 )
 
-pytestmark = pytest.mark.xdist_group("serve")
+# A group of its own: --dist loadgroup hands the groups ("serve", "engines",
+# this one) to the two workers as they come free.
+pytestmark = pytest.mark.xdist_group("distributed")
 
 NODE_MODES = {0: None, 1: "full"}  # None: the default mode (kept)
 REFUSED_MODE = "bogus"
@@ -280,6 +287,71 @@ def test_the_head_waits_for_the_refused_rank_until_it_is_stopped(
     assert refused.left == (False, False)
 
 
+@pytest.fixture(scope="module")
+def api_servers(tmp_path_factory: pytest.TempPathFactory) -> ServeRun:
+    """One node, two ranks, ``--api-server-count 2``, the audit, and no
+    PROMETHEUS_MULTIPROC_DIR of the test's: vLLM sets one up for its API servers
+    and the engine cores it starts."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _without_multiproc_dir(monkeypatch)
+        return _run_api_servers(tmp_path_factory.mktemp("api-servers"))
+
+
+def _run_api_servers(root: Path) -> ServeRun:
+    model = write_served_model(root)
+    server = Server(
+        model,
+        {**SERVE_OPTIONS, "data_parallel_size": 2, "api_server_count": 2},
+        node_environment("audit", root),
+        root / "server.log",
+        entry=VLLM_CLI,
+    )
+    found = _deployments["api-servers"] = Deployment()
+    run = ServeRun("api-servers")
+    started = time.monotonic()
+    try:
+        server.start()
+        found.start_seconds = time.monotonic() - started
+        for rank in (0, 1):
+            _scenario(server, run, rank)
+        _wait_for_audit(server, run, (0, 1))
+    finally:
+        stop_together(server)
+        found.seconds = time.monotonic() - started
+        run.log = found.head_log = server.log()
+        found.done, found.metrics = run.done, run.metrics
+        found.stopped_cleanly = (server.stopped_cleanly, True)
+        found.left = (server.group_alive(), False)
+    return run
+
+
+def test_two_api_servers_show_each_engine_audit_series_equal_to_its_summary(
+    api_servers: ServeRun,
+) -> None:
+    run = api_servers
+    lines = run.plugin_lines()
+    assert sorted(line["rank"] for line in lines) == ["0", "1"]
+    assert all(line["status"].startswith("AUDIT, mode=audit") for line in lines)
+    assert "(ApiServer_1 " in run.log
+    # The multiprocess directory is vLLM's own (the test set none).
+    assert "audit metrics: on: multiprocess Prometheus" in run.log
+    for rank in (0, 1):
+        summary = last_summary(run.engine_log(rank))
+        assert summary is not None, f"no audit summary line from engine {rank}"
+        assert summary["prefill_tokens"] == expected_prefill_tokens(run, rank)
+        shown = counters(run.metrics, rank)
+        assert shown == {figure: summary[figure] for figure in COUNTER_NAMES}
+        assert shown["poisoned_slots"] > 0 and shown["requests"] == 4
+
+
+def test_the_api_servers_deployment_stops_within_bounds_leaving_no_process(
+    api_servers: ServeRun,
+) -> None:
+    found = _deployments["api-servers"]
+    assert found.stopped_cleanly == (True, True)
+    assert found.left == (False, False)
+
+
 def summary_lines() -> list[str]:
     """What each deployment cost (printed after the tests)."""
     return [
@@ -288,3 +360,68 @@ def summary_lines() -> list[str]:
         + ", ".join(f"{name} {c.cached_tokens}" for name, c in found.done.items())
         for key, found in _deployments.items()
     ]
+
+
+def test_ray_data_parallel_places_engines_on_devices_the_cpu_platform_lacks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Why ``--data-parallel-backend ray`` is not run here: vLLM's
+    ``CoreEngineActorManager.create_dp_placement_groups`` puts each rank in a
+    Ray placement group of ``current_platform.ray_device_key`` devices, and the
+    CPU platform declares none (the empty key), so a Ray cluster of CPU nodes
+    has no node it can use. vLLM's real function runs here against a stand-in
+    of Ray's resource listing (one node, 127.0.0.1, CPUs only: what ``ray
+    start --head`` on this machine reports); Ray itself is not installed.
+    If a later CPU build gains a device key, this fails: then the Ray topology
+    can run in this suite.
+    """
+    import sys
+    import types
+
+    from vllm.config import ParallelConfig
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.utils import CoreEngineActorManager
+
+    assert current_platform.is_cpu() and current_platform.ray_device_key == ""
+    state = types.ModuleType("ray._private.state")
+    state.available_resources_per_node = lambda: {  # type: ignore[attr-defined]
+        "node-0": {"CPU": 2.0, "memory": 2.0e10, "node:127.0.0.1": 1.0}
+    }
+    monkeypatch.setitem(sys.modules, "ray", types.ModuleType("ray"))
+    monkeypatch.setitem(sys.modules, "ray._private", types.ModuleType("ray._private"))
+    monkeypatch.setitem(sys.modules, "ray._private.state", state)
+    # The backend is left at "mp": with "ray" ParallelConfig imports Ray.
+    parallel = ParallelConfig(
+        data_parallel_size=2,
+        data_parallel_size_local=1,
+        data_parallel_master_ip="127.0.0.1",
+    )
+    config = types.SimpleNamespace(parallel_config=parallel)
+    with pytest.raises(AssertionError, match="No  found in Ray cluster"):
+        CoreEngineActorManager.create_dp_placement_groups(config)  # type: ignore[arg-type]
+
+
+def test_ray_actors_would_get_the_plugin_settings_but_not_the_prometheus_directory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What vLLM copies into an engine-core actor's Ray runtime environment
+    (``get_env_vars_to_copy``, as ``CoreEngineActorManager`` calls it): every
+    ``VLLM_*`` variable, so ``VLLM_PLUGINS`` and ``VLLM_MAMBA_ALIGN_*``, and
+    not ``PROMETHEUS_MULTIPROC_DIR``."""
+    from vllm.ray.ray_env import get_env_vars_to_copy
+    from vllm.v1.executor.ray_utils import WORKER_SPECIFIC_ENV_VARS
+
+    given = {
+        "VLLM_PLUGINS": "mamba_align",
+        "VLLM_MAMBA_ALIGN_MODE": "full",
+        "VLLM_MAMBA_ALIGN_AUDIT_INTERVAL": "300",
+        "VLLM_MAMBA_ALIGN_ALLOW_UNVERIFIED": "1",
+        "PROMETHEUS_MULTIPROC_DIR": "/tmp/prometheus",
+    }
+    for name, value in given.items():
+        monkeypatch.setenv(name, value)
+    copied = get_env_vars_to_copy(
+        destination="EngineCoreActor", exclude_vars=WORKER_SPECIFIC_ENV_VARS
+    )
+    assert {name for name in given if name.startswith("VLLM_")} <= copied
+    assert "PROMETHEUS_MULTIPROC_DIR" not in copied
