@@ -95,7 +95,44 @@ def cli_arguments(options: dict[str, Any]) -> list[str]:
     return words
 
 
-class Server:
+class ProcessGroup:
+    """A vLLM command run as the leader of a process group of its own (with
+    what it starts: engine cores, workers), its output in ``log_path``."""
+
+    def __init__(self, command: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.command = command
+        self.env = {**os.environ, **env}
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+        self.stop_seconds = 0.0
+        self.stopped_cleanly = False
+
+    def launch(self) -> None:
+        """Start the process group without waiting for anything."""
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                self.command,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own process group
+            )
+
+    def stop(self) -> None:
+        """SIGINT to the whole group, SIGKILL after STOP_TIMEOUT; reap."""
+        if self.process is None:
+            return
+        self.stopped_cleanly, self.stop_seconds = stop_group(self.process)
+
+    def group_alive(self) -> bool:
+        return self.process is not None and _group_alive(self.process.pid)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+class Server(ProcessGroup):
     """One API server process group; use as a context manager."""
 
     def __init__(
@@ -108,8 +145,7 @@ class Server:
     ) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.command = [
+        command = [
             sys.executable,
             *entry,
             "--model",
@@ -122,17 +158,10 @@ class Server:
             str(self.port),
             *cli_arguments(options),
         ]
-        self.env = {**os.environ, **env}
-        self.process: subprocess.Popen[bytes] | None = None
+        super().__init__(command, env, log_path)
         self.start_seconds = 0.0
-        self.stop_seconds = 0.0
-        self.stopped_cleanly = False
 
     # -- lifetime -------------------------------------------------------------
-    def launch(self) -> None:
-        """Start the process group without waiting for /health."""
-        self.process = start_group(self.command, self.env, self.log_path)
-
     def __enter__(self) -> Server:
         return self.start()
 
@@ -170,18 +199,6 @@ class Server:
             f"vLLM's API server did not answer /health within {START_TIMEOUT:.0f} s:"
             f"\n{self.log()[-6000:]}"
         )
-
-    def stop(self) -> None:
-        """SIGINT to the whole group, SIGKILL after STOP_TIMEOUT; reap."""
-        if self.process is None:
-            return
-        self.stopped_cleanly, self.stop_seconds = stop_group(self.process)
-
-    def group_alive(self) -> bool:
-        return self.process is not None and _group_alive(self.process.pid)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
     # -- requests ---------------------------------------------------------------
     def client(self) -> Any:
@@ -224,22 +241,6 @@ class Server:
             return str(r.read().decode())
 
 
-def start_group(
-    command: list[str], env: dict[str, str], log_path: Path
-) -> subprocess.Popen[bytes]:
-    """``command`` as the leader of a process group of its own, output to
-    ``log_path``: what it starts (engine cores, workers) stays in the group."""
-    with open(log_path, "wb") as log:
-        return subprocess.Popen(
-            command,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-
-
 def stop_group(process: subprocess.Popen[bytes]) -> tuple[bool, float]:
     """SIGINT to the process group ``process`` leads, SIGKILL to what is left
     after bounds; reap. Returns (stopped within the bounds, seconds taken)."""
@@ -279,7 +280,7 @@ def stop_groups(processes: list[subprocess.Popen[bytes]]) -> list[tuple[bool, fl
     return results
 
 
-def stop_together(*members: Server | Headless) -> None:
+def stop_together(*members: ProcessGroup) -> None:
     """Stop the process groups of one deployment's nodes at once."""
     launched = [m for m in members if m.process is not None]
     found = stop_groups([m.process for m in launched if m.process is not None])
@@ -287,11 +288,11 @@ def stop_together(*members: Server | Headless) -> None:
         member.stopped_cleanly, member.stop_seconds = cleanly, seconds
 
 
-class Headless:
+class Headless(ProcessGroup):
     """A ``vllm serve --headless`` node: engine cores and no API server, in a
     process group and an environment of its own; use as a context manager.
 
-    It has no /health: entering only starts it, the head node's /health tells
+    It has no /health: entering only launches it, the head node's /health tells
     when its engines have joined.
     """
 
@@ -302,8 +303,7 @@ class Headless:
         env: dict[str, str],
         log_path: Path,
     ) -> None:
-        self.log_path = log_path
-        self.command = [
+        command = [
             sys.executable,
             *VLLM_CLI,
             str(model),
@@ -312,30 +312,14 @@ class Headless:
             "--headless",
             *cli_arguments(options),
         ]
-        self.env = {**os.environ, **env}
-        self.process: subprocess.Popen[bytes] | None = None
-        self.stop_seconds = 0.0
-        self.stopped_cleanly = False
+        super().__init__(command, env, log_path)
 
     def __enter__(self) -> Headless:
         self.launch()
         return self
 
-    def launch(self) -> None:
-        self.process = start_group(self.command, self.env, self.log_path)
-
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.stopped_cleanly, self.stop_seconds = stop_group(self.process)
-
-    def group_alive(self) -> bool:
-        return self.process is not None and _group_alive(self.process.pid)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
 
 class Completion:

@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -65,6 +66,7 @@ from .test_serve import (
 # this one) to the two workers as they come free.
 pytestmark = pytest.mark.xdist_group("distributed")
 
+T = TypeVar("T")
 NODE_MODES = {0: None, 1: "full"}  # None: the default mode (kept)
 REFUSED_MODE = "bogus"
 REFUSAL_BOUND = 300.0  # seconds for the refusing node to exit (it fails at start)
@@ -115,31 +117,60 @@ def _without_multiproc_dir(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-@pytest.fixture(scope="module")
-def multinode(tmp_path_factory: pytest.TempPathFactory) -> Deployment:
-    """Two nodes, the fix on each, started and stopped once for the module."""
+def _isolated(
+    factory: pytest.TempPathFactory, name: str, run: Callable[[Path], T]
+) -> T:
+    """``run`` in a fresh folder, with no Prometheus directory to inherit."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         _without_multiproc_dir(monkeypatch)
-        return _run_multinode(tmp_path_factory.mktemp("multinode"))
+        return run(factory.mktemp(name))
 
 
-def _run_multinode(root: Path) -> Deployment:
+def two_nodes(
+    root: Path,
+    node_env: dict[str, str],
+    head_options: dict[str, Any],
+    head_env: dict[str, str],
+) -> tuple[Server, Headless]:
+    """Node 0 (rank 0, the API servers) and node 1 (rank 1, headless), not started."""
     model = write_served_model(root)
     shared = {**SERVE_OPTIONS, **data_parallel(free_port())}
-    found = _deployments["multinode"] = Deployment()
     node = Headless(
         model,
         {**shared, "data_parallel_start_rank": 1},
-        node_environment(NODE_MODES[1], root),
+        node_env,
         root / "node1.log",
     )
     head = Server(
-        model,
-        {**shared, "api_server_count": 2},
-        node_environment(NODE_MODES[0], root),
-        root / "node0.log",
-        entry=VLLM_CLI,
+        model, {**shared, **head_options}, head_env, root / "node0.log", entry=VLLM_CLI
     )
+    return head, node
+
+
+def _stop_and_record(
+    found: Deployment, started: float, head: Server, node: Headless
+) -> None:
+    stop_together(head, node)
+    found.seconds = time.monotonic() - started
+    found.head_log, found.node_log = head.log(), node.log()
+    found.stopped_cleanly = (head.stopped_cleanly, node.stopped_cleanly)
+    found.left = (head.group_alive(), node.group_alive())
+
+
+@pytest.fixture(scope="module")
+def multinode(tmp_path_factory: pytest.TempPathFactory) -> Deployment:
+    """Two nodes, the fix on each, started and stopped once for the module."""
+    return _isolated(tmp_path_factory, "multinode", _run_multinode)
+
+
+def _run_multinode(root: Path) -> Deployment:
+    head, node = two_nodes(
+        root,
+        node_environment(NODE_MODES[1], root),
+        {"api_server_count": 2},
+        node_environment(NODE_MODES[0], root),
+    )
+    found = _deployments["multinode"] = Deployment()
     started = time.monotonic()
     try:
         node.launch()
@@ -151,11 +182,7 @@ def _run_multinode(root: Path) -> Deployment:
         found.done = run.done
         found.metrics = head.metrics()
     finally:
-        stop_together(head, node)
-        found.seconds = time.monotonic() - started
-        found.head_log, found.node_log = head.log(), node.log()
-        found.stopped_cleanly = (head.stopped_cleanly, node.stopped_cleanly)
-        found.left = (head.group_alive(), node.group_alive())
+        _stop_and_record(found, started, head, node)
     return found
 
 
@@ -215,29 +242,18 @@ def test_both_nodes_stop_within_bounds_leaving_no_process(
 
 @pytest.fixture(scope="module")
 def refused(tmp_path_factory: pytest.TempPathFactory) -> Deployment:
-    """Node 1 with a setting the plugin refuses; the head as in ``multinode``."""
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        _without_multiproc_dir(monkeypatch)
-        return _run_refused(tmp_path_factory.mktemp("refused"))
+    """Node 1 with a setting the plugin refuses; one API server on the head."""
+    return _isolated(tmp_path_factory, "refused", _run_refused)
 
 
 def _run_refused(root: Path) -> Deployment:
-    model = write_served_model(root)
-    shared = {**SERVE_OPTIONS, **data_parallel(free_port())}
-    found = _deployments["refused"] = Deployment()
-    node = Headless(
-        model,
-        {**shared, "data_parallel_start_rank": 1},
+    head, node = two_nodes(
+        root,
         node_environment(REFUSED_MODE, root),
-        root / "node1.log",
-    )
-    head = Server(
-        model,
-        {**shared, "api_server_count": 1},
+        {"api_server_count": 1},
         {**node_environment(None, root), "VLLM_LOGGING_LEVEL": "DEBUG"},
-        root / "node0.log",
-        entry=VLLM_CLI,
     )
+    found = _deployments["refused"] = Deployment()
     started = time.monotonic()
     try:
         node.launch()
@@ -257,11 +273,7 @@ def _run_refused(root: Path) -> Deployment:
             time.sleep(1.0)
         found.head_exit = head.process.poll()
     finally:
-        stop_together(head, node)
-        found.seconds = time.monotonic() - started
-        found.head_log, found.node_log = head.log(), node.log()
-        found.stopped_cleanly = (head.stopped_cleanly, node.stopped_cleanly)
-        found.left = (head.group_alive(), node.group_alive())
+        _stop_and_record(found, started, head, node)
     return found
 
 
@@ -292,9 +304,7 @@ def api_servers(tmp_path_factory: pytest.TempPathFactory) -> ServeRun:
     """One node, two ranks, ``--api-server-count 2``, the audit, and no
     PROMETHEUS_MULTIPROC_DIR of the test's: vLLM sets one up for its API servers
     and the engine cores it starts."""
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        _without_multiproc_dir(monkeypatch)
-        return _run_api_servers(tmp_path_factory.mktemp("api-servers"))
+    return _isolated(tmp_path_factory, "api-servers", _run_api_servers)
 
 
 def _run_api_servers(root: Path) -> ServeRun:
@@ -384,9 +394,8 @@ def test_ray_data_parallel_places_engines_on_devices_the_cpu_platform_lacks(
 
     assert current_platform.is_cpu() and current_platform.ray_device_key == ""
     state = types.ModuleType("ray._private.state")
-    state.available_resources_per_node = lambda: {  # type: ignore[attr-defined]
-        "node-0": {"CPU": 2.0, "memory": 2.0e10, "node:127.0.0.1": 1.0}
-    }
+    one_node = {"node-0": {"CPU": 2.0, "memory": 2.0e10, "node:127.0.0.1": 1.0}}
+    setattr(state, "available_resources_per_node", lambda: one_node)  # noqa: B010
     monkeypatch.setitem(sys.modules, "ray", types.ModuleType("ray"))
     monkeypatch.setitem(sys.modules, "ray._private", types.ModuleType("ray._private"))
     monkeypatch.setitem(sys.modules, "ray._private.state", state)
