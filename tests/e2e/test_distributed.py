@@ -380,8 +380,9 @@ def test_ray_data_parallel_places_engines_on_devices_the_cpu_platform_lacks(
     Ray placement group of ``current_platform.ray_device_key`` devices, and the
     CPU platform declares none (the empty key), so a Ray cluster of CPU nodes
     has no node it can use. vLLM's real function runs here against a stand-in
-    of Ray's resource listing (one node, 127.0.0.1, CPUs only: what ``ray
-    start --head`` on this machine reports); Ray itself is not installed.
+    of Ray's resource listing (one node, CPUs only: what ``ray start --head``
+    on this machine reports); Ray itself is not installed, since nothing else
+    here could use it.
     If a later CPU build gains a device key, this fails: then the Ray topology
     can run in this suite.
     """
@@ -394,7 +395,16 @@ def test_ray_data_parallel_places_engines_on_devices_the_cpu_platform_lacks(
 
     assert current_platform.is_cpu() and current_platform.ray_device_key == ""
     state = types.ModuleType("ray._private.state")
-    one_node = {"node-0": {"CPU": 2.0, "memory": 2.0e10, "node:127.0.0.1": 1.0}}
+    # The shape Ray 2.60.0 lists for `ray start --head --num-cpus 2` here.
+    one_node = {
+        "node-0": {
+            "CPU": 2.0,
+            "node:__internal_head__": 1.0,
+            "node:127.0.0.1": 1.0,
+            "memory": 1.1e10,
+            "object_store_memory": 4.7e9,
+        }
+    }
     setattr(state, "available_resources_per_node", lambda: one_node)  # noqa: B010
     monkeypatch.setitem(sys.modules, "ray", types.ModuleType("ray"))
     monkeypatch.setitem(sys.modules, "ray._private", types.ModuleType("ray._private"))
