@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from .probe_run import ProbeRun, run_probe
 from .server import (
     VLLM_CLI,
     Completion,
@@ -106,6 +107,7 @@ class Deployment:
     left: tuple[bool, bool] = (True, True)
     node_exit: int | None = None
     head_exit: int | None = None
+    probe: ProbeRun | None = None
 
 
 _deployments: dict[str, Deployment] = {}
@@ -181,6 +183,8 @@ def _run_multinode(root: Path) -> Deployment:
             _scenario(head, run, rank)
         found.done = run.done
         found.metrics = head.metrics()
+        # As an operator would run it: the head's URL, no rank header.
+        found.probe = run_probe(head.base)
     finally:
         _stop_and_record(found, started, head, node)
     return found
@@ -231,6 +235,17 @@ def test_two_api_servers_export_the_head_rank_not_the_headless_one(
     # series; rank 1 writes in another node's process, which no API server reads.
     assert sorted(info) == ["0"]
     assert info["0"]["mode"] == "kept" and info["0"]["status"] == "ACTIVE"
+
+
+def test_the_probe_finds_no_wrong_state_on_the_two_node_deployment(
+    multinode: Deployment,
+) -> None:
+    """The probe through the head's API servers, which spread its requests over
+    both ranks: whatever reuse it sees, none continues differently from a fresh
+    run (its verdict and exit code are in the summary line)."""
+    probe = multinode.probe
+    assert probe is not None
+    assert probe.exit_code != 1 and probe.diverged() == [], probe.report
 
 
 def test_both_nodes_stop_within_bounds_leaving_no_process(
@@ -363,13 +378,23 @@ def test_the_api_servers_deployment_stops_within_bounds_leaving_no_process(
 
 
 def summary_lines() -> list[str]:
-    """What each deployment cost (printed after the tests)."""
-    return [
-        f"distributed {key}: {found.seconds:.1f} s in all (until ready or "
-        f"refused {found.start_seconds:.1f} s); cached "
-        + ", ".join(f"{name} {c.cached_tokens}" for name, c in found.done.items())
-        for key, found in _deployments.items()
-    ]
+    """What each deployment cost, and the probe's verdict (printed after the
+    tests)."""
+    lines = []
+    for key, found in _deployments.items():
+        probe = ""
+        if found.probe is not None:
+            probe = (
+                f"; probe exit {found.probe.exit_code} in {found.probe.seconds:.1f} "
+                f"s: {found.probe.report.get('verdict', '')}"
+            )
+        lines.append(
+            f"distributed {key}: {found.seconds:.1f} s in all (until ready or "
+            f"refused {found.start_seconds:.1f} s); cached "
+            + ", ".join(f"{name} {c.cached_tokens}" for name, c in found.done.items())
+            + probe
+        )
+    return lines
 
 
 def test_ray_data_parallel_places_engines_on_devices_the_cpu_platform_lacks(
