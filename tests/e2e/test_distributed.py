@@ -14,14 +14,20 @@ with nothing left running.
 The same scenario as ``test_serve.py`` (first prompt, sibling, re-ask, the
 sibling under another ``cache_salt``) runs on each rank, pinned with the header
 ``X-data-parallel-rank``: each rank reuses the sibling's state and its logprobs
-equal a fresh run's. Metrics: with two API servers vLLM sets up multiprocess
-Prometheus itself, so rank 0's series reach ``/metrics`` with no setting; rank
-1's engine core on the other node writes where no API server reads.
+equal a fresh run's. Then ``vllm-mamba-align probe`` runs against the head's
+URL with no rank header. Metrics: with two API servers vLLM sets up
+multiprocess Prometheus itself, so rank 0's series reach ``/metrics`` with no
+setting; rank 1's engine core on the other node writes where no API server
+reads.
 
 A second deployment gives node 1 a setting the plugin refuses
 (``VLLM_MAMBA_ALIGN_MODE=bogus``): node 1 stops with the plugin's message, and
 the head keeps waiting for rank 1 (vLLM's ``wait_for_engine_startup`` has no
 bound for remote engines); the test records both and stops the head.
+
+A third, one node with ``--data-parallel-size 2 --api-server-count 2`` in
+``audit`` mode and no ``PROMETHEUS_MULTIPROC_DIR`` of the test's: each engine's
+audit series on ``/metrics`` equal its summary line.
 
 vLLM's Ray data-parallel backend does not run on the CPU build (see
 ``test_ray_data_parallel_places_engines_on_devices_the_cpu_platform_lacks``).
