@@ -418,9 +418,11 @@ def e2e(session: nox.Session) -> None:
     session.install(str(E2E_WORKAROUNDS))
     install_plugin_wheel(session)
     env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
-    # Two groups side by side (xdist_group marks): "serve", the `vllm serve`
-    # servers of test_serve.py and test_probe.py with the default-retention
-    # engines, and "engines", test_engine.py's engines with the image recipe.
+    # Two workers for three groups (xdist_group marks), each handed to a worker
+    # as one comes free: "serve", the `vllm serve` servers of test_serve.py and
+    # test_probe.py with the default-retention engines, "engines",
+    # test_engine.py's engines with the image recipe, and "distributed",
+    # test_distributed.py's two-node and two-API-server deployments.
     # Each spends much of its time waiting on engine processes.
     # What each costs: docs/maintaining (the measured runs of .ci/run).
     pytest(

@@ -66,10 +66,17 @@ _worker_lines: list[str] = []
 
 def _summary_lines() -> list[str]:
     """What this process's engines and servers measured (nothing if it ran none)."""
-    from . import test_default_retention, test_engine, test_probe, test_serve
+    from . import (
+        test_default_retention,
+        test_distributed,
+        test_engine,
+        test_probe,
+        test_serve,
+    )
 
     return [
         *test_engine.summary_lines(),
+        *test_distributed.summary_lines(),
         *test_default_retention.retention_summary_lines(),
         *test_serve.summary_lines(),
         *test_probe.probe_summary_lines(test_serve._runs),

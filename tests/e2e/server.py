@@ -27,6 +27,10 @@ from typing import Any
 from .models import VOCAB
 
 SERVED_NAME = "tiny-hybrid"
+API_SERVER_MODULE = ("-m", "vllm.entrypoints.openai.api_server")
+VLLM_CLI = (str(Path(__file__).with_name("vllm_cli.py")), "serve")
+"""``vllm serve`` itself (through tests/e2e/vllm_cli.py): the entry point of the
+distributed launch modes, ``--headless`` and ``--api-server-count`` > 1."""
 START_TIMEOUT = 420.0  # seconds until /health answers (2 cores, engine + drafter)
 STOP_TIMEOUT = 60.0  # seconds after SIGINT before the group is killed
 GROUP_EXIT_TIMEOUT = 30.0
@@ -91,7 +95,46 @@ def cli_arguments(options: dict[str, Any]) -> list[str]:
     return words
 
 
-class Server:
+class ProcessGroup:
+    """A vLLM command run as the leader of a process group of its own (with
+    what it starts: engine cores, workers), its output in ``log_path``."""
+
+    def __init__(self, command: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.command = command
+        # `-m` would put the working directory (the checkout) first on
+        # sys.path: the plugin vLLM loads must be the installed wheel.
+        self.env = {**os.environ, "PYTHONSAFEPATH": "1", **env}
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+        self.stop_seconds = 0.0
+        self.stopped_cleanly = False
+
+    def launch(self) -> None:
+        """Start the process group without waiting for anything."""
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                self.command,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own process group
+            )
+
+    def stop(self) -> None:
+        """SIGINT to the whole group, SIGKILL after STOP_TIMEOUT; reap."""
+        if self.process is None:
+            return
+        self.stopped_cleanly, self.stop_seconds = stop_group(self.process)
+
+    def group_alive(self) -> bool:
+        return self.process is not None and _group_alive(self.process.pid)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+class Server(ProcessGroup):
     """One API server process group; use as a context manager."""
 
     def __init__(
@@ -100,14 +143,13 @@ class Server:
         options: dict[str, Any],
         env: dict[str, str],
         log_path: Path,
+        entry: tuple[str, ...] = API_SERVER_MODULE,
     ) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.command = [
+        command = [
             sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
+            *entry,
             "--model",
             str(model),
             "--served-model-name",
@@ -118,26 +160,17 @@ class Server:
             str(self.port),
             *cli_arguments(options),
         ]
-        # `-m` would put the working directory (the checkout) first on
-        # sys.path: the plugin vLLM loads must be the installed wheel.
-        self.env = {**os.environ, "PYTHONSAFEPATH": "1", **env}
-        self.process: subprocess.Popen[bytes] | None = None
+        super().__init__(command, env, log_path)
         self.start_seconds = 0.0
-        self.stop_seconds = 0.0
-        self.stopped_cleanly = False
 
     # -- lifetime -------------------------------------------------------------
     def __enter__(self) -> Server:
+        return self.start()
+
+    def start(self) -> Server:
+        """Launch, then wait for /health (stopping the group if it never comes)."""
         started = time.monotonic()
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                self.command,
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # its own process group
-            )
+        self.launch()
         try:
             self._wait_healthy(started + START_TIMEOUT)
         except BaseException:
@@ -168,38 +201,6 @@ class Server:
             f"vLLM's API server did not answer /health within {START_TIMEOUT:.0f} s:"
             f"\n{self.log()[-6000:]}"
         )
-
-    def stop(self) -> None:
-        """SIGINT to the whole group, SIGKILL after STOP_TIMEOUT; reap."""
-        process = self.process
-        if process is None:
-            return
-        group = process.pid  # start_new_session: the group id is the leader's pid
-        started = time.monotonic()
-        if process.poll() is None:
-            _signal_group(group, signal.SIGINT)
-            try:
-                process.wait(timeout=STOP_TIMEOUT)
-                self.stopped_cleanly = True
-            except subprocess.TimeoutExpired:
-                pass
-        # Whatever is left of the group (engine cores, workers) goes too.
-        deadline = time.monotonic() + GROUP_EXIT_TIMEOUT
-        while _group_alive(group) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if _group_alive(group):
-            self.stopped_cleanly = False
-            _signal_group(group, signal.SIGKILL)
-        if process.poll() is None:
-            process.kill()
-        process.wait(timeout=30)
-        self.stop_seconds = time.monotonic() - started
-
-    def group_alive(self) -> bool:
-        return self.process is not None and _group_alive(self.process.pid)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
     # -- requests ---------------------------------------------------------------
     def client(self) -> Any:
@@ -240,6 +241,87 @@ class Server:
     def metrics(self) -> str:
         with urllib.request.urlopen(f"{self.base}/metrics", timeout=30) as r:
             return str(r.read().decode())
+
+
+def stop_group(process: subprocess.Popen[bytes]) -> tuple[bool, float]:
+    """SIGINT to the process group ``process`` leads, SIGKILL to what is left
+    after bounds; reap. Returns (stopped within the bounds, seconds taken)."""
+    return stop_groups([process])[0]
+
+
+def stop_groups(processes: list[subprocess.Popen[bytes]]) -> list[tuple[bool, float]]:
+    """:func:`stop_group` for several groups at once (the nodes of one
+    deployment): SIGINT to all first, so that no node outlives its peers'
+    shutdown, then each is waited for and, past the bounds, killed."""
+    started = time.monotonic()
+    running = [process.poll() is None for process in processes]
+    for process, alive in zip(processes, running, strict=True):
+        if alive:
+            _signal_group(process.pid, signal.SIGINT)
+    results = []
+    for process, alive in zip(processes, running, strict=True):
+        group = process.pid  # start_new_session: the group id is the leader's pid
+        cleanly = False
+        if alive:
+            try:
+                process.wait(timeout=max(started + STOP_TIMEOUT - time.monotonic(), 0))
+                cleanly = True
+            except subprocess.TimeoutExpired:
+                pass
+        # Whatever is left of the group (engine cores, workers) goes too.
+        deadline = time.monotonic() + GROUP_EXIT_TIMEOUT
+        while _group_alive(group) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _group_alive(group):
+            cleanly = False
+            _signal_group(group, signal.SIGKILL)
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=30)
+        results.append((cleanly, time.monotonic() - started))
+    return results
+
+
+def stop_together(*members: ProcessGroup) -> None:
+    """Stop the process groups of one deployment's nodes at once."""
+    launched = [m for m in members if m.process is not None]
+    found = stop_groups([m.process for m in launched if m.process is not None])
+    for member, (cleanly, seconds) in zip(launched, found, strict=True):
+        member.stopped_cleanly, member.stop_seconds = cleanly, seconds
+
+
+class Headless(ProcessGroup):
+    """A ``vllm serve --headless`` node: engine cores and no API server, in a
+    process group and an environment of its own; use as a context manager.
+
+    It has no /health: entering only launches it, the head node's /health tells
+    when its engines have joined.
+    """
+
+    def __init__(
+        self,
+        model: Path,
+        options: dict[str, Any],
+        env: dict[str, str],
+        log_path: Path,
+    ) -> None:
+        command = [
+            sys.executable,
+            *VLLM_CLI,
+            str(model),
+            "--served-model-name",
+            SERVED_NAME,
+            "--headless",
+            *cli_arguments(options),
+        ]
+        super().__init__(command, env, log_path)
+
+    def __enter__(self) -> Headless:
+        self.launch()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 class Completion:
