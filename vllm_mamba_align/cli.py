@@ -5,7 +5,10 @@ hybrid align-mode scheduler, or ``probe`` found wrong states served; 2 bad
 usage, vLLM is not installed, or ``probe`` could not probe the server; 3 ``doctor``
 found that the plugin itself cannot be imported (a missing dependency: vLLM would
 only log that and run without the fix); 4 ``doctor --strict`` found that vLLM
-would not load the plugin (``VLLM_PLUGINS`` or no entry point). vLLM (and its
+would not load the plugin (``VLLM_PLUGINS`` or no entry point); 5 ``probe``
+cannot tell on this server (a cached continuation differs from a fresh one by
+more than the server's measured chunk-shape rounding, but not by enough to call
+it a wrong state). vLLM (and its
 torch) are imported only inside the commands, so ``--help`` works anywhere;
 ``probe`` needs no vLLM at all (it talks HTTP to a running server).
 """
@@ -26,6 +29,7 @@ EXIT_REFUSE = 1
 EXIT_USAGE = 2
 EXIT_BROKEN = 3
 EXIT_NOT_LOADED = 4
+EXIT_CANNOT_TELL = 5  # probe.report.EXIT_CANNOT_TELL
 
 NO_VLLM = (
     "vllm-mamba-align: vLLM is not installed in this Python environment "
@@ -161,9 +165,11 @@ def _add_probe(commands: Any) -> None:
         description="Send a small workload to a running OpenAI-compatible vLLM "
         "server (any release, with or without this plugin) and compare each "
         "continuation from a cached prefix with a fresh run of the same prompt "
-        "under a new cache_salt. Exit 0: no difference beyond the noise; 1: wrong "
-        "states served (the cases are named); 2: could not probe (why, and the "
-        "way out).",
+        "under a new cache_salt. Exit 0: no difference beyond the server's own "
+        "rounding (measured by decode steps against a prefill, nothing cached); "
+        "1: wrong states served (the cases are named); 2: could not probe (why, "
+        "and the way out); 5: cannot tell on this server (a difference above "
+        "the rounding, below what a wrong state is called).",
     )
     probe_parser.add_argument(
         "--url", required=True, help="the server, e.g. http://127.0.0.1:8000"
@@ -225,7 +231,8 @@ def _add_probe(commands: Any) -> None:
         type=float,
         default=judge.DEFAULT_THRESHOLD,
         help="largest |delta logprob| taken as rounding (default "
-        f"{judge.DEFAULT_THRESHOLD:g}; raised to 10x the measured noise floor)",
+        f"{judge.DEFAULT_THRESHOLD:g}; raised to 10x the measured noise floor, "
+        f"and to {judge.ROUNDING_SLACK:g}x the measured chunk-shape rounding)",
     )
 
 

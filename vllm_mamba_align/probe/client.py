@@ -149,9 +149,11 @@ class Client:
         salt: str,
         max_tokens: int,
         logprobs: int,
+        extra: dict[str, Any] | None = None,
     ) -> Completion:
-        """One greedy completion of a token-id prompt under a cache salt."""
-        body = {
+        """One greedy completion of a token-id prompt under a cache salt
+        (``extra``: more fields of the request body)."""
+        body: dict[str, Any] = {
             "model": model,
             "prompt": prompt,
             "max_tokens": max_tokens,
@@ -159,6 +161,7 @@ class Client:
             "logprobs": logprobs,
             "cache_salt": salt,
             "return_tokens_as_token_ids": True,
+            **(extra or {}),
         }
         try:
             answer = json.loads(self._request("/v1/completions", body))

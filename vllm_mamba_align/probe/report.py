@@ -1,9 +1,12 @@
 """The probe's verdict, exit status and report (a table, or JSON).
 
-Exit status: 0 no cached continuation differs from a fresh one beyond the noise
-(and the server did reuse cached tokens); 1 wrong states served (the diverged
-cases are named); 2 the server could not be probed (the reason and the way out
-are printed).
+Exit status: 0 no cached continuation differs from a fresh one beyond the
+server's measured rounding (and the server did reuse cached tokens); 1 wrong
+states served (the cases beyond ``ROUNDING_MARGIN`` x that rounding are named);
+2 the server could not be probed (the reason and the way out are printed); 5
+cannot tell on this server: a case differs by more than rounding but not by
+enough to call it wrong, or the rounding measurement itself parted outside the
+top-k (the cases are named, with the bound a wrong state must pass there).
 """
 
 from __future__ import annotations
@@ -13,12 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import __version__
-from .judge import NOISE_MARGIN, CaseResult, Verdict
+from .judge import NOISE_MARGIN, ROUNDING_MARGIN, ROUNDING_SLACK, CaseResult, Verdict
 from .run import Probe
 
 EXIT_CLEAN = 0
 EXIT_WRONG_STATES = 1
 EXIT_CANNOT_PROBE = 2
+EXIT_CANNOT_TELL = 5
 NO_DETAILS = (
     "the server does not report usage.prompt_tokens_details.cached_tokens, so "
     "the probe cannot see what each request reused: start vLLM with "
@@ -48,12 +52,32 @@ def decide(probe: Probe) -> Decision:
             "(concurrent load on GPU kernels that are not batch-invariant): probe "
             "at a quieter time, or with --max-tokens 1",
         )
+    if probe.rounding_wild:
+        return Decision(
+            EXIT_CANNOT_TELL,
+            "[??] cannot tell on this server: a prompt continued by decode steps "
+            "and the same tokens prefilled (nothing cached) chose tokens outside "
+            "each other's top-k, so this server's chunk-shape rounding alone "
+            "moves logprobs as far as a wrong state: probe at a quieter time; "
+            "`full` mode makes a cached continuation equal a fresh one",
+        )
     diverged = [r.name for r in probe.results if r.verdict is Verdict.DIVERGED]
     if diverged:
         return Decision(
             EXIT_WRONG_STATES,
             f"[!!] wrong states served: {', '.join(diverged)} continued from a "
             "cached state differently from a fresh run of the same prompt",
+        )
+    unresolved = [r.name for r in probe.results if r.verdict is Verdict.UNRESOLVED]
+    if unresolved:
+        return Decision(
+            EXIT_CANNOT_TELL,
+            f"[??] cannot tell on this server: {', '.join(unresolved)} differed "
+            f"from a fresh run by more than its rounding ({probe.bound.ok:.3g}) "
+            f"but not beyond {probe.bound.wrong:.3g} ({ROUNDING_MARGIN:g}x the "
+            "rounding measured by decode steps against a prefill), where a "
+            "wrong state would be called: probe again with another --seed; "
+            "in `full` mode a cached continuation equals a fresh one",
         )
     cached = [r.cached_tokens for r in probe.results]
     if all(c is None for c in cached):
@@ -85,7 +109,8 @@ def decide(probe: Probe) -> Decision:
         EXIT_CLEAN,
         f"[ok] no wrong state served: {reused} of {len(cached)} cases read "
         "cached states, each continuing as a fresh run does within "
-        f"{probe.bound:.3g}",
+        f"{probe.bound.ok:.3g}; the smallest wrong state it would have caught "
+        f"differs by more than {probe.bound.wrong:.3g}",
     )
 
 
@@ -168,8 +193,14 @@ def render_text(probe: Probe) -> str:
     if probe.results:
         lines.append(
             f"  noise      fresh vs fresh: max |dlogprob| {_number(probe.floor)}; "
-            f"threshold {probe.bound:.3g} (max of --threshold {options.threshold:g} "
-            f"and {NOISE_MARGIN:g}x the noise)"
+            "rounding (decode steps vs prefill, nothing cached): "
+            f"{_number(probe.rounding_floor)} over {len(probe.rounding)} prompts"
+        )
+        lines.append(
+            f"  bounds     rounding up to {probe.bound.ok:.3g}, wrong state beyond "
+            f"{probe.bound.wrong:.3g} (max of --threshold {options.threshold:g}, "
+            f"{NOISE_MARGIN:g}x the noise, and {ROUNDING_SLACK:g}x / "
+            f"{ROUNDING_MARGIN:g}x the rounding)"
         )
         hits = _hits(probe)
         if hits is not None:
@@ -248,8 +279,18 @@ def to_json(probe: Probe) -> str:
         "logprobs": options.logprobs,
         "max_tokens": options.max_tokens,
         "noise_floor": probe.floor,
+        "rounding_floor": probe.rounding_floor,
+        "rounding": [
+            {
+                "prompt_tokens": pair.prompt_tokens,
+                "decode_steps": len(pair.decoded.tokens),
+                "decode_vs_prefill": pair.difference().to_json(),
+            }
+            for pair in probe.rounding
+        ],
         "threshold": options.threshold,
-        "effective_threshold": probe.bound,
+        "effective_threshold": probe.bound.wrong,
+        "bounds": probe.bound.to_json(),
         "cases": [r.to_json() for r in probe.results],
     }
     return json.dumps(data, indent=1)

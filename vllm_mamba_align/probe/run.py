@@ -18,11 +18,14 @@ from . import workload as workloads
 from .client import CannotProbe, Client, Completion
 from .judge import (
     DEFAULT_THRESHOLD,
+    Bounds,
     CaseResult,
     Observed,
-    effective_threshold,
+    RoundingPair,
+    bounds,
     judge_case,
     noise_floor,
+    rounding_floor,
 )
 from .server_metrics import ServerMetrics, read_metrics
 
@@ -64,7 +67,12 @@ class Probe:
     results: list[CaseResult] = field(default_factory=list)
     floor: float = 0.0
     wild: bool = False
-    bound: float = 0.0
+    rounding: list[RoundingPair] = field(default_factory=list)
+    rounding_floor: float = 0.0
+    """The largest decode-vs-prefill difference (chunk-shape rounding)."""
+    rounding_wild: bool = False
+    """A rounding pair parted outside each other's top-k."""
+    bound: Bounds = field(default_factory=lambda: Bounds(0.0, 0.0))
     problem: str | None = None
     """Why the server could not be probed (exit 2), if it could not."""
 
@@ -153,28 +161,85 @@ def _run(options: Options, probe: Probe, progress: Progress) -> None:
     plan = probe.workload = _plan(options, probe)
     probe.salt_prefix = f"{SALT_PREFIX}{secrets.token_hex(4)}-"
 
-    def send(prompt: list[int], salt: str, what: str) -> Completion:
+    def send(
+        prompt: list[int], salt: str, what: str, decode_steps: int = 0
+    ) -> Completion:
         progress(probe.sent, plan.requests, what)
         done = client.complete(
             probe.model,
             prompt,
             salt=probe.salt_prefix + salt,
-            max_tokens=options.max_tokens,
+            max_tokens=decode_steps or options.max_tokens,
             logprobs=options.logprobs,
+            # Every decode step is wanted, whatever the model's end token.
+            extra={"ignore_eos": True} if decode_steps else None,
         )
         probe.sent += 1
+        if decode_steps and len(done.tokens) != decode_steps:
+            raise CannotProbe(
+                f"a request for {decode_steps} tokens with ignore_eos returned "
+                f"{len(done.tokens)}: the probe measures the server's rounding "
+                "by decode steps; is this a vLLM server?"
+            )
         return done
 
     observed = _observe(plan, send)
+    probe.rounding = _measure_rounding(plan, send)
     progress(probe.sent, plan.requests, "done")
     probe.after = read_metrics(client.metrics(), probe.model)
     probe.floor, probe.wild = noise_floor(observed)
-    probe.bound = effective_threshold(options.threshold, probe.floor)
+    probe.rounding_floor, probe.rounding_wild = rounding_floor(probe.rounding)
+    probe.bound = bounds(options.threshold, probe.floor, probe.rounding_floor)
     probe.results = [judge_case(case, probe.bound) for case in observed]
 
 
+def _fresh(done: Completion) -> Completion:
+    if done.cached_tokens:
+        raise CannotProbe(
+            f"a request under a new cache_salt reused {done.cached_tokens} "
+            "cached tokens: the server does not isolate cache_salt "
+            "families, so no fresh reference can be computed"
+        )
+    return done
+
+
+def _measure_rounding(
+    plan: workloads.Workload, send: Callable[..., Completion]
+) -> list[RoundingPair]:
+    """Each rounding prompt continued by decode steps, then prefilled with those
+    tokens but the last, each under a new salt (nothing cached, so no wrong
+    state can enter: what differs is rounding)."""
+    pairs = []
+    for number, prompt in enumerate(plan.rounding, 1):
+        decoded = _fresh(
+            send(
+                prompt,
+                f"rounding-{number}-decode",
+                f"rounding {number} decode",
+                workloads.DECODE_TOKENS,
+            )
+        )
+        ids = [_token_id(token) for token in decoded.tokens[:-1]]
+        prefilled = _fresh(
+            send(prompt + ids, f"rounding-{number}-prefill", f"rounding {number}")
+        )
+        pairs.append(RoundingPair(len(prompt), decoded, prefilled))
+    return pairs
+
+
+def _token_id(token: str) -> int:
+    """``token_id:123`` (``return_tokens_as_token_ids``) -> 123."""
+    try:
+        return int(token.rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        raise CannotProbe(
+            f"the server returned the token {token!r}, not token_id:N, though "
+            "asked for return_tokens_as_token_ids (vLLM 0.6.4+ takes it)"
+        ) from None
+
+
 def _observe(
-    plan: workloads.Workload, send: Callable[[list[int], str, str], Completion]
+    plan: workloads.Workload, send: Callable[..., Completion]
 ) -> list[Observed]:
     """The writer and every case in one salt family, in order (each reuses what
     the requests before it left), then each case fresh, under new salts."""
@@ -185,13 +250,7 @@ def _observe(
         fresh = []
         for _ in range(workloads.FRESH_RUNS):
             done = send(case.prompt, f"fresh-{next(salts)}", f"{case.name} fresh")
-            if done.cached_tokens:
-                raise CannotProbe(
-                    f"a request under a new cache_salt reused {done.cached_tokens} "
-                    "cached tokens: the server does not isolate cache_salt "
-                    "families, so no fresh reference can be computed"
-                )
-            fresh.append(done)
+            fresh.append(_fresh(done))
         observed.append(
             Observed(
                 case.name,

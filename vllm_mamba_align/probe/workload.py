@@ -17,7 +17,12 @@ reads. The workload reaches both kinds:
   replay boundary, kept at every retention; it stops short of the writer's
   partial-tail checkpoint (P - 1 floored to the hash block, 0.26.0+), so it reads
   the replay state, not that checkpoint;
-- a **re-ask** of the writer.
+- a **re-ask** of the writer;
+- **rounding prompts**, unrelated to the writer, each run fresh twice: continued
+  by ``DECODE_TOKENS`` greedy decode steps, and prefilled with all but the last
+  of those tokens. The last decode step and that prefill compute the same
+  position from the same tokens, chunked differently, with nothing cached: the
+  server's own chunk-shape rounding (``judge.rounding_floor``).
 
 B is not visible to a client. The probe takes it from ``--state-block``, or the
 plugin's ``vllm_mamba_align_info`` series, or ``vllm:cache_config_info``'s
@@ -42,6 +47,10 @@ DEFAULT_WRITER_TOKENS = 16384
 to be prefilled in several steps under vLLM's usual step budgets (2,048-8,192)."""
 FRESH_RUNS = 2
 """Fresh runs per case: the reference, and a second one for the noise floor."""
+DECODE_TOKENS = 8
+"""Greedy decode steps of a rounding prompt (the last one is compared)."""
+ROUNDING_PROMPTS = 2
+"""Rounding prompts: half the writer's length, and about the writer's."""
 UNKNOWN_B_FRACTIONS = (0.25, 0.5, 0.75)
 UNKNOWN_B_REPLAY_MARGIN = 65
 PAIRS = 3
@@ -70,22 +79,28 @@ class Workload:
     state_block: int | None
     state_block_source: str
     seed: int
+    rounding: tuple[list[int], ...] = field(default=(), repr=False)
+    """Prompts whose decode steps and prefill measure the server's rounding."""
 
     @property
     def requests(self) -> int:
-        """Completions the probe sends: the writer, each case cached and fresh."""
-        return 1 + len(self.cases) * (1 + FRESH_RUNS)
+        """Completions the probe sends: the writer, each case cached and fresh,
+        each rounding prompt decoded and prefilled."""
+        return 1 + len(self.cases) * (1 + FRESH_RUNS) + 2 * len(self.rounding)
 
     @property
     def prompt_tokens(self) -> int:
-        return len(self.writer) + sum(
-            len(c.prompt) * (1 + FRESH_RUNS) for c in self.cases
+        return (
+            len(self.writer)
+            + sum(len(c.prompt) * (1 + FRESH_RUNS) for c in self.cases)
+            + sum(2 * len(p) + DECODE_TOKENS - 1 for p in self.rounding)
         )
 
 
 def smallest_requests(pairs: int = 1) -> int:
-    """Requests of a workload with ``pairs`` sibling pairs (re-ask, replay too)."""
-    return 1 + (2 * pairs + 2) * (1 + FRESH_RUNS)
+    """Requests of a workload with ``pairs`` sibling pairs (re-ask, replay and
+    the rounding prompts too)."""
+    return 1 + (2 * pairs + 2) * (1 + FRESH_RUNS) + 2 * ROUNDING_PROMPTS
 
 
 class Tokens:
@@ -191,7 +206,17 @@ def build(
             "replay", sibling(replay), replay, "reads the writer's replay state" + where
         )
     )
-    return Workload(writer, tuple(cases), state_block, source, seed)
+    rounding = tuple(
+        tokens.draw(_rounding_length(n))
+        for n in (writer_tokens // 2, writer_tokens)[:ROUNDING_PROMPTS]
+    )
+    return Workload(writer, tuple(cases), state_block, source, seed, rounding)
+
+
+def _rounding_length(n: int) -> int:
+    """At most ``n``, such that the prefill of it and all decode steps but the
+    last is ``settled`` (its last piece 6 tokens or more, as every case's)."""
+    return settled(n + DECODE_TOKENS - 1, up=False) - (DECODE_TOKENS - 1)
 
 
 def _floor(n: int, block: int) -> int:
