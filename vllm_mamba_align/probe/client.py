@@ -87,13 +87,21 @@ def base_url(url: str) -> str:
 class Client:
     """One server: its base address, an optional API key, a request timeout."""
 
-    def __init__(self, url: str, api_key: str | None, timeout: float) -> None:
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None,
+        timeout: float,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.base = base_url(url)
         self.api_key = api_key
         self.timeout = timeout
+        self.headers = dict(headers or {})
+        """Sent with every request (``run.ENGINE_HEADER``)."""
 
     def _request(self, path: str, body: dict[str, Any] | None = None) -> bytes:
-        headers = {"Accept": "application/json"}
+        headers = {"Accept": "application/json", **self.headers}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         data = None

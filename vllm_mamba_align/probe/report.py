@@ -145,6 +145,26 @@ def _server_lines(probe: Probe) -> list[str]:
     return lines
 
 
+def engine_lines(probe: Probe) -> list[str]:
+    """On a data-parallel server: where the probe's reuse happened."""
+    before, after = probe.before.hits_by_engine, probe.after.hits_by_engine
+    if len(after) < 2:
+        return []
+    grew = {engine: after[engine] - before.get(engine, 0.0) for engine in sorted(after)}
+    counts = ", ".join(f"engine {e} +{v:,.0f}" for e, v in grew.items())
+    others = [e for e, v in grew.items() if e != "0" and v]
+    where = (
+        "other clients' traffic, or the header was not honoured: the probe's "
+        f"reuse may be split across engines ({', '.join(others)})"
+        if others
+        else "all on engine 0"
+    )
+    return [
+        f"  engines    {len(after)} engine cores (data parallel); every request "
+        f"sent with X-data-parallel-rank: 0; prefix-cache hits {counts}: {where}"
+    ]
+
+
 def _retention_words(value: str | None) -> str:
     if value is None:
         return "not reported (before 0.29.0: VLLM_PREFIX_CACHE_RETENTION_INTERVAL)"
@@ -209,6 +229,8 @@ def render_text(probe: Probe) -> str:
                 f"  reuse      vllm:prefix_cache_hits +{hits:,.0f} of "
                 f"+{queries:,.0f} queried tokens while the probe ran (every client)"
             )
+        engines = engine_lines(probe)
+        lines += engines
         lines += ["", _table(probe)]
     lines += ["", f"verdict: {decision.verdict} (exit {decision.exit_code})"]
     return "\n".join(lines)

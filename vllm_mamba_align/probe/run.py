@@ -6,6 +6,18 @@ cache salt of the probe's own (``SALT_PREFIX``, a random run id): the cached
 family shares no cache entry with the server's other traffic or with an earlier
 probe, each fresh run shares none with anything, and nothing else is written on
 the server; vLLM evicts the salted blocks like any others.
+
+Every request also carries ``ENGINE_HEADER``. On a data-parallel server
+(``--data-parallel-size N`` behind one API server) each engine core has its own
+prefix cache and vLLM's load balancer sends each request to the least loaded
+engine, so a salt family could be split across engines and a sibling find
+nothing its writer left. vLLM's OpenAI server (read in 0.32.0: its
+``_get_data_parallel_rank`` and the DP client's engine choice) sends a request
+carrying ``X-data-parallel-rank: R`` to engine R. Rank 0 is valid on every
+server: a single engine is rank 0, and an API server of an external or hybrid
+load balancer counts its local engines from 0. A release or a proxy that does
+not know the header ignores it, and the report then says reuse may be split
+(``report``: several engines on ``/metrics``).
 """
 
 from __future__ import annotations
@@ -30,6 +42,8 @@ from .judge import (
 from .server_metrics import ServerMetrics, read_metrics
 
 SALT_PREFIX = "vllm-mamba-align-probe-"
+ENGINE_HEADER = {"X-data-parallel-rank": "0"}
+"""Every request to engine core 0 of a data-parallel server (module docstring)."""
 DEFAULT_MAX_REQUESTS = 40
 DEFAULT_LOGPROBS = 5
 DEFAULT_MAX_TOKENS = 1
@@ -147,7 +161,7 @@ def run(options: Options, progress: Progress | None = None) -> Probe:
 
 
 def _run(options: Options, probe: Probe, progress: Progress) -> None:
-    client = Client(options.url, options.api_key, options.timeout)
+    client = Client(options.url, options.api_key, options.timeout, ENGINE_HEADER)
     probe.base = client.base
     probe.model, probe.max_model_len = _choose_model(client, options.model)
     probe.before = read_metrics(client.metrics(), probe.model)
