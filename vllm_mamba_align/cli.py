@@ -234,6 +234,15 @@ def _add_probe(commands: Any) -> None:
         f"{judge.DEFAULT_THRESHOLD:g}; raised to 10x the measured noise floor, "
         f"and to {judge.ROUNDING_SLACK:g}x the measured chunk-shape rounding)",
     )
+    probe_parser.add_argument(
+        "--rounding",
+        type=float,
+        metavar="X",
+        help="the server's chunk-shape rounding (|delta logprob|), given instead "
+        "of measured by decode steps against a prefill: 0 for kernels that "
+        "are chunk-invariant (vLLM's CPU engine), or what an earlier probe of "
+        "the same kernels measured",
+    )
 
 
 def _plugin_import_error() -> str | None:
@@ -400,6 +409,9 @@ def _probe(args: argparse.Namespace) -> int:
     from .probe.report import decide, render_text, to_json
     from .probe.run import Options, run
 
+    if args.rounding is not None and not args.rounding >= 0:
+        print("vllm-mamba-align probe: --rounding must be 0 or more", file=sys.stderr)
+        return EXIT_USAGE
     for name in ("max_requests", "logprobs", "max_tokens", "state_block"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -418,6 +430,7 @@ def _probe(args: argparse.Namespace) -> int:
         threshold=args.threshold,
         state_block=args.state_block,
         prompt_tokens=args.prompt_tokens,
+        rounding=args.rounding,
     )
     with terminal_progress() as progress:
         probe = run(options, progress)

@@ -213,8 +213,13 @@ def render_text(probe: Probe) -> str:
     if probe.results:
         lines.append(
             f"  noise      fresh vs fresh: max |dlogprob| {_number(probe.floor)}; "
-            "rounding (decode steps vs prefill, nothing cached): "
-            f"{_number(probe.rounding_floor)} over {len(probe.rounding)} prompts"
+            f"rounding {_number(probe.rounding_floor)} "
+            + (
+                "(given: --rounding)"
+                if options.rounding is not None
+                else f"(decode steps vs prefill of {len(probe.rounding)} prompts, "
+                "nothing cached)"
+            )
         )
         lines.append(
             f"  bounds     rounding up to {probe.bound.ok:.3g}, wrong state beyond "
@@ -302,6 +307,7 @@ def to_json(probe: Probe) -> str:
         "max_tokens": options.max_tokens,
         "noise_floor": probe.floor,
         "rounding_floor": probe.rounding_floor,
+        "rounding_given": options.rounding is not None,
         "rounding": [
             {
                 "prompt_tokens": pair.prompt_tokens,

@@ -23,7 +23,7 @@ not know the header ignores it, and the report then says reuse may be split
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from . import workload as workloads
@@ -44,7 +44,7 @@ from .server_metrics import ServerMetrics, read_metrics
 SALT_PREFIX = "vllm-mamba-align-probe-"
 ENGINE_HEADER = {"X-data-parallel-rank": "0"}
 """Every request to engine core 0 of a data-parallel server (module docstring)."""
-DEFAULT_MAX_REQUESTS = 40
+DEFAULT_MAX_REQUESTS = 48
 DEFAULT_LOGPROBS = 5
 DEFAULT_MAX_TOKENS = 1
 DEFAULT_TIMEOUT = 120.0
@@ -63,6 +63,8 @@ class Options:
     threshold: float = DEFAULT_THRESHOLD
     state_block: int | None = None
     prompt_tokens: int | None = None
+    rounding: float | None = None
+    """The server's chunk-shape rounding, given (``--rounding``): not measured."""
 
 
 @dataclass
@@ -130,6 +132,7 @@ def _plan(options: Options, probe: Probe) -> workloads.Workload:
     if probe.max_model_len is not None:
         limit = min(limit, probe.max_model_len - options.max_tokens - 1)
     state_block, source = _state_block(options, probe.before)
+    prompts = 0 if options.rounding is not None else workloads.ROUNDING_PROMPTS
     for pairs in range(workloads.PAIRS, 0, -1):
         try:
             plan = workloads.build(
@@ -138,6 +141,7 @@ def _plan(options: Options, probe: Probe) -> workloads.Workload:
                 state_block=state_block,
                 source=source,
                 pairs=pairs,
+                rounding_prompts=prompts,
             )
         except ValueError as problem:
             raise CannotProbe(str(problem)) from None
@@ -145,8 +149,10 @@ def _plan(options: Options, probe: Probe) -> workloads.Workload:
             return plan
     raise CannotProbe(
         f"--max-requests {options.max_requests} is below the smallest probe "
-        f"({workloads.smallest_requests()} requests: a writer, a re-ask, one "
-        "sibling pair and a replay sibling, each cached and fresh twice)"
+        f"({workloads.smallest_requests(1, prompts)} requests: a writer, a "
+        "re-ask, one sibling pair, one short-tail pair and a replay sibling, "
+        f"each cached and fresh twice, and {prompts} rounding prompts decoded "
+        "and prefilled)"
     )
 
 
@@ -202,7 +208,10 @@ def _run(options: Options, probe: Probe, progress: Progress) -> None:
     progress(probe.sent, plan.requests, "done")
     probe.after = read_metrics(client.metrics(), probe.model)
     probe.floor, probe.wild = noise_floor(observed)
-    probe.rounding_floor, probe.rounding_wild = rounding_floor(probe.rounding)
+    if options.rounding is None:
+        probe.rounding_floor, probe.rounding_wild = rounding_floor(probe.rounding)
+    else:
+        probe.rounding_floor = options.rounding
     probe.bound = bounds(options.threshold, probe.floor, probe.rounding_floor)
     probe.results = [judge_case(case, probe.bound) for case in observed]
 
@@ -256,11 +265,22 @@ def _observe(
     plan: workloads.Workload, send: Callable[..., Completion]
 ) -> list[Observed]:
     """The writer and every case in one salt family, in order (each reuses what
-    the requests before it left), then each case fresh, under new salts."""
+    the requests before it left), then each case fresh, under new salts; then
+    the short-tail cases the same way, in the same family."""
     send(plan.writer, "cached", "writer")
-    cached = {case.name: send(case.prompt, "cached", case.name) for case in plan.cases}
-    observed, salts = [], iter(range(1, plan.requests + 1))
-    for case in plan.cases:
+    salts = iter(range(1, plan.requests + 1))
+    observed = _observe_cases(plan.cases, send, salts)
+    return observed + _observe_cases(plan.short, send, salts)
+
+
+def _observe_cases(
+    cases: tuple[workloads.Case, ...],
+    send: Callable[..., Completion],
+    salts: Iterator[int],
+) -> list[Observed]:
+    cached = {case.name: send(case.prompt, "cached", case.name) for case in cases}
+    observed = []
+    for case in cases:
         fresh = []
         for _ in range(workloads.FRESH_RUNS):
             done = send(case.prompt, f"fresh-{next(salts)}", f"{case.name} fresh")
