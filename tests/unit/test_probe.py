@@ -27,6 +27,7 @@ from vllm_mamba_align.probe import judge, workload
 from vllm_mamba_align.probe.client import Completion
 from vllm_mamba_align.probe.judge import DEFAULT_THRESHOLD, compare
 from vllm_mamba_align.probe.report import EXIT_CANNOT_TELL, decide
+from vllm_mamba_align.probe.report import engine_lines as report_engine_lines
 from vllm_mamba_align.probe.run import Options, Probe, run
 
 DATA = Path(__file__).parent / "data"
@@ -124,6 +125,7 @@ class Replay(ThreadingHTTPServer):
         self.sent = 0
         self.metrics_reads = 0
         self.bodies: list[dict[str, Any]] = []
+        self.ranks: list[str | None] = []
         self.status = 200
 
     @property
@@ -160,6 +162,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.bodies.append(body)
+        self.server.ranks.append(self.headers.get("X-data-parallel-rank"))
         recorded = self.server.recorded["completions"]
         if "-rounding-" in body["cache_salt"]:
             answer = self.server.rounding(body)
@@ -433,6 +436,36 @@ def test_rounding_is_measured_fresh_with_decode_steps_and_a_prefill(
         if body["cache_salt"].endswith("-prefill"):
             assert len(body["prompt"]) % 16 == 6
     assert found.rounding_floor == pytest.approx(0.01)
+
+
+def test_a_given_rounding_is_not_measured(
+    replay: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server = replay(recording("kept_retention0"), cached_runs(shift_logprobs(0.05)))
+    found = probe(server, rounding=0.03)
+    assert not [b for b in server.bodies if "-rounding-" in b["cache_salt"]]
+    assert found.rounding_floor == 0.03 and found.bound.wrong == pytest.approx(0.12)
+    assert decide(found).exit_code == 0
+    assert main(["probe", "--url", server.url, "--rounding", "-1"]) == 2
+    assert "--rounding must be 0 or more" in capsys.readouterr().err
+
+
+def test_a_data_parallel_server_gets_every_request_on_engine_0(replay: Any) -> None:
+    """vLLM routes a request with X-data-parallel-rank to that engine core; the
+    report shows where the prefix-cache hits grew, per engine."""
+    recorded = recording("kept_retention0")
+    hits = 'vllm:prefix_cache_hits_total{engine="0",model_name="tiny-hybrid"} 0.0'
+    recorded["metrics"] = recorded["metrics"].replace(
+        hits, hits + "\n" + hits.replace('engine="0"', 'engine="1"') + "\n"
+    )
+    recorded["hits_after"] = 16976
+    server = replay(recorded)
+    found = probe(server)
+    assert server.ranks == ["0"] * found.sent
+    lines = report_engine_lines(found)
+    assert len(lines) == 1 and "2 engine cores" in lines[0], lines
+    # The replayed counter grew on both engines: reuse may have been split.
+    assert "split across engines (1)" in lines[0]
 
 
 def test_tokens_outside_each_others_top_k_diverge_whatever_the_delta() -> None:
