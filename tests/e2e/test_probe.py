@@ -111,6 +111,22 @@ def test_probe_names_the_cases_stock_scheduling_serves_wrong(
     )
 
 
+def test_probe_keeps_its_salt_family_on_one_engine_of_a_data_parallel_server(
+    served: Callable[[str], ServeRun],
+) -> None:
+    """X-data-parallel-rank: 0 on every request: all the probe's reuse is on
+    engine 0's prefix cache (test_serve's scenario ran on both before it)."""
+    probe = probed(served, "dp")
+    report = probe.report
+    assert probe.exit_code == 0, report["verdict"]
+    before = report["metrics_before"]["prefix_cache_hits_by_engine"]
+    after = report["metrics_after"]["prefix_cache_hits_by_engine"]
+    assert sorted(after) == ["0", "1"]
+    assert after["1"] == before["1"] and after["0"] > before["0"]
+    assert {"pair2.second", "pair3.second", "replay", "reask"} <= set(reused(probe))
+    check_bounded(probe)
+
+
 # -- GPU rounding, emulated ----------------------------------------------------
 # The gpu-* servers (test_serve.SETUPS): bf16 model, every stored Mamba state
 # rounded to bf16 at every chunk end (MAMBA_ALIGN_E2E_BF16_STATES), step budget

@@ -126,7 +126,7 @@ class Setup:
 SETUPS = {
     "default": Setup(None, {}, (None,), probe=True),
     "off": Setup("off", {}, (None,), probe=True),
-    "dp": Setup(None, DATA_PARALLEL, (0, 1)),
+    "dp": Setup(None, DATA_PARALLEL, (0, 1), probe=True),
     "dp-audit": Setup("audit", DATA_PARALLEL, (0, 1), wait_for_audit=True),
     # For test_probe.py: the other mode, stock vLLM without the plugin, and
     # prefix caching off.
