@@ -315,6 +315,7 @@ def serving(served_model: Path, workdir: Path) -> Callable[[str], ServeRun]:
         if key in _runs:
             return _runs[key]
         setup = SETUPS[key]
+        arguments = probe_arguments(setup, get)  # before this server starts
         run = ServeRun(key)
         options = {**SERVE_OPTIONS, **setup.options}
         server = Server(
@@ -340,7 +341,7 @@ def serving(served_model: Path, workdir: Path) -> Callable[[str], ServeRun]:
                     ranks = tuple(r for r in setup.ranks if r is not None)
                     _wait_for_audit(server, run, ranks)
                 if setup.probe:  # after the scenario: its figures stay its own
-                    run.probe = run_probe(server.base, *probe_arguments(setup, get))
+                    run.probe = run_probe(server.base, *arguments)
         except Exception as problem:
             _failed[key] = f"{type(problem).__name__}: {problem}"[:2000]
             raise
