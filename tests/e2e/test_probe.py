@@ -205,8 +205,12 @@ def probe_summary_lines(runs: dict[str, ServeRun]) -> list[str]:
             f"d {case['cached_vs_fresh']['max_abs_delta_logprob']:.2g}"
             for name, case in run.probe.cases().items()
         )
+        report = run.probe.report
+        rounding = f"{report['rounding_floor']:.2g}" + (
+            " (given)" if report["rounding_given"] else " (measured)"
+        )
         lines.append(
             f"probe {key}: exit {run.probe.exit_code} in {run.probe.seconds:.1f} s, "
-            f"{run.probe.report['requests_sent']} requests; {cases}"
+            f"{report['requests_sent']} requests, rounding {rounding}; {cases}"
         )
     return lines
