@@ -18,10 +18,10 @@ prompt continued greedily by decode steps against a fresh prompt holding those
 tokens, prefilled (``rounding_floor``). On an H200 that measured 0.89-1.22x
 the rounding of a correct resume on the same kernels.
 
-A case is ``within rounding`` up to ``ok_bound`` (``ROUNDING_SLACK`` x that
-rounding, or the noise bound), ``DIVERGED`` beyond ``wrong_bound``
-(``ROUNDING_MARGIN`` x the rounding), and ``UNRESOLVED`` in between: the probe
-cannot tell a wrong state from rounding there.
+A case is rounding up to ``Bounds.ok`` (``ROUNDING_SLACK`` x that rounding, or
+the noise bound), ``DIVERGED`` beyond ``Bounds.wrong`` (``ROUNDING_MARGIN`` x
+the rounding, or the noise bound), and ``UNRESOLVED`` in between: the probe
+cannot tell a wrong state from rounding there, and says so.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ states continue exactly as fresh runs in ``kept`` and ``full``, and within
 sharing its steps with another request) elsewhere; the wrong states stock vLLM
 served with every state kept differed by 9.8e-5 (a state computed on from a
 wrong one) to 2.2e-2. 1e-5 lies 7 times above the one and 10 times below the
-other. GPU kernels in bf16 round coarser: the bound rises with the server's
-own noise, and ``--threshold`` sets another."""
+other. GPU kernels in bf16 round coarser: the bounds rise with the server's
+own noise and its measured chunk-shape rounding (``bounds``), and
+``--threshold`` sets another."""
 NOISE_MARGIN = 10.0
 """A difference within ten times the server's fresh-vs-fresh noise is noise."""
 ROUNDING_SLACK = 2.0
