@@ -597,7 +597,7 @@ def test_workload_reaches_states_without_one_token_last_pieces(
     assert plan == workload.build(
         seed=3, limit=limit, state_block=state_block, source="x"
     )
-    for case in plan.cases:
+    for case in plan.all_cases:
         assert len(case.prompt) % 16 == 6 and len(case.prompt) <= limit, case
         assert case.prompt[: case.shared] == plan.writer[: case.shared]
         if case.name != "reask":
@@ -608,6 +608,15 @@ def test_workload_reaches_states_without_one_token_last_pieces(
         assert replay_boundary <= replay.shared < len(plan.writer) - 1
         pairs = [c.shared for c in plan.cases if c.name.startswith("pair")]
         assert all(s >= state_block for s in pairs)
+        # The short-tail pairs read each pair's boundary, 6 and 22 tokens back.
+        assert [c.shared for c in plan.short] == [
+            s // state_block * state_block for s in sorted(set(pairs)) for _ in (1, 2)
+        ]
+        own = [len(c.prompt) - c.shared for c in plan.short]
+        assert own == [6, 22] * len(set(pairs))
+    assert len(plan.rounding) == workload.ROUNDING_PROMPTS
+    for prompt in plan.rounding:  # room for the decode steps, within the limit
+        assert len(prompt) + workload.DECODE_TOKENS <= limit
 
 
 # -- the command ------------------------------------------------------------------
