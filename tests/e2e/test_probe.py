@@ -161,9 +161,18 @@ def test_probe_never_calls_the_fix_wrong_under_gpu_rounding(
     assert report["rounding_given"] and report["rounding_floor"] > 0
     assert probe.diverged() == []
     assert reused(probe), report["cases"]
+    deltas = [
+        case["cached_vs_fresh"]["max_abs_delta_logprob"]
+        for case in probe.cases().values()
+    ]
     if key == "gpu-full":  # chunked alike from the boundary on: equal
-        for name, case in probe.cases().items():
-            assert case["cached_vs_fresh"]["max_abs_delta_logprob"] == 0, name
+        assert max(deltas) == 0, report["cases"]
+    if key == "gpu-kept-retention0":
+        # Resumed at boundaries the fresh runs computed through, correct states
+        # differ from them by the emulated rounding (without the emulation the
+        # CPU engine is chunk-invariant, bf16 model or not: every case 0), and
+        # the probe does not call that wrong.
+        assert 0 < max(deltas) <= report["bounds"]["within_rounding_up_to"], deltas
     check_bounded(probe)
 
 
