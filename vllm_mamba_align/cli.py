@@ -7,11 +7,13 @@ naming the option and the way out), vLLM is not installed, or ``probe`` could
 not probe the server; 3 ``doctor`` found that the plugin itself cannot be
 imported (a missing dependency: vLLM would only log that and run without the
 fix); 4 ``doctor --strict`` found that vLLM would not load the plugin
-(``VLLM_PLUGINS`` or no entry point); 130 interrupted (Ctrl-C), without a
-traceback. Under ``--json`` every exit of ``probe`` prints one JSON object.
-vLLM (and its torch) are imported only inside the commands, so ``--help``
-works anywhere; ``probe`` needs no vLLM at all (it talks HTTP to a running
-server).
+(``VLLM_PLUGINS`` or no entry point); 5 ``probe`` cannot tell on this server
+(a cached continuation differs from a fresh one by more than the server's
+measured chunk-shape rounding, but not by enough to call it a wrong state); 130
+interrupted (Ctrl-C), without a traceback. Under ``--json`` every exit of
+``probe`` prints one JSON object. vLLM (and its torch) are imported only inside
+the commands, so ``--help`` works anywhere; ``probe`` needs no vLLM at all (it
+talks HTTP to a running server).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ EXIT_REFUSE = 1
 EXIT_USAGE = 2
 EXIT_BROKEN = 3
 EXIT_NOT_LOADED = 4
+EXIT_CANNOT_TELL = 5  # probe.report.EXIT_CANNOT_TELL
 EXIT_INTERRUPTED = 130
 """128 + SIGINT, what a shell reports for a command ended by Ctrl-C."""
 PROG = "vllm-mamba-align"
@@ -208,12 +211,15 @@ def _add_probe(commands: Any) -> None:
         description="Send a bounded workload to a running OpenAI-compatible vLLM "
         "server (any release, with or without this plugin) and compare each "
         "continuation from a cached prefix with a fresh run of the same prompt "
-        "under a new cache_salt. By default 25 serial completions, a writer of "
-        "up to 16,384 tokens (less to fit max_model_len), about 16 times its "
+        "under a new cache_salt. By default 47 serial completions, a writer of "
+        "up to 16,384 tokens (less to fit max_model_len), about 28 times its "
         "length in prompt tokens in all; the exact load is printed before the "
         "first completion, and --prompt-tokens makes it smaller. Exit 0: no "
-        "difference beyond the noise; 1: wrong states served (the cases are "
-        "named); 2: could not probe (why, and the way out); 130: interrupted.",
+        "difference beyond the server's own rounding; 1: wrong states served "
+        "(the cases are named); 2: could not probe (why, and the way out); 5: "
+        "cannot tell on this server (a difference above the server's own "
+        "rounding, measured by decode steps against a prefill with nothing "
+        "cached, below what a wrong state is called); 130: interrupted.",
     )
     probe_parser.add_argument(
         "--url", required=True, help="the server, e.g. http://127.0.0.1:8000"
@@ -280,7 +286,17 @@ def _add_probe(commands: Any) -> None:
         default=judge.DEFAULT_THRESHOLD,
         help="largest |delta logprob| taken as rounding, 0 to below "
         f"{MAX_THRESHOLD:g} (default {judge.DEFAULT_THRESHOLD:g}; raised to 10x "
-        "the measured noise floor)",
+        "the measured noise floor, and to "
+        f"{judge.ROUNDING_SLACK:g}x the measured chunk-shape rounding)",
+    )
+    probe_parser.add_argument(
+        "--rounding",
+        type=float,
+        metavar="X",
+        help="the server's chunk-shape rounding (|delta logprob|), given instead "
+        "of measured by decode steps against a prefill: 0 for kernels that "
+        "are chunk-invariant (vLLM's CPU engine), or what an earlier probe of "
+        "the same kernels measured",
     )
 
 
@@ -472,6 +488,7 @@ def _probe_options(args: argparse.Namespace) -> Any:
         threshold=check.check_threshold(args.threshold),
         state_block=check.check_state_block(args.state_block),
         prompt_tokens=check.check_prompt_tokens(args.prompt_tokens),
+        rounding=check.check_rounding(args.rounding),
     )
 
 

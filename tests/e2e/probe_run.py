@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-PROBE_TIMEOUT = 600.0  # seconds for the whole probe (25 requests on 2 cores)
+PROBE_TIMEOUT = 600.0  # seconds for the whole probe (47 requests on 2 cores)
 
 
 @dataclass

@@ -40,7 +40,7 @@ def probed(get: Callable[[str], ServeRun], key: str) -> ProbeRun:
 def check_bounded(probe: ProbeRun) -> None:
     """Serial, within its bound, every request under a salt of its own."""
     report = probe.report
-    assert report["requests_sent"] == report["workload"]["requests"] <= 40
+    assert report["requests_sent"] == report["workload"]["requests"] <= 48
     assert report["salt_prefix"].startswith(SALT_PREFIX)
     assert probe.stderr == ""  # no progress line: stderr is not a terminal
 
@@ -106,7 +106,90 @@ def test_probe_names_the_cases_stock_scheduling_serves_wrong(
         assert cases[name]["cached_tokens"] > 0, cases[name]
         assert cases[name]["verdict"] == "exact", cases[name]
     assert report["verdict"].startswith("[!!] wrong states served: ")
-    assert re.findall(r"pair\d\.\w+|replay|reask", report["verdict"]) == diverged
+    assert (
+        re.findall(r"(?:pair|short)\d\.\w+|replay|reask", report["verdict"]) == diverged
+    )
+
+
+def test_probe_keeps_its_salt_family_on_one_engine_of_a_data_parallel_server(
+    served: Callable[[str], ServeRun],
+) -> None:
+    """X-data-parallel-rank: 0 on every request: all the probe's reuse is on
+    engine 0's prefix cache (test_serve's scenario ran on both before it)."""
+    probe = probed(served, "dp")
+    report = probe.report
+    assert probe.exit_code == 0, report["verdict"]
+    before = report["metrics_before"]["prefix_cache_hits_by_engine"]
+    after = report["metrics_after"]["prefix_cache_hits_by_engine"]
+    assert sorted(after) == ["0", "1"]
+    assert after["1"] == before["1"] and after["0"] > before["0"]
+    assert {"pair2.second", "pair3.second", "replay", "reask"} <= set(reused(probe))
+    check_bounded(probe)
+
+
+# -- GPU rounding, emulated ----------------------------------------------------
+# The gpu-* servers (test_serve.SETUPS): bf16 model, every stored Mamba state
+# rounded to bf16 at every chunk end (MAMBA_ALIGN_E2E_BF16_STATES), step budget
+# 1,000: cached and fresh runs are chunked differently, so correct states differ
+# from fresh runs by rounding, as on a GPU.
+
+
+def test_probe_measures_the_emulated_rounding_and_passes_correct_states(
+    served: Callable[[str], ServeRun],
+) -> None:
+    """gpu-measure: no speculative method (C = B: stock's states are correct),
+    so the probe's decode steps work on the CPU engine and measure the rounding."""
+    probe = probed(served, "gpu-measure")
+    report = probe.report
+    assert probe.exit_code != 1, report["verdict"]
+    assert report["rounding_given"] is False
+    assert len(report["rounding"]) == 2
+    # The emulation's rounding is of a GPU's order (H200: 0.055-0.064) ...
+    assert 3e-3 < report["rounding_floor"] < 0.2, report["rounding"]
+    # ... while two fresh runs chunked alike are bit-identical.
+    assert report["noise_floor"] == 0
+    check_bounded(probe)
+
+
+@pytest.mark.parametrize("key", ["gpu-kept-retention0", "gpu-kept", "gpu-full"])
+def test_probe_never_calls_the_fix_wrong_under_gpu_rounding(
+    served: Callable[[str], ServeRun], key: str
+) -> None:
+    probe = probed(served, key)
+    report = probe.report
+    assert probe.exit_code in (0, 5), report["verdict"]
+    assert report["rounding_given"] and report["rounding_floor"] > 0
+    assert probe.diverged() == []
+    assert reused(probe), report["cases"]
+    deltas = [
+        case["cached_vs_fresh"]["max_abs_delta_logprob"]
+        for case in probe.cases().values()
+    ]
+    if key == "gpu-full":  # chunked alike from the boundary on: equal
+        assert max(deltas) == 0, report["cases"]
+    if key == "gpu-kept-retention0":
+        # Resumed at boundaries the fresh runs computed through, correct states
+        # differ from them by the emulated rounding (without the emulation the
+        # CPU engine is chunk-invariant, bf16 model or not: every case 0), and
+        # the probe does not call that wrong.
+        assert 0 < max(deltas) <= report["bounds"]["within_rounding_up_to"], deltas
+    check_bounded(probe)
+
+
+def test_probe_catches_stock_under_gpu_rounding(
+    served: Callable[[str], ServeRun],
+) -> None:
+    probe = probed(served, "gpu-off")
+    report = probe.report
+    assert probe.exit_code == 1, report["verdict"]
+    diverged = probe.diverged()
+    assert diverged and report["verdict"].startswith("[!!] wrong states served: ")
+    bound = report["bounds"]["wrong_state_beyond"]
+    for name in diverged:
+        case = probe.cases()[name]
+        assert case["cached_tokens"] > 0
+        assert case["cached_vs_fresh"]["max_abs_delta_logprob"] > bound
+    check_bounded(probe)
 
 
 def test_probe_says_prefix_caching_is_off_and_sends_nothing(
@@ -131,8 +214,12 @@ def probe_summary_lines(runs: dict[str, ServeRun]) -> list[str]:
             f"d {case['cached_vs_fresh']['max_abs_delta_logprob']:.2g}"
             for name, case in run.probe.cases().items()
         )
+        report = run.probe.report
+        rounding = f"{report['rounding_floor']:.2g}" + (
+            " (given)" if report["rounding_given"] else " (measured)"
+        )
         lines.append(
             f"probe {key}: exit {run.probe.exit_code} in {run.probe.seconds:.1f} s, "
-            f"{run.probe.report['requests_sent']} requests; {cases}"
+            f"{report['requests_sent']} requests, rounding {rounding}; {cases}"
         )
     return lines

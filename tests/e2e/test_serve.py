@@ -72,6 +72,9 @@ SERVE_OPTIONS: dict[str, Any] = {
 }
 AUDIT_INTERVAL = "1"  # seconds between audit summary lines (when changed)
 DATA_PARALLEL: dict[str, Any] = {"data_parallel_size": 2}
+OMIT = object()  # a setup's option value: leave the flag out
+GPU_EMULATION: dict[str, Any] = {"dtype": "bfloat16"}
+GPU_EMULATION_ENV = {"MAMBA_ALIGN_E2E_BF16_STATES": "1"}
 # The plugin's line at scheduler start (the audit's status has semicolons),
 # with the process tag vLLM puts in front: EngineCore, or EngineCore_DP<rank>.
 PLUGIN_LINE = re.compile(
@@ -111,12 +114,19 @@ class Setup:
     wait_for_audit: bool = False
     plugin_loaded: bool = True  # False: VLLM_PLUGINS does not name the plugin
     probe: bool = False  # also run `vllm-mamba-align probe` against it
+    probe_arguments: tuple[str, ...] = ("--rounding", "0")
+    """The CPU engine in fp32 resumes chunk-invariantly (rounding 0), and with a
+    speculative method its decode steps differ from run to run, so the probe's
+    decode-vs-prefill measurement would measure that (test_probe.py)."""
+    rounding_from: str | None = None
+    """Probe with ``--rounding`` as the probe of this server measured it."""
+    env: dict[str, str] = field(default_factory=dict)
 
 
 SETUPS = {
     "default": Setup(None, {}, (None,), probe=True),
     "off": Setup("off", {}, (None,), probe=True),
-    "dp": Setup(None, DATA_PARALLEL, (0, 1)),
+    "dp": Setup(None, DATA_PARALLEL, (0, 1), probe=True),
     "dp-audit": Setup("audit", DATA_PARALLEL, (0, 1), wait_for_audit=True),
     # For test_probe.py: the other mode, stock vLLM without the plugin, and
     # prefix caching off.
@@ -124,6 +134,50 @@ SETUPS = {
     "no-plugin": Setup(None, {}, (None,), plugin_loaded=False, probe=True),
     "no-prefix-caching": Setup(
         None, {"enable_prefix_caching": False}, (None,), probe=True
+    ),
+    # For test_probe.py: GPU rounding emulated (bf16 model, every stored Mamba
+    # state rounded to bf16 at every chunk end; tests/support/cpu_e2e_workarounds).
+    # No speculative method (C = B, stock serves correct states): the probe
+    # measures the rounding by decode steps, which the others then take.
+    "gpu-measure": Setup(
+        "off",
+        {**GPU_EMULATION, "speculative_config": OMIT},
+        (),
+        probe=True,
+        probe_arguments=(),
+        env=GPU_EMULATION_ENV,
+    ),
+    "gpu-kept-retention0": Setup(
+        None,
+        {**GPU_EMULATION, "prefix_cache_retention_interval": 0},
+        (),
+        probe=True,
+        rounding_from="gpu-measure",
+        env=GPU_EMULATION_ENV,
+    ),
+    "gpu-kept": Setup(
+        None,
+        GPU_EMULATION,
+        (),
+        probe=True,
+        rounding_from="gpu-measure",
+        env=GPU_EMULATION_ENV,
+    ),
+    "gpu-full": Setup(
+        "full",
+        GPU_EMULATION,
+        (),
+        probe=True,
+        rounding_from="gpu-measure",
+        env=GPU_EMULATION_ENV,
+    ),
+    "gpu-off": Setup(
+        "off",
+        GPU_EMULATION,
+        (),
+        probe=True,
+        rounding_from="gpu-measure",
+        env=GPU_EMULATION_ENV,
     ),
 }
 
@@ -261,13 +315,18 @@ def serving(served_model: Path, workdir: Path) -> Callable[[str], ServeRun]:
         if key in _runs:
             return _runs[key]
         setup = SETUPS[key]
+        arguments = probe_arguments(setup, get)  # before this server starts
         run = ServeRun(key)
+        options = {**SERVE_OPTIONS, **setup.options}
         server = Server(
             served_model,
-            {**SERVE_OPTIONS, **setup.options},
-            _environment(
-                setup.mode, workdir / f"{key}-prometheus", setup.plugin_loaded
-            ),
+            {name: value for name, value in options.items() if value is not OMIT},
+            {
+                **_environment(
+                    setup.mode, workdir / f"{key}-prometheus", setup.plugin_loaded
+                ),
+                **setup.env,
+            },
             workdir / f"{key}.log",
         )
         (workdir / f"{key}-prometheus").mkdir()
@@ -282,7 +341,7 @@ def serving(served_model: Path, workdir: Path) -> Callable[[str], ServeRun]:
                     ranks = tuple(r for r in setup.ranks if r is not None)
                     _wait_for_audit(server, run, ranks)
                 if setup.probe:  # after the scenario: its figures stay its own
-                    run.probe = run_probe(server.base)
+                    run.probe = run_probe(server.base, *arguments)
         except Exception as problem:
             _failed[key] = f"{type(problem).__name__}: {problem}"[:2000]
             raise
@@ -299,6 +358,14 @@ def serving(served_model: Path, workdir: Path) -> Callable[[str], ServeRun]:
 
 
 _seconds: dict[str, float] = {}
+
+
+def probe_arguments(setup: Setup, get: Callable[[str], ServeRun]) -> tuple[str, ...]:
+    if setup.rounding_from is None:
+        return setup.probe_arguments
+    measured = get(setup.rounding_from).probe
+    assert measured is not None
+    return ("--rounding", repr(measured.report["rounding_floor"]))
 
 
 def check_fix(run: ServeRun, rank: int | None) -> None:

@@ -23,10 +23,11 @@ from typing import Any
 import pytest
 
 from vllm_mamba_align.cli import main
-from vllm_mamba_align.probe import workload
+from vllm_mamba_align.probe import judge, workload
 from vllm_mamba_align.probe.client import Completion
 from vllm_mamba_align.probe.judge import DEFAULT_THRESHOLD, compare
-from vllm_mamba_align.probe.report import decide
+from vllm_mamba_align.probe.report import EXIT_CANNOT_TELL, decide
+from vllm_mamba_align.probe.report import engine_lines as report_engine_lines
 from vllm_mamba_align.probe.run import Options, Probe, run
 
 DATA = Path(__file__).parent / "data"
@@ -43,16 +44,88 @@ def recording(name: str) -> dict[str, Any]:
 Edit = Callable[[int, dict[str, Any], dict[str, Any]], None]
 
 
-class Replay(ThreadingHTTPServer):
-    """Answers as the recorded server did, request by request."""
+def decode_answer(steps: int, prompt: list[int]) -> dict[str, Any]:
+    """A completion of ``steps`` tokens whose top-2 logprobs are -1 and -2."""
+    ids = [100 + (sum(prompt) + i) % 300 for i in range(steps)]
+    return {
+        "choices": [
+            {
+                "logprobs": {
+                    "tokens": [f"token_id:{t}" for t in ids],
+                    "top_logprobs": [
+                        {f"token_id:{t}": -1.0, "token_id:99": -2.0} for t in ids
+                    ],
+                }
+            }
+        ],
+        "usage": {
+            "prompt_tokens": len(prompt),
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
+    }
 
-    def __init__(self, recorded: dict[str, Any], edit: Edit | None) -> None:
+
+def short_tail_answer(body: dict[str, Any]) -> dict[str, Any]:
+    """The recordings predate the short-tail cases: a correct server's answer
+    (the same logprobs cached and fresh; the cached run reads the state at the
+    boundary its prefix shares with the writer, 6 or 22 tokens back)."""
+    answer = decode_answer(1, body["prompt"])
+    if body["cache_salt"].endswith("cached"):
+        own = len(body["prompt"]) % 32  # B = 32 on the recorded server
+        answer["usage"]["prompt_tokens_details"]["cached_tokens"] = (
+            len(body["prompt"]) - own
+        )
+    return answer
+
+
+class Rounding:
+    """Answers to the probe's rounding prompts: the prefill's logprobs differ
+    from the last decode step's by ``delta`` (the server's rounding)."""
+
+    def __init__(self, delta: float = 0.0, parted: bool = False) -> None:
+        self.delta = delta
+        self.parted = parted
+        self.decoded: dict[int, dict[str, Any]] = {}
+
+    def __call__(self, body: dict[str, Any]) -> dict[str, Any]:
+        prompt = body["prompt"]
+        if body["cache_salt"].endswith("-decode"):
+            answer = decode_answer(body["max_tokens"], prompt)
+            assert body["ignore_eos"] is True
+            self.decoded[len(prompt)] = answer
+            return answer
+        steps = workload.DECODE_TOKENS
+        decoded = self.decoded[len(prompt) - steps + 1]
+        ids = decoded["choices"][0]["logprobs"]["tokens"]
+        assert [f"token_id:{t}" for t in prompt[1 - steps :]] == ids[:-1]
+        answer = copy.deepcopy(decoded)
+        logprobs = answer["choices"][0]["logprobs"]
+        logprobs["tokens"] = logprobs["tokens"][-1:]
+        top = logprobs["top_logprobs"][-1]
+        logprobs["top_logprobs"] = [{t: v - self.delta for t, v in top.items()}]
+        if self.parted:
+            logprobs["tokens"] = ["token_id:98"]
+            logprobs["top_logprobs"] = [{"token_id:98": -0.5, "token_id:97": -3.0}]
+        answer["usage"]["prompt_tokens"] = len(prompt)
+        return answer
+
+
+class Replay(ThreadingHTTPServer):
+    """Answers as the recorded server did, request by request; the probe's
+    rounding prompts (not in the recordings) by ``rounding``."""
+
+    def __init__(
+        self, recorded: dict[str, Any], edit: Edit | None, rounding: Rounding
+    ) -> None:
         super().__init__(("127.0.0.1", 0), Handler)
         self.recorded = recorded
         self.edit = edit
+        self.rounding = rounding
+        self.replayed = 0
         self.sent = 0
         self.metrics_reads = 0
         self.bodies: list[dict[str, Any]] = []
+        self.ranks: list[str | None] = []
         self.status = 200
 
     @property
@@ -89,10 +162,19 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.bodies.append(body)
-        entry = self.server.recorded["completions"][self.server.sent]
-        assert len(body["prompt"]) == entry["prompt_tokens"]
-        assert body["cache_salt"].endswith("cached") == (entry["salt_kind"] == "cached")
-        answer = copy.deepcopy(entry["response"])
+        self.server.ranks.append(self.headers.get("X-data-parallel-rank"))
+        recorded = self.server.recorded["completions"]
+        if "-rounding-" in body["cache_salt"]:
+            answer = self.server.rounding(body)
+        elif self.server.replayed == len(recorded):  # the short-tail cases
+            answer = short_tail_answer(body)
+        else:
+            entry = self.server.recorded["completions"][self.server.replayed]
+            self.server.replayed += 1
+            assert len(body["prompt"]) == entry["prompt_tokens"]
+            cached = entry["salt_kind"] == "cached"
+            assert body["cache_salt"].endswith("cached") == cached
+            answer = copy.deepcopy(entry["response"])
         if self.server.edit is not None:
             self.server.edit(self.server.sent, body, answer)
         self.server.sent += 1
@@ -103,8 +185,12 @@ class Handler(BaseHTTPRequestHandler):
 def replay() -> Iterator[Callable[..., Replay]]:
     started: list[Replay] = []
 
-    def start(recorded: dict[str, Any], edit: Edit | None = None) -> Replay:
-        server = Replay(recorded, edit)
+    def start(
+        recorded: dict[str, Any],
+        edit: Edit | None = None,
+        rounding: Rounding | None = None,
+    ) -> Replay:
+        server = Replay(recorded, edit, rounding or Rounding())
         threading.Thread(target=server.serve_forever, daemon=True).start()
         started.append(server)
         return server
@@ -184,7 +270,7 @@ def test_rounding_level_differences_pass(replay: Any) -> None:
     found = probe(replay(recording("kept_retention0"), edit))
     assert decide(found).exit_code == 0
     rounded = [r for r in found.results if r.verdict.value == "rounding"]
-    assert len(rounded) == 7
+    assert len(rounded) == 7 + 6  # 7 of the 8 cases reused, and 6 short-tail cases
     assert all(r.versus_fresh.delta == pytest.approx(ROUNDING) for r in rounded)
 
 
@@ -208,12 +294,178 @@ def test_the_threshold_rises_with_the_servers_own_noise(replay: Any) -> None:
 
     found = probe(replay(recording("stock_dense"), noisy))
     assert found.floor == pytest.approx(1e-4)
-    assert found.bound == pytest.approx(1e-3)
+    assert found.bound.wrong == found.bound.ok == pytest.approx(1e-3)
     assert {r.name for r in found.results if r.verdict.value == "DIVERGED"} == {
         "pair2.first",
         "pair3.first",
         "pair3.second",
     }
+
+
+# -- GPU-scale rounding: measured on the server, never a false alarm --------------
+
+H200_ROUNDING = (0.055, 0.064)
+"""Decode steps vs the same tokens prefilled, nothing cached, on an H200 (max
+over 16 positions; /work/shared/reference/gpu-numerics-h200.md, docs/probe.md)."""
+H200_CORRECT_RESUME = (0.016, 0.062)
+"""A correct state resumed at a boundary the fresh run did not stop at."""
+H200_WRONG_SHORT_TAIL = (0.28, 2.55)
+"""A state taken at a wrong offset, read 55-64 tokens before the first output."""
+H200_WRONG_LONG_TAIL = (0.02, 0.20)
+"""The same, thousands of tokens later: it washed out."""
+
+
+def shift_cases(deltas: dict[str, float]) -> Edit:
+    """Shift the cached run of each named case by its delta (the probe sends the
+    writer, then each case of the salt family in the workload's order)."""
+    plan = workload.build(seed=0, limit=4094, state_block=32, source="")
+    order = {case.name: number for number, case in enumerate(plan.cases, 1)}
+    assert set(deltas) <= set(order)
+    by_index = {order[name]: delta for name, delta in deltas.items()}
+
+    def apply(index: int, body: dict[str, Any], answer: dict[str, Any]) -> None:
+        if body["cache_salt"].endswith("cached") and index in by_index:
+            shift_logprobs(by_index[index])(answer)
+
+    return apply
+
+
+@pytest.mark.parametrize("rounding", H200_ROUNDING)
+@pytest.mark.parametrize("correct", H200_CORRECT_RESUME)
+@pytest.mark.parametrize("recorded", ["kept_retention0", "stock_retention0"])
+def test_correct_states_at_gpu_rounding_pass(
+    replay: Any, rounding: float, correct: float, recorded: str
+) -> None:
+    """Every reused case off by a correct resume's GPU rounding, the server's
+    measured rounding at the H200's: exit 0, never 1; the report names the
+    smallest wrong state the probe would have caught."""
+    server = replay(
+        recording(recorded), cached_runs(shift_logprobs(correct)), Rounding(rounding)
+    )
+    found = probe(server)
+    decision = decide(found)
+    assert found.floor == 0  # fresh runs chunked alike: bit-identical
+    assert found.rounding_floor == pytest.approx(rounding)
+    assert found.bound.ok == pytest.approx(judge.ROUNDING_SLACK * rounding)
+    assert decision.exit_code == 0, decision.verdict
+    assert {r.verdict.value for r in found.results} <= {"rounding", "no reuse"}
+    wrong = judge.ROUNDING_MARGIN * rounding
+    assert f"differs by more than {wrong:.3g}" in decision.verdict
+
+
+@pytest.mark.parametrize("ratio", [0.89, 1.22, 1.9])
+def test_no_false_alarm_anywhere_below_the_slack(replay: Any, ratio: float) -> None:
+    """A correct resume at 0.89-1.22x the decode-vs-prefill rounding (the H200's
+    range), or nearly twice it: never 1."""
+    rounding = 0.06
+    edit = cached_runs(shift_logprobs(ratio * rounding))
+    found = probe(replay(recording("kept_retention0"), edit, Rounding(rounding)))
+    assert decide(found).exit_code == 0
+
+
+@pytest.mark.parametrize("wrong", H200_WRONG_SHORT_TAIL)
+def test_wrong_states_at_gpu_sizes_are_caught_beyond_the_margin(
+    replay: Any, wrong: float
+) -> None:
+    """Stock's wrong cases (recorded) at the H200's short-tail wrong-state sizes,
+    the others at a correct resume's rounding: exactly the wrong ones named."""
+    recorded = recording("stock_dense")
+    deltas = {"pair2.first": wrong, "pair3.first": wrong, "pair3.second": wrong}
+    deltas |= {"pair1.second": 0.03, "pair2.second": 0.05}
+    edit = shift_cases(deltas)
+    found = probe(replay(recorded, edit, Rounding(H200_ROUNDING[1])))
+    decision = decide(found)
+    assert decision.exit_code == 1, decision.verdict
+    diverged = [r.name for r in found.results if r.verdict.value == "DIVERGED"]
+    # pair2.second's recorded wrong state (9.8e-5) is lost in 0.05 of rounding.
+    assert diverged == ["pair2.first", "pair3.first", "pair3.second"]
+    results = {r.name: r for r in found.results}
+    assert results["pair1.second"].verdict.value == "rounding"
+
+
+def test_a_difference_between_rounding_and_the_margin_cannot_be_told(
+    replay: Any,
+) -> None:
+    """A long tail's washed-out wrong state (0.2) against 0.06 of rounding:
+    more than rounding, less than 4x it: exit 5 naming the case, not 1."""
+    recorded = recording("stock_dense")
+    edit = shift_cases({"pair3.second": 0.2})
+    found = probe(replay(recorded, edit, Rounding(0.06)))
+    decision = decide(found)
+    assert decision.exit_code == EXIT_CANNOT_TELL == 5, decision.verdict
+    results = {r.name: r for r in found.results}
+    assert results["pair3.second"].verdict.value == "cannot tell"
+    assert decision.verdict.startswith("[??] cannot tell on this server: pair3.second")
+    assert "0.24" in decision.verdict  # the bound a wrong state had to pass
+
+
+def test_a_washed_out_wrong_state_within_rounding_is_reported_as_unseen(
+    replay: Any,
+) -> None:
+    """0.03 (a wrong state thousands of tokens on) against 0.06 of rounding:
+    the probe cannot see it, and its verdict says what it could have seen."""
+    recorded = recording("stock_dense")
+    edit = shift_cases({"pair3.second": 0.03})
+    found = probe(replay(recorded, edit, Rounding(0.06)))
+    decision = decide(found)
+    assert decision.exit_code == 0
+    assert "differs by more than 0.24" in decision.verdict
+
+
+def test_rounding_that_parts_outside_the_top_k_cannot_be_told(replay: Any) -> None:
+    """Decode and prefill choosing tokens outside each other's top-k: the
+    server's rounding is as large as a wrong state; even stock's recorded
+    wrong states are not called wrong there."""
+    found = probe(replay(recording("stock_dense"), rounding=Rounding(parted=True)))
+    decision = decide(found)
+    assert found.rounding_wild and decision.exit_code == 5
+    assert "outside each other's top-k" in decision.verdict
+
+
+def test_rounding_is_measured_fresh_with_decode_steps_and_a_prefill(
+    replay: Any,
+) -> None:
+    server = replay(recording("kept_retention0"), rounding=Rounding(0.01))
+    found = probe(server)
+    rounding = [b for b in server.bodies if "-rounding-" in b["cache_salt"]]
+    assert len(rounding) == 2 * workload.ROUNDING_PROMPTS
+    decodes = [b for b in rounding if b["cache_salt"].endswith("-decode")]
+    assert [b["max_tokens"] for b in decodes] == [workload.DECODE_TOKENS] * 2
+    assert len({b["cache_salt"] for b in rounding}) == len(rounding)  # all fresh
+    for body in rounding:  # every prefill settled, as the cases' are
+        if body["cache_salt"].endswith("-prefill"):
+            assert len(body["prompt"]) % 16 == 6
+    assert found.rounding_floor == pytest.approx(0.01)
+
+
+def test_a_given_rounding_is_not_measured(
+    replay: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server = replay(recording("kept_retention0"), cached_runs(shift_logprobs(0.05)))
+    found = probe(server, rounding=0.03)
+    assert not [b for b in server.bodies if "-rounding-" in b["cache_salt"]]
+    assert found.rounding_floor == 0.03 and found.bound.wrong == pytest.approx(0.12)
+    assert decide(found).exit_code == 0
+    assert main(["probe", "--url", server.url, "--rounding", "-1"]) == 2
+    assert "--rounding -1 is not a finite number >= 0" in capsys.readouterr().err
+
+
+def test_a_data_parallel_server_gets_every_request_on_engine_0(replay: Any) -> None:
+    """vLLM routes a request with X-data-parallel-rank to that engine core; the
+    report shows where the prefix-cache hits grew, per engine."""
+    recorded = recording("kept_retention0")
+    hits = 'vllm:prefix_cache_hits_total{engine="0",model_name="tiny-hybrid"} 0.0'
+    recorded["metrics"] = recorded["metrics"].replace(
+        hits, hits + "\n" + hits.replace('engine="0"', 'engine="1"') + "\n"
+    )
+    recorded["hits_after"] = 16976
+    server = replay(recorded)
+    found = probe(server)
+    assert server.ranks == ["0"] * found.sent
+    lines = report_engine_lines(found)
+    assert len(lines) == 1 and "2 engine cores" in lines[0], lines
+    # The replayed counter grew on both engines: reuse may have been split.
+    assert "split across engines (1)" in lines[0]
 
 
 def test_tokens_outside_each_others_top_k_diverge_whatever_the_delta() -> None:
@@ -325,15 +577,15 @@ def test_requests_are_bounded_serial_and_salted_by_the_probe(replay: Any) -> Non
     server = replay(recording("kept_retention0"))
     found = probe(server)
     assert found.workload is not None
-    assert server.sent == found.sent == found.workload.requests <= 40
+    assert server.sent == found.sent == found.workload.requests <= 48
     salts = [body["cache_salt"] for body in server.bodies]
     assert all(s.startswith(found.salt_prefix) for s in salts)
     assert found.salt_prefix.startswith("vllm-mamba-align-probe-")
     fresh = [s for s in salts if not s.endswith("cached")]
     assert len(fresh) == len(set(fresh))  # every fresh run under a new salt
     assert all(body["temperature"] == 0.0 for body in server.bodies)
-    smaller = probe(replay(recording("kept_retention0")), max_requests=20)
-    assert smaller.workload is not None and smaller.workload.requests <= 20
+    smaller = probe(replay(recording("kept_retention0")), max_requests=30)
+    assert smaller.workload is not None and smaller.workload.requests <= 30
 
 
 @pytest.mark.parametrize("state_block", [None, 16, 32, 64, 1648])
@@ -345,7 +597,7 @@ def test_workload_reaches_states_without_one_token_last_pieces(
     assert plan == workload.build(
         seed=3, limit=limit, state_block=state_block, source="x"
     )
-    for case in plan.cases:
+    for case in plan.all_cases:
         assert len(case.prompt) % 16 == 6 and len(case.prompt) <= limit, case
         assert case.prompt[: case.shared] == plan.writer[: case.shared]
         if case.name != "reask":
@@ -356,6 +608,32 @@ def test_workload_reaches_states_without_one_token_last_pieces(
         assert replay_boundary <= replay.shared < len(plan.writer) - 1
         pairs = [c.shared for c in plan.cases if c.name.startswith("pair")]
         assert all(s >= state_block for s in pairs)
+        # The short-tail pairs read each pair's boundary, 6 and 22 tokens back.
+        assert [c.shared for c in plan.short] == [
+            s // state_block * state_block for s in sorted(set(pairs)) for _ in (1, 2)
+        ]
+        own = [len(c.prompt) - c.shared for c in plan.short]
+        assert own == [6, 22] * len(set(pairs))
+    assert len(plan.rounding) == workload.ROUNDING_PROMPTS
+    for prompt in plan.rounding:  # room for the decode steps, within the limit
+        assert len(prompt) + workload.DECODE_TOKENS <= limit
+
+
+@pytest.mark.parametrize("rounding", [0.2, 1e9])
+def test_a_rounding_too_large_to_see_a_wrong_state_never_passes_the_server(
+    replay: Any, rounding: float
+) -> None:
+    # Cached runs 0.3 off a fresh one: a wrong state of the Mamba2 stack's size
+    # on an H200 (0.28-0.40). A rounding so large that it hides such a state
+    # (measured, or given) must not turn into exit 0.
+    server = replay(recording("kept_retention0"), cached_runs(shift_logprobs(0.3)))
+    found = probe(server, rounding=rounding)
+    assert found.bound.wrong > judge.SEES_NOTHING_BEYOND
+    decision = decide(found)
+    assert decision.exit_code == 5, decision.verdict
+    assert "cannot tell" in decision.verdict
+    # Just inside the limit the same server is caught.
+    assert decide(probe(server, rounding=0.06)).exit_code == 1
 
 
 # -- the command ------------------------------------------------------------------
@@ -371,7 +649,7 @@ def test_the_command_prints_a_table_and_exits_with_the_verdict(
     assert "pair3.second" in out.out and "DIVERGED" in out.out
     assert out.out.rstrip().endswith("(exit 1)")
     # Progress only on a terminal; the load it is about to send, always.
-    assert [line[:23] for line in out.err.splitlines()] == ["probe: sending 25 compl"]
+    assert [line[:23] for line in out.err.splitlines()] == ["probe: sending 47 compl"]
     server = replay(recording("kept_retention0"))
     assert main(["probe", "--url", server.url, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

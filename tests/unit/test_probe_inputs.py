@@ -206,6 +206,8 @@ BAD_OPTIONS = {
     "threshold -1": (["--threshold", "-1"], "--threshold -1 is not"),
     "threshold 1e9": (["--threshold", "1e9"], "--threshold 1e+09 would pass"),
     "threshold 0.1": (["--threshold", "0.1"], "--threshold 0.1 would pass"),
+    "rounding nan": (["--rounding", "nan"], "--rounding nan is not"),
+    "rounding -1": (["--rounding", "-1"], "--rounding -1 is not"),
     "state block 1": (["--state-block", "1"], "--state-block 1 cannot"),
     "state block 0": (["--state-block", "0"], "--state-block 0 cannot"),
     "state block 12": (["--state-block", "12"], "--state-block 12 cannot"),

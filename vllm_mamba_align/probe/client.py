@@ -109,13 +109,21 @@ def base_url(url: str) -> str:
 class Client:
     """One server: its base address, an optional API key, a request timeout."""
 
-    def __init__(self, url: str, api_key: str | None, timeout: float) -> None:
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None,
+        timeout: float,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.base = base_url(url)
         self.api_key = api_key
         self.timeout = timeout
+        self.headers = dict(headers or {})
+        """Sent with every request (``run.ENGINE_HEADER``)."""
 
     def _request(self, path: str, body: dict[str, Any] | None = None) -> bytes:
-        headers = {"Accept": "application/json"}
+        headers = {"Accept": "application/json", **self.headers}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         data = None
@@ -221,9 +229,11 @@ class Client:
         salt: str,
         max_tokens: int,
         logprobs: int,
+        extra: dict[str, Any] | None = None,
     ) -> Completion:
-        """One greedy completion of a token-id prompt under a cache salt."""
-        body = {
+        """One greedy completion of a token-id prompt under a cache salt
+        (``extra``: more fields of the request body)."""
+        body: dict[str, Any] = {
             "model": model,
             "prompt": prompt,
             "max_tokens": max_tokens,
@@ -231,6 +241,7 @@ class Client:
             "logprobs": logprobs,
             "cache_salt": salt,
             "return_tokens_as_token_ids": True,
+            **(extra or {}),
         }
         try:
             answer = self._json(

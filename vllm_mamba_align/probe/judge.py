@@ -7,14 +7,21 @@ of hybrid models (``check_logprobs_close`` in its test suite) applies: each
 run's token must be among the other's top-k (a near tie decided by rounding);
 a token outside them is a divergence whatever the logprobs say.
 
-The noise floor is the server's own: the largest difference between two fresh
-runs of a prompt (each under a new cache salt), and between a cached-family run
-that reused nothing and its fresh run (it was computed from scratch too). A
-case diverges when its difference exceeds ``max(threshold, NOISE_MARGIN x noise
-floor)``. Correct states can still differ from a fresh run by rounding (other
-chunk shapes, batch variance: the plugin's ``kept`` is not bit-exact); a state
-taken at a wrong offset moves logprobs by orders of magnitude more
-(``DEFAULT_THRESHOLD`` says how the default was chosen).
+Two yardsticks come from the server itself. The noise floor: the largest
+difference between two fresh runs of a prompt (each under a new cache salt),
+and between a cached-family run that reused nothing and its fresh run. It is 0
+on a GPU (runs chunked alike are bit-identical) and says nothing about the
+rounding of runs chunked differently, which a correct cached continuation is
+(it resumes at a boundary the fresh run did not stop at). So the probe also
+measures the server's **chunk-shape rounding**, with nothing cached: a fresh
+prompt continued greedily by decode steps against a fresh prompt holding those
+tokens, prefilled (``rounding_floor``). On an H200 that measured 0.89-1.22x
+the rounding of a correct resume on the same kernels.
+
+A case is rounding up to ``Bounds.ok`` (``ROUNDING_SLACK`` x that rounding, or
+the noise bound), ``DIVERGED`` beyond ``Bounds.wrong`` (``ROUNDING_MARGIN`` x
+the rounding, or the noise bound), and ``UNRESOLVED`` in between: the probe
+cannot tell a wrong state from rounding there, and says so.
 """
 
 from __future__ import annotations
@@ -34,15 +41,37 @@ states continue exactly as fresh runs in ``kept`` and ``full``, and within
 sharing its steps with another request) elsewhere; the wrong states stock vLLM
 served with every state kept differed by 9.8e-5 (a state computed on from a
 wrong one) to 2.2e-2. 1e-5 lies 7 times above the one and 10 times below the
-other. GPU kernels in bf16 round coarser: the bound rises with the server's
-own noise, and ``--threshold`` sets another."""
+other. GPU kernels in bf16 round coarser: the bounds rise with the server's
+own noise and its measured chunk-shape rounding (``bounds``), and
+``--threshold`` sets another."""
 NOISE_MARGIN = 10.0
 """A difference within ten times the server's fresh-vs-fresh noise is noise."""
+ROUNDING_SLACK = 2.0
+"""A difference within twice the measured chunk-shape rounding is rounding. On
+an H200 (``docs/probe.md``) correct resumes measured at most 1.22x the
+decode-vs-prefill rounding of the same kernels, and on the e2e tests' CPU
+emulation of a bf16 state cache at most 1.0x (0.014-0.017 against 0.017): 2
+leaves room above both."""
+ROUNDING_MARGIN = 4.0
+"""A difference beyond four times the measured rounding is a wrong state. On an
+H200 a state taken at a wrong offset, read 55-64 tokens before the first
+generated one, differed by 4.7x (Mamba2: 0.28 against 0.060) to 14x (GDN) the
+decode-vs-prefill rounding, and correct resumes by at most 1.22x: 4 lies 3.3x
+above the one and below the other. Between ``ROUNDING_SLACK`` and this margin
+the probe cannot tell (exit 5), and never calls it wrong."""
+SEES_NOTHING_BEYOND = 0.4
+"""A wrong-state bound above this sees no wrong state of the sizes measured: on
+an H200 the Mamba2 stack's wrong states read 55-64 tokens before the first
+generated token measured 0.28-0.40 (GDN's 0.90-2.55). A probe whose bound lies
+above it (measured rounding beyond 0.1, or a ``--rounding`` given that large)
+could pass a poisoning server, so it reports that it cannot tell (exit 5)
+instead of passing it."""
 
 
 class Verdict(str, Enum):
     EXACT = "exact"
     ROUNDING = "rounding"
+    UNRESOLVED = "cannot tell"
     DIVERGED = "DIVERGED"
     NO_REUSE = "no reuse"
 
@@ -135,16 +164,71 @@ def noise_floor(observed: list[Observed]) -> tuple[float, bool]:
     return floor, wild
 
 
+@dataclass(frozen=True)
+class RoundingPair:
+    """One measurement of chunk-shape rounding, nothing cached: the last of
+    ``decoded``'s greedy tokens (a decode step) against the first token of
+    ``prefilled`` (the prompt and the tokens before it, prefilled)."""
+
+    prompt_tokens: int
+    decoded: Completion
+    prefilled: Completion
+
+    def difference(self) -> Difference:
+        last = len(self.decoded.tokens) - 1
+        decode_step = Completion(
+            self.decoded.tokens[last:],
+            self.decoded.top_logprobs[last:],
+            self.decoded.cached_tokens,
+            self.decoded.prompt_tokens,
+        )
+        return compare(decode_step, self.prefilled)
+
+
+def rounding_floor(pairs: list[RoundingPair]) -> tuple[float, bool]:
+    """The largest decode-vs-prefill difference, and whether a pair parted
+    outside each other's top-k (rounding too coarse to judge by)."""
+    floor, wild = 0.0, False
+    for pair in pairs:
+        found = pair.difference()
+        floor = max(floor, found.delta)
+        wild = wild or found.outside_top_k
+    return floor, wild
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Up to ``ok`` a difference is rounding; beyond ``wrong`` a wrong state;
+    between them the probe cannot tell."""
+
+    ok: float
+    wrong: float
+
+    def to_json(self) -> dict[str, float]:
+        return {"within_rounding_up_to": self.ok, "wrong_state_beyond": self.wrong}
+
+
+def bounds(threshold: float, noise: float, rounding: float) -> Bounds:
+    """From ``--threshold``, the fresh-vs-fresh noise and the measured rounding."""
+    floor = effective_threshold(threshold, noise)
+    return Bounds(
+        ok=max(floor, ROUNDING_SLACK * rounding),
+        wrong=max(floor, ROUNDING_MARGIN * rounding),
+    )
+
+
 def effective_threshold(threshold: float, floor: float) -> float:
     return max(threshold, NOISE_MARGIN * floor)
 
 
-def judge_case(case: Observed, bound: float) -> CaseResult:
+def judge_case(case: Observed, bound: Bounds) -> CaseResult:
     versus = compare(case.cached, case.fresh[0])
     if case.cached.cached_tokens == 0:
         verdict = Verdict.NO_REUSE
-    elif versus.outside_top_k or versus.delta > bound:
+    elif versus.outside_top_k or versus.delta > bound.wrong:
         verdict = Verdict.DIVERGED
+    elif versus.delta > bound.ok:
+        verdict = Verdict.UNRESOLVED
     elif versus.delta == 0 and versus.parted_at is None:
         verdict = Verdict.EXACT
     else:

@@ -124,6 +124,18 @@ def check_threshold(value: float) -> float:
     return value
 
 
+def check_rounding(value: float | None) -> float | None:
+    """``--rounding``: the server's chunk-shape rounding, given instead of measured."""
+    if value is not None and (not math.isfinite(value) or value < 0):
+        raise BadOption(
+            f"--rounding {value:g} is not a finite number >= 0: give the |delta "
+            "logprob| an earlier probe of the same kernels measured (0 for "
+            "chunk-invariant kernels such as vLLM's CPU engine), or leave it out "
+            "to measure it"
+        )
+    return value
+
+
 def check_timeout(value: float) -> float:
     if not math.isfinite(value) or value <= 0 or value > MAX_TIMEOUT:
         raise BadOption(

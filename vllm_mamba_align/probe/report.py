@@ -1,9 +1,12 @@
 """The probe's verdict, exit status and report (a table, or JSON).
 
-Exit status: 0 no cached continuation differs from a fresh one beyond the noise
-(and the server did reuse cached tokens); 1 wrong states served (the diverged
-cases are named); 2 the server could not be probed (the reason and the way out
-are printed).
+Exit status: 0 no cached continuation differs from a fresh one beyond the
+server's measured rounding (and the server did reuse cached tokens); 1 wrong
+states served (the cases beyond ``ROUNDING_MARGIN`` x that rounding are named);
+2 the server could not be probed (the reason and the way out are printed); 5
+cannot tell on this server: a case differs by more than rounding but not by
+enough to call it wrong, or the rounding measurement itself parted outside the
+top-k (the cases are named, with the bound a wrong state must pass there).
 """
 
 from __future__ import annotations
@@ -13,12 +16,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import __version__
-from .judge import NOISE_MARGIN, CaseResult, Verdict
+from .judge import (
+    NOISE_MARGIN,
+    ROUNDING_MARGIN,
+    ROUNDING_SLACK,
+    SEES_NOTHING_BEYOND,
+    CaseResult,
+    Verdict,
+)
 from .run import Probe
 
 EXIT_CLEAN = 0
 EXIT_WRONG_STATES = 1
 EXIT_CANNOT_PROBE = 2
+EXIT_CANNOT_TELL = 5
 NO_DETAILS = (
     "the server does not report usage.prompt_tokens_details.cached_tokens, so "
     "the probe cannot see what each request reused: start vLLM with "
@@ -48,12 +59,32 @@ def decide(probe: Probe) -> Decision:
             "(concurrent load on GPU kernels that are not batch-invariant): probe "
             "at a quieter time, or with --max-tokens 1",
         )
+    if probe.rounding_wild:
+        return Decision(
+            EXIT_CANNOT_TELL,
+            "[??] cannot tell on this server: a prompt continued by decode steps "
+            "and the same tokens prefilled (nothing cached) chose tokens outside "
+            "each other's top-k, so this server's chunk-shape rounding alone "
+            "moves logprobs as far as a wrong state: probe at a quieter time; "
+            "`full` mode makes a cached continuation equal a fresh one",
+        )
     diverged = [r.name for r in probe.results if r.verdict is Verdict.DIVERGED]
     if diverged:
         return Decision(
             EXIT_WRONG_STATES,
             f"[!!] wrong states served: {', '.join(diverged)} continued from a "
             "cached state differently from a fresh run of the same prompt",
+        )
+    unresolved = [r.name for r in probe.results if r.verdict is Verdict.UNRESOLVED]
+    if unresolved:
+        return Decision(
+            EXIT_CANNOT_TELL,
+            f"[??] cannot tell on this server: {', '.join(unresolved)} differed "
+            f"from a fresh run by more than its rounding ({probe.bound.ok:.3g}) "
+            f"but not beyond {probe.bound.wrong:.3g} ({ROUNDING_MARGIN:g}x the "
+            "rounding measured by decode steps against a prefill), where a "
+            "wrong state would be called: probe again with another --seed; "
+            "in `full` mode a cached continuation equals a fresh one",
         )
     cached = [r.cached_tokens for r in probe.results]
     if all(c is None for c in cached):
@@ -81,11 +112,22 @@ def decide(probe: Probe) -> Decision:
             "(see 'Prefix caching does nothing' in the troubleshooting guide)",
         )
     reused = sum(1 for c in cached if c)
+    if probe.bound.wrong > SEES_NOTHING_BEYOND:
+        return Decision(
+            EXIT_CANNOT_TELL,
+            f"[??] cannot tell on this server: {reused} of {len(cached)} cases "
+            f"read cached states within {probe.bound.ok:.3g} of a fresh run, but "
+            f"only a difference beyond {probe.bound.wrong:.3g} would be called a "
+            f"wrong state, above {SEES_NOTHING_BEYOND:g}, the largest wrong state "
+            "measured on a GPU's Mamba2 kernels: the rounding (measured, or "
+            "given by --rounding) is too large to separate them",
+        )
     return Decision(
         EXIT_CLEAN,
         f"[ok] no wrong state served: {reused} of {len(cached)} cases read "
         "cached states, each continuing as a fresh run does within "
-        f"{probe.bound:.3g}",
+        f"{probe.bound.ok:.3g}; the smallest wrong state it would have caught "
+        f"differs by more than {probe.bound.wrong:.3g}",
     )
 
 
@@ -118,6 +160,26 @@ def _server_lines(probe: Probe) -> list[str]:
             f"{_retention_words(metrics.retention)} (vllm:cache_config_info)"
         )
     return lines
+
+
+def engine_lines(probe: Probe) -> list[str]:
+    """On a data-parallel server: where the probe's reuse happened."""
+    before, after = probe.before.hits_by_engine, probe.after.hits_by_engine
+    if len(after) < 2:
+        return []
+    grew = {engine: after[engine] - before.get(engine, 0.0) for engine in sorted(after)}
+    counts = ", ".join(f"engine {e} +{v:,.0f}" for e, v in grew.items())
+    others = [e for e, v in grew.items() if e != "0" and v]
+    where = (
+        "other clients' traffic, or the header was not honoured: the probe's "
+        f"reuse may be split across engines ({', '.join(others)})"
+        if others
+        else "all on engine 0"
+    )
+    return [
+        f"  engines    {len(after)} engine cores (data parallel); every request "
+        f"sent with X-data-parallel-rank: 0; prefix-cache hits {counts}: {where}"
+    ]
 
 
 def _retention_words(value: str | None) -> str:
@@ -168,8 +230,19 @@ def render_text(probe: Probe) -> str:
     if probe.results:
         lines.append(
             f"  noise      fresh vs fresh: max |dlogprob| {_number(probe.floor)}; "
-            f"threshold {probe.bound:.3g} (max of --threshold {options.threshold:g} "
-            f"and {NOISE_MARGIN:g}x the noise)"
+            f"rounding {_number(probe.rounding_floor)} "
+            + (
+                "(given: --rounding)"
+                if options.rounding is not None
+                else f"(decode steps vs prefill of {len(probe.rounding)} prompts, "
+                "nothing cached)"
+            )
+        )
+        lines.append(
+            f"  bounds     rounding up to {probe.bound.ok:.3g}, wrong state beyond "
+            f"{probe.bound.wrong:.3g} (max of --threshold {options.threshold:g}, "
+            f"{NOISE_MARGIN:g}x the noise, and {ROUNDING_SLACK:g}x / "
+            f"{ROUNDING_MARGIN:g}x the rounding)"
         )
         hits = _hits(probe)
         if hits is not None:
@@ -178,6 +251,8 @@ def render_text(probe: Probe) -> str:
                 f"  reuse      vllm:prefix_cache_hits +{hits:,.0f} of "
                 f"+{queries:,.0f} queried tokens while the probe ran (every client)"
             )
+        engines = engine_lines(probe)
+        lines += engines
         lines += ["", _table(probe)]
     lines += ["", f"verdict: {decision.verdict} (exit {decision.exit_code})"]
     return "\n".join(lines)
@@ -248,8 +323,19 @@ def to_json(probe: Probe) -> str:
         "logprobs": options.logprobs,
         "max_tokens": options.max_tokens,
         "noise_floor": probe.floor,
+        "rounding_floor": probe.rounding_floor,
+        "rounding_given": options.rounding is not None,
+        "rounding": [
+            {
+                "prompt_tokens": pair.prompt_tokens,
+                "decode_steps": len(pair.decoded.tokens),
+                "decode_vs_prefill": pair.difference().to_json(),
+            }
+            for pair in probe.rounding
+        ],
         "threshold": options.threshold,
-        "effective_threshold": probe.bound,
+        "effective_threshold": probe.bound.wrong,
+        "bounds": probe.bound.to_json(),
         "cases": [r.to_json() for r in probe.results],
     }
     return json.dumps(data, indent=1)

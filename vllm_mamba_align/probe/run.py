@@ -6,28 +6,45 @@ cache salt of the probe's own (``SALT_PREFIX``, a random run id): the cached
 family shares no cache entry with the server's other traffic or with an earlier
 probe, each fresh run shares none with anything, and nothing else is written on
 the server; vLLM evicts the salted blocks like any others.
+
+Every request also carries ``ENGINE_HEADER``. On a data-parallel server
+(``--data-parallel-size N`` behind one API server) each engine core has its own
+prefix cache and vLLM's load balancer sends each request to the least loaded
+engine, so a salt family could be split across engines and a sibling find
+nothing its writer left. vLLM's OpenAI server (read in 0.32.0: its
+``_get_data_parallel_rank`` and the DP client's engine choice) sends a request
+carrying ``X-data-parallel-rank: R`` to engine R. Rank 0 is valid on every
+server: a single engine is rank 0, and an API server of an external or hybrid
+load balancer counts its local engines from 0. A release or a proxy that does
+not know the header ignores it, and the report then says reuse may be split
+(``report``: several engines on ``/metrics``).
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from . import workload as workloads
 from .client import CannotProbe, Client, Completion
 from .judge import (
     DEFAULT_THRESHOLD,
+    Bounds,
     CaseResult,
     Observed,
-    effective_threshold,
+    RoundingPair,
+    bounds,
     judge_case,
     noise_floor,
+    rounding_floor,
 )
 from .server_metrics import ServerMetrics, read_metrics
 
 SALT_PREFIX = "vllm-mamba-align-probe-"
-DEFAULT_MAX_REQUESTS = 40
+ENGINE_HEADER = {"X-data-parallel-rank": "0"}
+"""Every request to engine core 0 of a data-parallel server (module docstring)."""
+DEFAULT_MAX_REQUESTS = 48
 DEFAULT_LOGPROBS = 5
 DEFAULT_MAX_TOKENS = 1
 DEFAULT_TIMEOUT = 120.0
@@ -46,6 +63,8 @@ class Options:
     threshold: float = DEFAULT_THRESHOLD
     state_block: int | None = None
     prompt_tokens: int | None = None
+    rounding: float | None = None
+    """The server's chunk-shape rounding, given (``--rounding``): not measured."""
 
 
 @dataclass
@@ -64,7 +83,12 @@ class Probe:
     results: list[CaseResult] = field(default_factory=list)
     floor: float = 0.0
     wild: bool = False
-    bound: float = 0.0
+    rounding: list[RoundingPair] = field(default_factory=list)
+    rounding_floor: float = 0.0
+    """The largest decode-vs-prefill difference (chunk-shape rounding)."""
+    rounding_wild: bool = False
+    """A rounding pair parted outside each other's top-k."""
+    bound: Bounds = field(default_factory=lambda: Bounds(0.0, 0.0))
     problem: str | None = None
     """Why the server could not be probed (exit 2), if it could not."""
 
@@ -108,6 +132,7 @@ def _plan(options: Options, probe: Probe) -> workloads.Workload:
     if probe.max_model_len is not None:
         limit = min(limit, probe.max_model_len - options.max_tokens - 1)
     state_block, source = _state_block(options, probe.before)
+    prompts = 0 if options.rounding is not None else workloads.ROUNDING_PROMPTS
     for pairs in range(workloads.PAIRS, 0, -1):
         try:
             plan = workloads.build(
@@ -116,6 +141,7 @@ def _plan(options: Options, probe: Probe) -> workloads.Workload:
                 state_block=state_block,
                 source=source,
                 pairs=pairs,
+                rounding_prompts=prompts,
             )
         except ValueError as problem:
             raise CannotProbe(str(problem)) from None
@@ -123,8 +149,10 @@ def _plan(options: Options, probe: Probe) -> workloads.Workload:
             return plan
     raise CannotProbe(
         f"--max-requests {options.max_requests} is below the smallest probe "
-        f"({workloads.smallest_requests()} requests: a writer, a re-ask, one "
-        "sibling pair and a replay sibling, each cached and fresh twice)"
+        f"({workloads.smallest_requests(1, prompts)} requests: a writer, a "
+        "re-ask, one sibling pair, one short-tail pair and a replay sibling, "
+        f"each cached and fresh twice, and {prompts} rounding prompts decoded "
+        "and prefilled)"
     )
 
 
@@ -154,7 +182,7 @@ def run(
 def _run(
     options: Options, probe: Probe, progress: Progress, announce: Announce
 ) -> None:
-    client = Client(options.url, options.api_key, options.timeout)
+    client = Client(options.url, options.api_key, options.timeout, ENGINE_HEADER)
     probe.base = client.base
     probe.model, probe.max_model_len = _choose_model(client, options.model)
     probe.before = read_metrics(client.metrics(), probe.model)
@@ -169,45 +197,110 @@ def _run(
     announce(plan)
     probe.salt_prefix = f"{SALT_PREFIX}{secrets.token_hex(4)}-"
 
-    def send(prompt: list[int], salt: str, what: str) -> Completion:
+    def send(
+        prompt: list[int], salt: str, what: str, decode_steps: int = 0
+    ) -> Completion:
         progress(probe.sent, plan.requests, what)
         done = client.complete(
             probe.model,
             prompt,
             salt=probe.salt_prefix + salt,
-            max_tokens=options.max_tokens,
+            max_tokens=decode_steps or options.max_tokens,
             logprobs=options.logprobs,
+            # Every decode step is wanted, whatever the model's end token.
+            extra={"ignore_eos": True} if decode_steps else None,
         )
         probe.sent += 1
+        if decode_steps and len(done.tokens) != decode_steps:
+            raise CannotProbe(
+                f"a request for {decode_steps} tokens with ignore_eos returned "
+                f"{len(done.tokens)}: the probe measures the server's rounding "
+                "by decode steps; is this a vLLM server?"
+            )
         return done
 
     observed = _observe(plan, send)
+    probe.rounding = _measure_rounding(plan, send)
     progress(probe.sent, plan.requests, "done")
     probe.after = read_metrics(client.metrics(), probe.model)
     probe.floor, probe.wild = noise_floor(observed)
-    probe.bound = effective_threshold(options.threshold, probe.floor)
+    if options.rounding is None:
+        probe.rounding_floor, probe.rounding_wild = rounding_floor(probe.rounding)
+    else:
+        probe.rounding_floor = options.rounding
+    probe.bound = bounds(options.threshold, probe.floor, probe.rounding_floor)
     probe.results = [judge_case(case, probe.bound) for case in observed]
 
 
+def _fresh(done: Completion) -> Completion:
+    if done.cached_tokens:
+        raise CannotProbe(
+            f"a request under a new cache_salt reused {done.cached_tokens} "
+            "cached tokens: the server does not isolate cache_salt "
+            "families, so no fresh reference can be computed"
+        )
+    return done
+
+
+def _measure_rounding(
+    plan: workloads.Workload, send: Callable[..., Completion]
+) -> list[RoundingPair]:
+    """Each rounding prompt continued by decode steps, then prefilled with those
+    tokens but the last, each under a new salt (nothing cached, so no wrong
+    state can enter: what differs is rounding)."""
+    pairs = []
+    for number, prompt in enumerate(plan.rounding, 1):
+        decoded = _fresh(
+            send(
+                prompt,
+                f"rounding-{number}-decode",
+                f"rounding {number} decode",
+                workloads.DECODE_TOKENS,
+            )
+        )
+        ids = [_token_id(token) for token in decoded.tokens[:-1]]
+        prefilled = _fresh(
+            send(prompt + ids, f"rounding-{number}-prefill", f"rounding {number}")
+        )
+        pairs.append(RoundingPair(len(prompt), decoded, prefilled))
+    return pairs
+
+
+def _token_id(token: str) -> int:
+    """``token_id:123`` (``return_tokens_as_token_ids``) -> 123."""
+    try:
+        return int(token.rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        raise CannotProbe(
+            f"the server returned the token {token!r}, not token_id:N, though "
+            "asked for return_tokens_as_token_ids (vLLM 0.6.4+ takes it)"
+        ) from None
+
+
 def _observe(
-    plan: workloads.Workload, send: Callable[[list[int], str, str], Completion]
+    plan: workloads.Workload, send: Callable[..., Completion]
 ) -> list[Observed]:
     """The writer and every case in one salt family, in order (each reuses what
-    the requests before it left), then each case fresh, under new salts."""
+    the requests before it left), then each case fresh, under new salts; then
+    the short-tail cases the same way, in the same family."""
     send(plan.writer, "cached", "writer")
-    cached = {case.name: send(case.prompt, "cached", case.name) for case in plan.cases}
-    observed, salts = [], iter(range(1, plan.requests + 1))
-    for case in plan.cases:
+    salts = iter(range(1, plan.requests + 1))
+    observed = _observe_cases(plan.cases, send, salts)
+    return observed + _observe_cases(plan.short, send, salts)
+
+
+def _observe_cases(
+    cases: tuple[workloads.Case, ...],
+    send: Callable[..., Completion],
+    salts: Iterator[int],
+) -> list[Observed]:
+    cached = {case.name: send(case.prompt, "cached", case.name) for case in cases}
+    observed = []
+    for case in cases:
         fresh = []
         for _ in range(workloads.FRESH_RUNS):
             done = send(case.prompt, f"fresh-{next(salts)}", f"{case.name} fresh")
-            if done.cached_tokens:
-                raise CannotProbe(
-                    f"a request under a new cache_salt reused {done.cached_tokens} "
-                    "cached tokens: the server does not isolate cache_salt "
-                    "families, so no fresh reference can be computed"
-                )
-            fresh.append(done)
+            fresh.append(_fresh(done))
         observed.append(
             Observed(
                 case.name,

@@ -76,6 +76,9 @@ class ServerMetrics:
     cache_config: dict[str, str] = field(default_factory=dict)
     queries: float | None = None
     hits: float | None = None
+    hits_by_engine: dict[str, float] = field(default_factory=dict)
+    """``vllm:prefix_cache_hits_total`` per ``engine`` label (one per engine
+    core of a data-parallel server)."""
 
     @property
     def prefix_caching(self) -> bool | None:
@@ -117,6 +120,7 @@ class ServerMetrics:
             },
             "prefix_cache_queries": self.queries,
             "prefix_cache_hits": self.hits,
+            "prefix_cache_hits_by_engine": dict(self.hits_by_engine),
         }
 
 
@@ -133,10 +137,15 @@ def read_metrics(text: str | None, model: str | None) -> ServerMetrics:
         found = _for_model(samples(text, name), model)
         return sum(v for _, v in found) if found else None
 
+    by_engine: dict[str, float] = {}
+    for labels, value in _for_model(samples(text, HITS), model):
+        engine = labels.get("engine", "0")
+        by_engine[engine] = by_engine.get(engine, 0.0) + value
     return ServerMetrics(
         available=True,
         plugin=plugin,
         cache_config=configs[0] if configs else {},
         queries=total(QUERIES),
         hits=total(HITS),
+        hits_by_engine=by_engine,
     )

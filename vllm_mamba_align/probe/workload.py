@@ -17,7 +17,18 @@ reads. The workload reaches both kinds:
   replay boundary, kept at every retention; it stops short of the writer's
   partial-tail checkpoint (P - 1 floored to the hash block, 0.26.0+), so it reads
   the replay state, not that checkpoint;
-- a **re-ask** of the writer.
+- a **re-ask** of the writer;
+- **short-tail pairs** sharing exactly k * B tokens with the writer, for the
+  last ``SHORT_PAIRS`` of those k, with 6 and 22 tokens of their own: a state
+  read at k * B differs most from the right one in the first tokens after it
+  (on an H200 a wrong state measured 0.28-2.55 there and 0.02-0.20 thousands of
+  tokens later), so these are the cases a GPU's rounding hides least. They run
+  after the other cases' fresh runs, in the same salt family;
+- **rounding prompts**, unrelated to the writer, each run fresh twice: continued
+  by ``DECODE_TOKENS`` greedy decode steps, and prefilled with all but the last
+  of those tokens. The last decode step and that prefill compute the same
+  position from the same tokens, chunked differently, with nothing cached: the
+  server's own chunk-shape rounding (``judge.rounding_floor``).
 
 B is not visible to a client. The probe takes it from ``--state-block``, or the
 plugin's ``vllm_mamba_align_info`` series, or ``vllm:cache_config_info``'s
@@ -42,9 +53,16 @@ DEFAULT_WRITER_TOKENS = 16384
 to be prefilled in several steps under vLLM's usual step budgets (2,048-8,192)."""
 FRESH_RUNS = 2
 """Fresh runs per case: the reference, and a second one for the noise floor."""
+DECODE_TOKENS = 8
+"""Greedy decode steps of a rounding prompt (the last one is compared)."""
+ROUNDING_PROMPTS = 2
+"""Rounding prompts: half the writer's length, and about the writer's."""
 UNKNOWN_B_FRACTIONS = (0.25, 0.5, 0.75)
 UNKNOWN_B_REPLAY_MARGIN = 65
 PAIRS = 3
+SHORT_PAIRS = 3
+SHORT_TAILS = (6, 22)
+"""The short-tail siblings' own tokens (lengths 6 modulo 16, see ``settled``)."""
 TAIL = 16
 """A sibling's own tokens after what it shares: 16 to 31 (see ``settled``)."""
 SETTLED = 6
@@ -70,22 +88,36 @@ class Workload:
     state_block: int | None
     state_block_source: str
     seed: int
+    rounding: tuple[list[int], ...] = field(default=(), repr=False)
+    """Prompts whose decode steps and prefill measure the server's rounding."""
+    short: tuple[Case, ...] = ()
+    """The short-tail cases, sent after the others' fresh runs."""
+
+    @property
+    def all_cases(self) -> tuple[Case, ...]:
+        return self.cases + self.short
 
     @property
     def requests(self) -> int:
-        """Completions the probe sends: the writer, each case cached and fresh."""
-        return 1 + len(self.cases) * (1 + FRESH_RUNS)
+        """Completions the probe sends: the writer, each case cached and fresh,
+        each rounding prompt decoded and prefilled."""
+        cases = len(self.cases) + len(self.short)
+        return 1 + cases * (1 + FRESH_RUNS) + 2 * len(self.rounding)
 
     @property
     def prompt_tokens(self) -> int:
-        return len(self.writer) + sum(
-            len(c.prompt) * (1 + FRESH_RUNS) for c in self.cases
+        return (
+            len(self.writer)
+            + sum(len(c.prompt) * (1 + FRESH_RUNS) for c in self.all_cases)
+            + sum(2 * len(p) + DECODE_TOKENS - 1 for p in self.rounding)
         )
 
 
-def smallest_requests(pairs: int = 1) -> int:
-    """Requests of a workload with ``pairs`` sibling pairs (re-ask, replay too)."""
-    return 1 + (2 * pairs + 2) * (1 + FRESH_RUNS)
+def smallest_requests(pairs: int = 1, rounding_prompts: int = ROUNDING_PROMPTS) -> int:
+    """Requests of a workload with ``pairs`` sibling pairs and as many short-tail
+    pairs (re-ask, replay and the rounding prompts too)."""
+    short = min(pairs, SHORT_PAIRS)
+    return 1 + (2 * pairs + 2 * short + 2) * (1 + FRESH_RUNS) + 2 * rounding_prompts
 
 
 class Tokens:
@@ -154,6 +186,7 @@ def build(
     state_block: int | None,
     source: str,
     pairs: int = PAIRS,
+    rounding_prompts: int = ROUNDING_PROMPTS,
 ) -> Workload:
     """The workload for prompts of at most ``limit`` tokens.
 
@@ -191,7 +224,30 @@ def build(
             "replay", sibling(replay), replay, "reads the writer's replay state" + where
         )
     )
-    return Workload(writer, tuple(cases), state_block, source, seed)
+    rounding = tuple(
+        tokens.draw(_rounding_length(n))
+        for n in (writer_tokens // 2, writer_tokens)[:rounding_prompts]
+    )
+    short = []
+    for number, shared in enumerate(lengths[-SHORT_PAIRS:], 1):
+        boundary = _floor(shared, state_block or 16)
+        for order, tail in zip(("first", "second"), SHORT_TAILS, strict=True):
+            reads = "reads or writes" if order == "first" else "reads"
+            own = settled(boundary + tail - 5) - boundary
+            prompt = writer[:boundary] + tokens.draw(own, avoid=writer[boundary])
+            target = _boundary_words(boundary, state_block)
+            short.append(
+                Case(f"short{number}.{order}", prompt, boundary, f"{reads} {target}")
+            )
+    return Workload(
+        writer, tuple(cases), state_block, source, seed, rounding, tuple(short)
+    )
+
+
+def _rounding_length(n: int) -> int:
+    """At most ``n``, such that the prefill of it and all decode steps but the
+    last is ``settled`` (its last piece 6 tokens or more, as every case's)."""
+    return settled(n + DECODE_TOKENS - 1, up=False) - (DECODE_TOKENS - 1)
 
 
 def _floor(n: int, block: int) -> int:

@@ -34,6 +34,9 @@ prefill chunk the scheduler hands out is appended to that file as one JSON line
 (request id, the chunk's end, the prompt length, and the cache block C the
 scheduler reads at that moment), from whichever process runs the scheduler, so a
 test can check where chunks end.
+
+Also (not a workaround): with ``MAMBA_ALIGN_E2E_BF16_STATES`` set, the CPU
+engine emulates a GPU's rounding of resumed states (``_round_stored_states``).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ MIXER2_MODULE = "vllm.model_executor.layers.mamba.mamba_mixer2"
 WORKER_MAMBA_MODULE = "vllm.v1.worker.mamba_utils"
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 TRACE_VARIABLE = "MAMBA_ALIGN_E2E_TRACE"
+BF16_STATES_VARIABLE = "MAMBA_ALIGN_E2E_BF16_STATES"
 _registered = False
 
 
@@ -63,9 +67,60 @@ def _without_checkpoint_blocks(
     return spec
 
 
+def _round_stored_states(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """After a Mamba2 layer's step, round the states it stored to bf16.
+
+    Why: on vLLM's CPU engine a run resumed from a correct cached state equals a
+    fresh run exactly (its recurrence is chunk-invariant), so the probe's
+    handling of GPU rounding cannot be tested there. A GPU keeps states in a
+    bf16 cache (the cache dtype is the model's) and rounds each one where a
+    chunk or a decode step ends; a run chunked differently rounds at other
+    places. This does the same on the CPU engine: every slot a step wrote (the
+    prefill chunks' final states, the decode steps' states, SSM and conv) is
+    rounded to bf16 in place, at every chunk end, cached and fresh runs alike.
+
+    Calibrated against the H200 measurement of
+    ``/work/shared/reference/gpu-numerics-h200.md`` (vLLM 0.33.0's Triton
+    kernels, bf16 state cache): a correct state resumed at a boundary a fresh
+    run did not stop at differed from it by 0.016-0.062 (max |Δ logprob| of
+    the first token). On the e2e model (tiny NemotronH, ``--dtype bfloat16``,
+    C = 8 < B = 32, step budget 1,000) the rounding alone puts a sibling that
+    resumes from a correct junction state about 1e-2 off a fresh run (see
+    ``docs/probe.md`` for the measured figures), the same order.
+    """
+    output = wrapped(*args, **kwargs)
+    if not os.environ.get(BF16_STATES_VARIABLE):
+        return output
+    import torch
+    from vllm.forward_context import get_forward_context
+
+    metadata = get_forward_context().attn_metadata
+    if not isinstance(metadata, dict) or metadata.get(instance.prefix) is None:
+        return output
+    layer = metadata[instance.prefix]
+    slots = [
+        indices.reshape(-1)
+        for indices in (layer.state_indices_tensor_p, layer.state_indices_tensor_d)
+        if indices is not None and indices.numel()
+    ]
+    if not slots:
+        return output
+    written = torch.unique(torch.cat(slots))
+    written = written[written > 0]  # 0 is vLLM's null block: nothing stored
+    for state in instance.kv_cache[:2]:
+        rows = state[written]
+        state[written] = rows.to(torch.bfloat16).to(state.dtype)
+    return output
+
+
 def _patch_mixer2(module: ModuleType) -> None:
     wrapt.wrap_function_wrapper(
         module, "MambaMixer2.get_kv_cache_spec", _without_checkpoint_blocks
+    )
+    wrapt.wrap_function_wrapper(
+        module, "MambaMixer2.conv_ssm_forward", _round_stored_states
     )
 
 
