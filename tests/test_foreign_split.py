@@ -50,13 +50,20 @@ build_scheduler(Geometry(cache_block=1648, state_block=1648, hybrid=False))
 print("non-hybrid started")
 import vllm.v1.core.sched.scheduler as module
 SPLIT = "_mamba_block_aligned_split"
+# The classes from the one vLLM builds down to vLLM's own Scheduler.
+CLASSES = []
+for klass in module.Scheduler.__mro__:
+    CLASSES.append(klass)
+    if klass.__module__ == module.__name__ and klass.__name__ == "Scheduler":
+        break
+print("scheduler classes:", ",".join(k.__qualname__ for k in CLASSES))
 def sites():
-    return [id(vars(module.Scheduler).get(name)) for name in ("__init__", SPLIT)] + [
-        id(getattr(module, "is_mamba_prefill_checkpoint_valid", None))
-    ]
+    return [
+        id(vars(klass).get(name)) for klass in CLASSES for name in ("__init__", SPLIT)
+    ] + [id(getattr(module, "is_mamba_prefill_checkpoint_valid", None))]
 before = sites()
 try:
-    sim = Simulation(Geometry(cache_block=1648, state_block=1648{geometry}))
+    sim = Simulation(Geometry(cache_block={cache_block}, state_block=1648{geometry}))
 except MambaAlignError as error:
     print("refused:", error)
 else:
@@ -80,7 +87,9 @@ def describe(layer):
         if layer.__code__.co_filename.endswith(folder):
             return name
     return "?"
-chain, layer = [], vars(module.Scheduler)[SPLIT]
+owner = next(klass for klass in CLASSES if SPLIT in vars(klass))
+print("split defined by:", owner.__qualname__)
+chain, layer = [], vars(owner)[SPLIT]
 while layer is not None:
     chain.append(describe(layer))
     layer = getattr(layer, "__wrapped__", None)
@@ -90,9 +99,16 @@ print("calls:", json.dumps(dict(patches.CALLS)))
 
 
 def start(
-    way: str | None, mode: str, prepare: str = "", geometry: str = "", **env: str
+    way: str | None,
+    mode: str,
+    prepare: str = "",
+    geometry: str = "",
+    cache_block: int = 1648,
+    **env: str,
 ):  # type: ignore[no-untyped-def]
-    code = START.format(prepare=textwrap.dedent(prepare), geometry=geometry)
+    code = START.format(
+        prepare=textwrap.dedent(prepare), geometry=geometry, cache_block=cache_block
+    )
     result = run_python(code, **{WAY: way or ""}, VLLM_MAMBA_ALIGN_MODE=mode, **env)
     assert result.returncode == 0, result.stderr[-4000:]
     out = result.stdout + result.stderr
