@@ -277,11 +277,11 @@ def collect() -> Report:
     root = _vllm_root()
     from .activation import (
         describe_batch_invariance,
+        scheduler_note,
         split_findings,
         split_refusal,
         upstream_fix_present,
     )
-    from .activation import scheduler_note
     from .layers import walk
     from .plugin import SCHEDULER_MODULE, SPLIT_METHOD, recognize
     from .subclasses import vllm_scheduler

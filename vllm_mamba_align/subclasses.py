@@ -187,9 +187,10 @@ def problems(klass: type, audit: bool) -> list[str]:
     except (OSError, SyntaxError, ValueError):
         callers = {}
     if not callers:
-        return found + [
+        return [
+            *found,
             f"the plugin cannot read which of vLLM's methods call {SPLIT_METHOD}, "
-            f"so it cannot check {name}'s"
+            f"so it cannot check {name}'s",
         ]
     allowed = frozenset().union(*callers.values())
     for method, attribute in own.items():
