@@ -159,10 +159,9 @@ def _function_of(attribute: object) -> types.FunctionType | None:
     return attribute if type(attribute) is types.FunctionType else None
 
 
-def problems(klass: type, audit: bool) -> list[str]:
-    """Why the fix cannot run inside a scheduler of this (another
-    distribution's) class: empty when its code keeps every assumption the fix
-    makes. ``audit``: the audit's ``schedule``/``shutdown`` observers are bound too."""
+def _class_problems(klass: type, audit: bool) -> list[str]:
+    """What in the class itself keeps an attribute bound on the scheduler
+    from taking effect."""
     found: list[str] = []
     name = klass.__qualname__
     own = vars(klass)
@@ -179,6 +178,53 @@ def problems(klass: type, audit: bool) -> list[str]:
                 f"({type(own[attribute]).__name__}): an attribute bound on the "
                 "scheduler would not take effect"
             )
+    return found
+
+
+def _method_problems(
+    name: str,
+    method: str,
+    function: types.FunctionType,
+    callers: dict[str, frozenset[str]],
+    allowed: frozenset[str],
+) -> list[str]:
+    """Each reference of one method to the split that is not a call vLLM's own
+    callers make; a replaced caller that never calls it."""
+    parsed = _method_tree(function)
+    if parsed is None:
+        if method not in callers:
+            return []
+        return [
+            f"the source of {name}.{method} (which replaces vLLM's caller of "
+            f"{SPLIT_METHOD}) cannot be read"
+        ]
+    tree, first = parsed
+    calls = list(_split_calls(tree, method, first))
+    found = []
+    for call in calls:
+        if call.arguments is None:
+            found.append(
+                f"{name}.{method} (line {call.line}) reaches the split other "
+                f"than by self.{SPLIT_METHOD}(...): {call.text}"
+            )
+        elif call.arguments not in allowed:
+            found.append(
+                f"{name}.{method} (line {call.line}) calls {call.text}, with "
+                "arguments none of vLLM's calls pass"
+            )
+    if method in callers and not calls and not _calls_super(tree, method):
+        found.append(
+            f"{name}.{method} replaces vLLM's {method}() but never calls "
+            f"self.{SPLIT_METHOD} (nor super().{method}())"
+        )
+    return found
+
+
+def problems(klass: type, audit: bool) -> list[str]:
+    """Why the fix cannot run inside a scheduler of this (another
+    distribution's) class: empty when its code keeps every assumption the fix
+    makes. ``audit``: the audit's ``schedule``/``shutdown`` observers are bound too."""
+    found = _class_problems(klass, audit)
     base = vllm_scheduler(klass)
     module = sys.modules.get(base.__module__)
     source_file = getattr(module, "__file__", None)
@@ -192,37 +238,13 @@ def problems(klass: type, audit: bool) -> list[str]:
         return [
             *found,
             f"the plugin cannot read which of vLLM's methods call {SPLIT_METHOD}, "
-            f"so it cannot check {name}'s",
+            f"so it cannot check {klass.__qualname__}'s",
         ]
     allowed = frozenset().union(*callers.values())
-    for method, attribute in own.items():
+    for method, attribute in vars(klass).items():
         function = _function_of(attribute)
-        if function is None:
-            continue
-        parsed = _method_tree(function)
-        if parsed is None:
-            if method in callers:
-                found.append(
-                    f"the source of {name}.{method} (which replaces vLLM's caller "
-                    f"of {SPLIT_METHOD}) cannot be read"
-                )
-            continue
-        tree, first = parsed
-        calls = list(_split_calls(tree, method, first))
-        for call in calls:
-            if call.arguments is None:
-                found.append(
-                    f"{name}.{method} (line {call.line}) reaches the split other "
-                    f"than by self.{SPLIT_METHOD}(...): {call.text}"
-                )
-            elif call.arguments not in allowed:
-                found.append(
-                    f"{name}.{method} (line {call.line}) calls {call.text}, with "
-                    "arguments none of vLLM's calls pass"
-                )
-        if method in callers and not calls and not _calls_super(tree, method):
-            found.append(
-                f"{name}.{method} replaces vLLM's {method}() but never calls "
-                f"self.{SPLIT_METHOD} (nor super().{method}())"
+        if function is not None:
+            found += _method_problems(
+                klass.__qualname__, method, function, callers, allowed
             )
     return found
