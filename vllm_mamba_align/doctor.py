@@ -444,10 +444,8 @@ def render_text(report: Report) -> str:
         f"                  verified releases: {', '.join(SUPPORTED_RELEASES)}"
     )
     lines.extend(_layer_lines(report.split_layers))
-    lines.append(
-        "  scheduler class "
-        + (report.scheduler_class_note or f"{report.scheduler_class} (vLLM's own)")
-    )
+    if report.scheduler_class_note:  # another distribution's subclass
+        lines.append(f"  scheduler class {report.scheduler_class_note}")
     lines += [
         f"  entry point     {PLUGIN_GROUP}:{PLUGIN_NAME} "
         + (
