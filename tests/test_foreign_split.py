@@ -356,6 +356,18 @@ def c_below_b() -> int:
     return cache_block_for(B)
 
 
+def start_swapped(way: str, mode: str, geometry: str = "") -> str:
+    """A start over a swapped-in subclass, with C < B and :data:`LENGTH`."""
+    return start(  # type: ignore[no-any-return]
+        way,
+        mode,
+        geometry=geometry,
+        cache_block=c_below_b(),
+        length=LENGTH,
+        **PLATFORM_TARGET,
+    )
+
+
 def first_chunk_on_state_grid(out: str) -> bool:
     return chunk_ends(out)[0] % B == 0
 
@@ -391,13 +403,7 @@ def test_a_swapped_in_subclass_that_inherits_the_split_runs_the_fix(
     """The split is vLLM's own function, reached through inheritance; the
     subclass's copied schedule() calls it with vLLM's arguments: the fix runs
     inside the subclass, and the start line names it."""
-    out = start(
-        f"swap-at-{when}",
-        "kept",
-        cache_block=c_below_b(),
-        length=LENGTH,
-        **PLATFORM_TARGET,
-    )
+    out = start_swapped(f"swap-at-{when}", "kept")
     assert "scheduler classes: SwappedScheduler,Scheduler" in out
     assert "split defined by: Scheduler" in out, "the subclass inherits vLLM's split"
     assert "chain: mamba_align,vllm" in out
@@ -415,13 +421,7 @@ def test_a_swapped_in_subclass_that_inherits_the_split_runs_the_fix(
 def test_stock_chunks_in_the_swapped_in_subclass_are_off_the_state_grid() -> None:
     """Mode off: the same subclass schedules as stock vLLM (chunks end on the C
     grid), so the fix's chunk ends above are the fix's doing."""
-    out = start(
-        "swap-at-platform",
-        "off",
-        cache_block=c_below_b(),
-        length=LENGTH,
-        **PLATFORM_TARGET,
-    )
+    out = start_swapped("swap-at-platform", "off")
     if c_below_b() < B:
         assert not first_chunk_on_state_grid(out), chunk_ends(out)
     assert calls(out).get("schedule", 0) > 0
@@ -434,13 +434,7 @@ def test_stock_chunks_in_the_swapped_in_subclass_are_off_the_state_grid() -> Non
 
 def test_the_audit_starts_inside_the_swapped_in_subclass() -> None:
     """The audit's schedule() observer calls the subclass's schedule()."""
-    out = start(
-        "swap-at-platform",
-        "audit",
-        cache_block=c_below_b(),
-        length=LENGTH,
-        **PLATFORM_TARGET,
-    )
+    out = start_swapped("swap-at-platform", "audit")
     found = start_line(out)
     assert "AUDIT, mode=audit" in found
     assert f"scheduler class {SWAPPED}" in found
@@ -452,14 +446,7 @@ def test_an_async_scheduler_built_on_the_swapped_in_subclass_runs_the_fix() -> N
     """vLLM's AsyncScheduler, imported after the swap, subclasses the swapped-in
     class: the fix runs there too, and the start line names both."""
     _async_scheduler_or_skip()
-    out = start(
-        "swap-at-platform",
-        "kept",
-        geometry=", async_scheduling=True",
-        cache_block=c_below_b(),
-        length=LENGTH,
-        **PLATFORM_TARGET,
-    )
+    out = start_swapped("swap-at-platform", "kept", ", async_scheduling=True")
     found = start_line(out)
     assert "ACTIVE, mode=kept" in found
     assert f"scheduler class AsyncScheduler (vLLM's), built on {SWAPPED}" in found
@@ -526,13 +513,7 @@ def test_a_swapped_in_subclass_overriding_the_split_is_refused_by_name() -> None
 def test_a_swapped_in_subclass_passing_other_arguments_is_refused_by_name() -> None:
     """Its schedule() calls the split with arguments vLLM's never passes: the
     plugin cannot know what those calls mean, so it starts nothing there."""
-    out = start(
-        "altered-swap-at-platform",
-        "kept",
-        cache_block=c_below_b(),
-        length=LENGTH,
-        **PLATFORM_TARGET,
-    )
+    out = start_swapped("altered-swap-at-platform", "kept")
     assert "ACTIVE" not in out
     assert "started, chunk ends" not in out
     assert "sites unchanged: True" in out
