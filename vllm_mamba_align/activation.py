@@ -43,6 +43,7 @@ from .retention import Retention, read_retention
 from .settings import Mode
 from .signature import SplitFunction
 from .split import state_grid_split
+from .subclasses import describe_class, foreign_classes, problems
 
 # The attribute upstream's fix (PR #54076) adds; if vLLM set it itself, the fix landed.
 STATE_BLOCK_ATTRIBUTE = "mamba_state_block_size"
@@ -216,6 +217,9 @@ def _log(
         if recognition.shape and recognition.shape.fingerprint
         else "no align split in this vLLM"
     )
+    note = scheduler_note(type(scheduler))
+    if note is not None:
+        code += f"; scheduler class {note}"
     _logger().info(
         "vllm-mamba-align %s on vLLM %s (%s): %s; %s",
         __version__,
@@ -251,13 +255,75 @@ def split_refusal(
     The one decision both :func:`attach` and ``vllm-mamba-align doctor`` use. In
     mode ``off`` nothing is refused: the split runs unchanged, whoever wrote it.
     """
-    if settings.read_mode() is Mode.OFF:
+    mode = settings.read_mode()
+    if mode is Mode.OFF:
         return None
     chain = walk(scheduler_class, SPLIT_METHOD)
     found = split_findings(recognition, chain)
     if any(not finding.verified for finding in found):
         return _refuse_unverified_layers(recognition, chain, found)
-    return hybrid_refusal(recognition)
+    refused = hybrid_refusal(recognition)
+    if refused is not None:
+        return refused
+    return subclass_refusal(scheduler_class, audit=mode is Mode.AUDIT)
+
+
+def subclass_refusal(scheduler_class: type, audit: bool) -> MambaAlignError | None:
+    """Why the fix cannot run inside this scheduler class, when it is another
+    distribution's subclass of vLLM's ``Scheduler`` that inherits vLLM's split
+    (subclasses.py); None when its code keeps what the fix relies on."""
+    for klass in foreign_classes(scheduler_class):
+        reasons = problems(klass, audit)
+        if reasons:
+            return _refuse_subclass(scheduler_class, klass, reasons)
+    return None
+
+
+def _refuse_subclass(
+    scheduler_class: type, klass: type, reasons: list[str]
+) -> MambaAlignError:
+    built = (
+        ""
+        if klass is scheduler_class
+        else f" (an ancestor of {describe_class(scheduler_class)})"
+    )
+    return MambaAlignError(
+        f"vllm-mamba-align {__version__}: this model needs vLLM's align-mode chunk "
+        f"split, and the scheduler vLLM builds is {describe_class(klass)}{built}, "
+        "a subclass of vLLM's Scheduler from another distribution. It inherits "
+        f"vLLM's own {SPLIT_METHOD}, but the fix also relies on the subclass "
+        "calling that split only as self."
+        f"{SPLIT_METHOD}(...) with vLLM's arguments and on attributes bound on the "
+        f"scheduler taking effect, and its code does not: {'; '.join(reasons)}. "
+        "The plugin starts its fix only inside code it has checked, so it refuses "
+        "to start this scheduler rather than run the fix half applied. Ways out: "
+        f"(1) set {settings.MODE_VARIABLE}=off: the plugin binds nothing on this "
+        "scheduler and it runs unchanged (vLLM's defect included); (2) leave "
+        "mamba_align out of VLLM_PLUGINS (list every other plugin you need, your "
+        "platform plugin included); (3) report it on the plugin's issue tracker "
+        "with the output of `vllm-mamba-align doctor --json` attached."
+    )
+
+
+def scheduler_note(scheduler_class: type) -> str | None:
+    """For the start line: the scheduler class, when it is another
+    distribution's subclass of vLLM's (None: vLLM's own class)."""
+    foreign = foreign_classes(scheduler_class)
+    if not foreign:
+        return None
+    named = "; ".join(describe_class(klass) for klass in foreign)
+    if foreign[0] is not scheduler_class:  # e.g. vLLM's AsyncScheduler over it
+        named = f"{scheduler_class.__qualname__} (vLLM's), built on {named}"
+    unchecked = [reason for klass in foreign for reason in problems(klass, False)]
+    if unchecked:
+        return (
+            f"{named}, a subclass of vLLM's Scheduler whose code "
+            f"the fix could not run in: {'; '.join(unchecked)}"
+        )
+    return (
+        f"{named}, a subclass of vLLM's Scheduler that calls the "
+        f"split only as self.{SPLIT_METHOD}(...) with vLLM's arguments (checked)"
+    )
 
 
 def _describe_finding(number: int, finding: Finding, recognition: Recognition) -> str:
@@ -300,8 +366,7 @@ def _refuse_unverified_layers(
     )
     return MambaAlignError(
         f"vllm-mamba-align {__version__}: this model needs vLLM's align-mode chunk "
-        f"split, but {headline}. The split a {chain.scheduler_class.__qualname__} "
-        "calls, "
+        f"split, but {headline}. The split a {_scheduler_named(chain)} calls, "
         f"outermost layer first: {layers}. The plugin runs only code it has "
         "verified inside its fix and has no rule for composing the fix with "
         "another plugin's split, so it refuses to start this scheduler rather than "
@@ -314,6 +379,13 @@ def _refuse_unverified_layers(
         f"{settings.ALLOW_UNVERIFIED_VARIABLE} does not apply to another plugin's "
         "code."
     )
+
+
+def _scheduler_named(chain: Chain) -> str:
+    klass = chain.scheduler_class
+    if foreign_classes(klass):
+        return describe_class(klass)
+    return klass.__qualname__
 
 
 def _bind_unchanged(scheduler: Scheduler) -> None:

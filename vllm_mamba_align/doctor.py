@@ -82,6 +82,13 @@ class Report:
     module, qualname, location, distribution, where, order."""
     split_foreign: bool
     """Some layer is not verified: another plugin patched the split."""
+    scheduler_class: str
+    """The class ``vllm.v1.core.sched.scheduler.Scheduler`` names, which vLLM
+    builds unless ``scheduler_cls`` or async scheduling picks another:
+    vLLM's own, or another distribution's subclass put in its place."""
+    scheduler_class_note: str | None
+    """That class, when it is another distribution's subclass: its module,
+    distribution, and whether the fix can run in its code (None: vLLM's own)."""
     expected_fingerprint: str | None
     """What the release named by the version ships, when that release is known."""
     entry_point_visible: bool
@@ -273,18 +280,22 @@ def collect() -> Report:
     root = _vllm_root()
     from .activation import (
         describe_batch_invariance,
+        scheduler_note,
         split_findings,
         split_refusal,
         upstream_fix_present,
     )
     from .layers import walk
     from .plugin import SCHEDULER_MODULE, SPLIT_METHOD, recognize
+    from .subclasses import vllm_scheduler
 
     notes: list[str] = []
     platform_name, platform_detail = load_as_vllm_does()
     module = importlib.import_module(SCHEDULER_MODULE)
+    # The class vLLM builds (another distribution's subclass, where a platform
+    # swapped one in) is judged; vLLM's own class is what is recognized.
     scheduler_class = module.Scheduler
-    recognition = recognize(scheduler_class)
+    recognition = recognize(vllm_scheduler(scheduler_class))
     layers = split_findings(recognition, walk(scheduler_class, SPLIT_METHOD))
     foreign = any(not finding.verified for finding in layers)
     version = recognition.vllm_version
@@ -368,6 +379,8 @@ def collect() -> Report:
         platform_detail=platform_detail,
         split_layers=[finding.as_dict() for finding in layers],
         split_foreign=foreign,
+        scheduler_class=f"{scheduler_class.__module__}.{scheduler_class.__qualname__}",
+        scheduler_class_note=scheduler_note(scheduler_class),
         expected_fingerprint=expected.fingerprint if expected else None,
         entry_point_visible=entry is not None,
         entry_point_target=entry.value if entry is not None else None,
@@ -436,6 +449,8 @@ def render_text(report: Report) -> str:
         f"                  verified releases: {', '.join(SUPPORTED_RELEASES)}"
     )
     lines.extend(_layer_lines(report.split_layers))
+    if report.scheduler_class_note:  # another distribution's subclass
+        lines.append(f"  scheduler class {report.scheduler_class_note}")
     lines += [
         f"  entry point     {PLUGIN_GROUP}:{PLUGIN_NAME} "
         + (

@@ -87,6 +87,7 @@ from .releases import (
     unverified_body,
 )
 from .settings import Mode
+from .subclasses import vllm_scheduler
 from .worker_seed import add_request_wrapper, classify, group_info_wrapper
 
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
@@ -134,6 +135,7 @@ def is_patched(attribute: Any) -> bool:
 def recognize(scheduler_class: type) -> Recognition:
     """Identify the installed split function and pick the rules for it.
 
+    ``scheduler_class`` is vLLM's own ``Scheduler`` (:func:`vllm_scheduler`).
     The class attribute is walked layer by layer (layers.py): what is
     fingerprinted is the innermost function, and it counts as vLLM's own only
     when it is a plain function of the scheduler's module. Every other layer
@@ -178,9 +180,19 @@ def _wrap(owner: Any, name: str, wrapper: Any, tag: Any) -> None:
 
 
 def patch_scheduler_module(module: ModuleType) -> None:
-    """Post-import hook: install the wrappers on vLLM's scheduler module, once."""
-    scheduler_class = getattr(module, "Scheduler", None)
-    if scheduler_class is None or is_patched(scheduler_class.__dict__.get("__init__")):
+    """Post-import hook: install the wrappers on vLLM's scheduler module, once.
+
+    The wrappers go on vLLM's own ``Scheduler`` class even where another
+    distribution has already put a subclass in its place (vllm-ascend's
+    ``BalanceScheduler``, swapped in by its platform patches before general
+    plugins load): the subclass inherits them, and activation judges the class
+    each scheduler really is (subclasses.py).
+    """
+    found = getattr(module, "Scheduler", None)
+    if found is None:
+        return
+    scheduler_class = vllm_scheduler(found)
+    if is_patched(scheduler_class.__dict__.get("__init__")):
         return
     recognition = recognize(scheduler_class)
 

@@ -17,6 +17,14 @@ meet them on the real scheduler. It does nothing unless
   scheduler module is imported (the order relative to other general plugins is
   vLLM's entry-point order).
 
+- ``<pattern>-swap-at-platform`` / ``<pattern>-swap-at-pre-register``, and
+  ``swap-at-…``: the platform puts a subclass of vLLM's ``Scheduler`` in its
+  module's place, at either time, as vllm-ascend's ``BalanceScheduler``
+  (swap.py): ``swap`` inherits the split and has a copied ``schedule()``;
+  ``wraps-swap`` first wraps the split as above, then swaps (vllm-ascend
+  0.30.0rc2's order); ``altered-swap`` copies ``schedule()`` with the split's
+  arguments changed; ``override-swap`` swaps in a subclass with its own split.
+
 The platform ways need ``VLLM_TARGET_DEVICE`` set to something other than
 ``cpu``: vLLM 0.33.0 consults no platform plugin for an explicit CPU target.
 The subclass override (``scheduler.ForeignAsyncScheduler``) is used only by a
@@ -28,7 +36,14 @@ from __future__ import annotations
 import os
 
 VARIABLE = "MAMBA_ALIGN_TEST_FOREIGN_SPLIT"
-WAYS = ("wraps-at-platform", "wraps-at-pre-register", "wrapt-at-general")
+SWAPS = ("swap", "wraps-swap", "altered-swap", "override-swap")
+WHEN = ("platform", "pre-register")
+WAYS = (
+    "wraps-at-platform",
+    "wraps-at-pre-register",
+    "wrapt-at-general",
+    *(f"{swap}-at-{when}" for swap in SWAPS for when in WHEN),
+)
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 
 
@@ -42,14 +57,14 @@ def way() -> str | None:
 def platform() -> str | None:
     """``vllm.platform_plugins`` entry point: a CPU platform, for the platform ways."""
     chosen = way()
-    if chosen not in ("wraps-at-platform", "wraps-at-pre-register"):
+    if chosen is None or chosen == "wrapt-at-general":
         return None
-    if chosen == "wraps-at-platform":
+    if chosen.endswith("-at-platform"):
         import wrapt
 
-        from .patches import install_wraps_hook
+        from .patches import install_platform_patches
 
-        wrapt.register_post_import_hook(install_wraps_hook, SCHEDULER_MODULE)
+        wrapt.register_post_import_hook(install_platform_patches, SCHEDULER_MODULE)
     return "vllm_test_foreign_split.platform.ForeignCpuPlatform"
 
 

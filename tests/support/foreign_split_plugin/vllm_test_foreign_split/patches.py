@@ -51,8 +51,24 @@ def counting_wrapper(
     return wrapped(*args, **kwargs)  # type: ignore[no-any-return]
 
 
-def install_wraps_hook(module: ModuleType) -> None:
-    wrap_once(module.Scheduler)
+_patched_modules: set[str] = set()
+
+
+def install_platform_patches(module: ModuleType) -> None:
+    """What the chosen way's platform patch does to the scheduler module, once."""
+    from . import way
+
+    chosen = way() or ""
+    if module.__name__ in _patched_modules:
+        return
+    _patched_modules.add(module.__name__)
+    pattern = chosen.rpartition("-at-")[0]
+    if pattern in ("wraps", "wraps-swap"):
+        wrap_once(module.Scheduler)
+    if pattern.endswith("swap"):
+        from .swap import swap
+
+        swap(module, pattern.removesuffix("-swap") or "swap")
 
 
 def install_wrapt_hook(module: ModuleType) -> None:

@@ -27,9 +27,9 @@ class ForeignCpuPlatform(CpuPlatform):  # type: ignore[misc]
         super().pre_register_and_update(parser)
         from . import way
 
-        if way() == "wraps-at-pre-register":
+        if (way() or "").endswith("-at-pre-register"):
             import vllm.v1.core.sched.scheduler as module
 
-            from .patches import wrap_once
+            from .patches import install_platform_patches
 
-            wrap_once(module.Scheduler)  # vLLM calls this more than once
+            install_platform_patches(module)  # vLLM calls this more than once
