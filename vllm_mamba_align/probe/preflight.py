@@ -117,9 +117,10 @@ def check_threshold(value: float) -> float:
         )
     if value >= MAX_THRESHOLD:
         raise BadOption(
-            f"--threshold {value:g} would pass wrong states (they move logprobs "
-            f"by 1e-4 to 1e-2): give a value below {MAX_THRESHOLD:g}, or leave it "
-            "out (the default rises with the server's own noise)"
+            f"--threshold {value:g} would pass wrong states (on vLLM's CPU engine "
+            "they move logprobs by 1e-4 to 1e-2): give a value below "
+            f"{MAX_THRESHOLD:g}, or leave it out (the bound rises with the "
+            "server's own noise and measured rounding)"
         )
     return value
 
