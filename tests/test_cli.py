@@ -355,6 +355,107 @@ def test_doctor_says_whether_metrics_reach_the_api_server(
     assert "PROMETHEUS_MULTIPROC_DIR=/tmp/prometheus" in report["metrics_detail"]
 
 
+FOREIGN_ASYNC = "vllm_test_foreign_split.scheduler.ForeignAsyncScheduler"
+"""A stand-in written here of a platform's configured scheduler class (as
+vllm-gaudi's HPUAsyncScheduler): an AsyncScheduler subclass with its own split."""
+
+
+def test_doctor_judges_the_configured_scheduler_class(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--scheduler-cls`` as vLLM's: the class named is the one judged."""
+    code, out = doctor(capsys, "--json", "--scheduler-cls", FOREIGN_ASYNC)
+    report = json.loads(out)
+    assert code == EXIT_REFUSE
+    assert report["scheduler_class"] == FOREIGN_ASYNC
+    assert report["refusal"].count("NOT VERIFIED") == 1
+    assert "ForeignAsyncScheduler overrides _mamba_block_aligned_split" in (
+        report["refusal"]
+    )
+    assert "vllm-test-foreign-split" in report["refusal"]
+    vllms = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
+    code, out = doctor(capsys, "--json", "--scheduler-cls", vllms)
+    report = json.loads(out)
+    assert code == EXIT_OK and report["would_refuse"] is False
+    assert report["scheduler_class"] == vllms
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("Scheduler", "is not a dotted path module.ClassName"),
+        ("no_such_package.Scheduler", "cannot be imported here"),
+        ("vllm.v1.core.sched.scheduler.NoSuchClass", "cannot be imported here"),
+        ("collections.OrderedDict", "is not a subclass of vLLM's Scheduler"),
+    ],
+)
+def test_doctor_refuses_a_scheduler_class_it_cannot_judge(
+    capsys: pytest.CaptureFixture[str], value: str, says: str
+) -> None:
+    code = main(["doctor", "--scheduler-cls", value])
+    captured = capsys.readouterr()
+    assert code == EXIT_USAGE
+    assert captured.out == ""
+    (message,) = captured.err.strip().splitlines()
+    assert message.startswith(f"vllm-mamba-align doctor: --scheduler-cls {value!r}")
+    assert says in message
+
+
+def topology_lines(out: str) -> list[str]:
+    return [line[18:] for line in out.splitlines() if line.startswith("  topology ")]
+
+
+def test_doctor_on_a_headless_node_speaks_of_that_nodes_engine_cores(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What tests/e2e/test_distributed.py finds on a --headless node: its
+    engine cores run its own environment's mode and no /metrics shows them."""
+    _, out = doctor(capsys)
+    assert topology_lines(out) == []  # not asked: nothing said
+    monkeypatch.setenv(settings.MODE_VARIABLE, "full")
+    code, out = doctor(capsys, "--headless")
+    lines = topology_lines(out)
+    assert code == EXIT_OK
+    assert "this node's engine cores load the plugin" in lines[0]
+    assert "(mode full)" in lines[0]
+    assert "reach no /metrics" in lines[1] and len(lines) == 2
+    monkeypatch.setenv(settings.MODE_VARIABLE, "bogus")
+    code, out = doctor(capsys, "--headless", "--json")
+    report = json.loads(out)
+    assert code == EXIT_REFUSE
+    assert "a setting stops them" in report["topology"][0]
+    assert "waits for its rank without a bound" in report["topology"][2]
+
+
+def test_doctor_under_ray_names_what_vllm_copies_into_the_engine_actors(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM copies every VLLM_* variable of the launching process into an
+    engine-core actor and not PROMETHEUS_MULTIPROC_DIR (vllm/ray/ray_env.py;
+    tests/e2e/test_distributed.py calls that function directly)."""
+    monkeypatch.setenv("VLLM_PLUGINS", "mamba_align")
+    monkeypatch.setenv(settings.MODE_VARIABLE, "full")
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/tmp/prometheus")
+    code, out = doctor(capsys, "--ray")
+    lines = topology_lines(out)
+    assert code == EXIT_OK
+    try:
+        import vllm.ray.ray_env  # noqa: F401
+    except ImportError:
+        assert "which variables reach the engine-core actors is unknown" in lines[0]
+    else:
+        assert (
+            "copies this process's VLLM_MAMBA_ALIGN_MODE, VLLM_PLUGINS into their "
+            "environment; the plugin must be installed" in lines[0]
+        )
+        assert lines[1].startswith("PROMETHEUS_MULTIPROC_DIR is not copied")
+    from vllm.platforms import current_platform
+
+    if getattr(current_platform, "ray_device_key", None) == "":
+        assert lines[-1].startswith("[!!] vLLM's ")
+        assert "cannot place data-parallel engine cores on a Ray cluster" in lines[-1]
+
+
 def test_python_dash_m_runs_the_command() -> None:
     result = run_python(
         "import runpy; runpy.run_module('vllm_mamba_align', run_name='__main__')",

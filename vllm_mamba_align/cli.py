@@ -108,6 +108,25 @@ def _parser(json_errors: bool = False) -> argparse.ArgumentParser:
         action="store_true",
         help="also exit 4 when vLLM would not load the plugin (for image builds)",
     )
+    doctor.add_argument(
+        "--scheduler-cls",
+        metavar="MODULE.CLASS",
+        help="judge the scheduler class vLLM is configured to build (the value "
+        "of vLLM's --scheduler-cls) instead of vllm.v1.core.sched.scheduler.Scheduler",
+    )
+    doctor.add_argument(
+        "--headless",
+        action="store_true",
+        help="this node runs `vllm serve --headless`: say what its engine cores "
+        "do (their settings, where their metrics go)",
+    )
+    doctor.add_argument(
+        "--ray",
+        action="store_true",
+        help="this process launches `vllm serve --data-parallel-backend ray`: say "
+        "which settings reach the engine-core actors and whether this platform "
+        "can place them",
+    )
 
     d = Scenario()
     simulate = commands.add_parser(
@@ -311,7 +330,13 @@ def _plugin_import_error() -> str | None:
     return None
 
 
-def _doctor(as_json: bool, strict: bool = False) -> int:
+def _doctor(
+    as_json: bool,
+    strict: bool = False,
+    headless: bool = False,
+    ray: bool = False,
+    scheduler_cls: str | None = None,
+) -> int:
     from . import MISSING_DEPENDENCY
 
     broken = _plugin_import_error()
@@ -324,7 +349,7 @@ def _doctor(as_json: bool, strict: bool = False) -> int:
             print(json.dumps({"plugin_importable": False, "import_error": broken}))
         return EXIT_BROKEN
 
-    from .doctor import VllmMissing, collect, render_text
+    from .doctor import BadSchedulerClass, VllmMissing, collect, render_text
 
     # Loading vLLM's platform and plugins logs through vLLM's logger, which
     # writes to stdout: with --json, stdout carries the report alone.
@@ -333,7 +358,14 @@ def _doctor(as_json: bool, strict: bool = False) -> int:
     )
     try:
         with quiet:
-            report = collect()
+            report = collect(headless=headless, ray=ray, scheduler_cls=scheduler_cls)
+    except BadSchedulerClass as bad:
+        print(f"vllm-mamba-align doctor: {bad}", file=sys.stderr)
+        if as_json:
+            import json
+
+            print(json.dumps({"scheduler_cls_error": str(bad)}))
+        return EXIT_USAGE
     except VllmMissing as missing:
         print(NO_VLLM.format(detail=missing), file=sys.stderr)
         if as_json:
@@ -459,7 +491,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return done.code if isinstance(done.code, int) else EXIT_USAGE
     try:
         if args.command == "doctor":
-            return _doctor(args.json, args.strict)
+            return _doctor(
+                args.json, args.strict, args.headless, args.ray, args.scheduler_cls
+            )
         if args.command == "probe":
             return _probe(args)
         return _simulate(args)

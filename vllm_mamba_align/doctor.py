@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-from . import __version__, settings
+from . import __version__, settings, topology
 from .errors import MambaAlignError
 from .fingerprint import fingerprint_node, method_in_file
 from .metrics import export_status as metrics_export_status
@@ -55,6 +55,36 @@ PLUGIN_GROUP = "vllm.general_plugins"
 
 class VllmMissing(Exception):
     """vLLM cannot be imported in this environment (the doctor has nothing to read)."""
+
+
+class BadSchedulerClass(Exception):
+    """``--scheduler-cls`` names no class doctor can judge (the message says why)."""
+
+
+def resolve_scheduler_class(name: str, vllm_scheduler_class: type) -> type:
+    """The class ``--scheduler-cls`` names, as vLLM resolves its option of that
+    name (``module.path.ClassName``), if it is a scheduler vLLM could build with
+    the plugin's wrappers in it: a subclass of vLLM's ``Scheduler``."""
+    module_name, _, class_name = name.rpartition(".")
+    if not module_name or not class_name:
+        raise BadSchedulerClass(
+            f"--scheduler-cls {name!r} is not a dotted path module.ClassName "
+            "(what vLLM's --scheduler-cls takes)"
+        )
+    try:
+        klass = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as error:
+        raise BadSchedulerClass(
+            f"--scheduler-cls {name!r} cannot be imported here ({error}): run "
+            "doctor in the Python that runs vLLM, with the package that defines "
+            "the class installed"
+        ) from None
+    if not (isinstance(klass, type) and issubclass(klass, vllm_scheduler_class)):
+        raise BadSchedulerClass(
+            f"--scheduler-cls {name!r} is not a subclass of vLLM's Scheduler: the "
+            "plugin's wrappers are not in it, so it runs no fix whatever doctor says"
+        )
+    return klass
 
 
 @dataclass
@@ -83,9 +113,10 @@ class Report:
     split_foreign: bool
     """Some layer is not verified: another plugin patched the split."""
     scheduler_class: str
-    """The class ``vllm.v1.core.sched.scheduler.Scheduler`` names, which vLLM
-    builds unless ``scheduler_cls`` or async scheduling picks another:
-    vLLM's own, or another distribution's subclass put in its place."""
+    """The class judged: the one ``doctor --scheduler-cls`` names, else the one
+    ``vllm.v1.core.sched.scheduler.Scheduler`` names, which vLLM builds unless
+    ``scheduler_cls`` or async scheduling picks another: vLLM's own, or another
+    distribution's subclass put in its place."""
     scheduler_class_note: str | None
     """That class, when it is another distribution's subclass: its module,
     distribution, and whether the fix can run in its code (None: vLLM's own)."""
@@ -124,6 +155,9 @@ class Report:
     """What ``register()`` raises on the current settings, one error per bad
     setting (``settings.startup_problems``): vLLM does not start with any."""
     notes: list[str] = field(default_factory=list)
+    topology: list[str] = field(default_factory=list)
+    """What this process does on a headless node or under Ray, when asked
+    (``doctor --headless`` / ``--ray``; topology.py)."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -275,8 +309,15 @@ def load_as_vllm_does() -> tuple[str | None, str]:
     return platform_name, "; ".join(done)
 
 
-def collect() -> Report:
-    """Inspect the installed vLLM. Raises :class:`VllmMissing` without it."""
+def collect(
+    headless: bool = False, ray: bool = False, scheduler_cls: str | None = None
+) -> Report:
+    """Inspect the installed vLLM. Raises :class:`VllmMissing` without it.
+    ``headless``/``ray``: this process starts engine cores of a headless node,
+    or of the Ray backend (topology.py). ``scheduler_cls``: the class vLLM is
+    configured to build (its ``--scheduler-cls``), judged instead of the one
+    ``vllm.v1.core.sched.scheduler.Scheduler`` names; :class:`BadSchedulerClass`
+    when it cannot be."""
     root = _vllm_root()
     from .activation import (
         describe_batch_invariance,
@@ -295,6 +336,10 @@ def collect() -> Report:
     # The class vLLM builds (another distribution's subclass, where a platform
     # swapped one in) is judged; vLLM's own class is what is recognized.
     scheduler_class = module.Scheduler
+    if scheduler_cls is not None:
+        scheduler_class = resolve_scheduler_class(
+            scheduler_cls, vllm_scheduler(scheduler_class)
+        )
     recognition = recognize(vllm_scheduler(scheduler_class))
     layers = split_findings(recognition, walk(scheduler_class, SPLIT_METHOD))
     foreign = any(not finding.verified for finding in layers)
@@ -403,6 +448,10 @@ def collect() -> Report:
         mode_is_default=not os.environ.get(settings.MODE_VARIABLE, "").strip(),
         batch_invariance=describe_batch_invariance(version),
         notes=notes,
+        topology=[
+            *(topology.headless_lines(mode, setting_errors) if headless else []),
+            *(topology.ray_lines(platform_name) if ray else []),
+        ],
     )
 
 
@@ -491,6 +540,7 @@ def render_text(report: Report) -> str:
     )
     lines.append(f"  batch-invariant {report.batch_invariance}")
     lines.extend(f"  note            {note}" for note in report.notes)
+    lines.extend(f"  topology        {line}" for line in report.topology)
     if report.setting_errors:
         lines.append(
             "verdict: [!!] vLLM would NOT START: the plugin's register() stops "

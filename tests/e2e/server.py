@@ -171,12 +171,18 @@ class Server(ProcessGroup):
         """Launch, then wait for /health (stopping the group if it never comes)."""
         started = time.monotonic()
         self.launch()
+        self.wait_healthy()
+        self.start_seconds = time.monotonic() - started
+        return self
+
+    def wait_healthy(self) -> Server:
+        """After :meth:`launch`: wait for /health, stopping the group if it
+        never comes (several servers can be launched first, then waited for)."""
         try:
-            self._wait_healthy(started + START_TIMEOUT)
+            self._wait_healthy(time.monotonic() + START_TIMEOUT)
         except BaseException:
             self.stop()
             raise
-        self.start_seconds = time.monotonic() - started
         return self
 
     def __exit__(self, *exc: object) -> None:

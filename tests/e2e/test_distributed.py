@@ -15,10 +15,10 @@ The same scenario as ``test_serve.py`` (first prompt, sibling, re-ask, the
 sibling under another ``cache_salt``) runs on each rank, pinned with the header
 ``X-data-parallel-rank``: each rank reuses the sibling's state and its logprobs
 equal a fresh run's. Then ``vllm-mamba-align probe`` runs against the head's
-URL with no rank header. Metrics: with two API servers vLLM sets up
-multiprocess Prometheus itself, so rank 0's series reach ``/metrics`` with no
-setting; rank 1's engine core on the other node writes where no API server
-reads.
+URL as an operator runs it (it pins its own requests to rank 0). Metrics: with
+two API servers vLLM sets up multiprocess Prometheus itself, so rank 0's series
+reach ``/metrics`` with no setting; rank 1's engine core on the other node
+writes where no API server reads.
 
 A second deployment gives node 1 a setting the plugin refuses
 (``VLLM_MAMBA_ALIGN_MODE=bogus``): node 1 stops with the plugin's message, and
@@ -28,6 +28,11 @@ bound for remote engines); the test records both and stops the head.
 A third, one node with ``--data-parallel-size 2 --api-server-count 2`` in
 ``audit`` mode and no ``PROMETHEUS_MULTIPROC_DIR`` of the test's: each engine's
 audit series on ``/metrics`` equal its summary line.
+
+A fourth, two replicas (two ``vllm serve`` of one engine each) behind a
+round-robin balancer (``round_robin.py``): the probe through the balancer says
+its requests reached more than one server (exit 5, cannot tell) and names the way
+out, and the probe at one replica's own address passes it.
 
 vLLM's Ray data-parallel backend does not run on the CPU build (see
 ``test_ray_data_parallel_places_engines_on_devices_the_cpu_platform_lacks``).
@@ -45,6 +50,7 @@ from typing import Any, TypeVar
 import pytest
 
 from .probe_run import ProbeRun, run_probe
+from .round_robin import RoundRobin
 from .server import (
     VLLM_CLI,
     Completion,
@@ -74,6 +80,9 @@ from .test_serve import (
 pytestmark = pytest.mark.xdist_group("distributed")
 
 T = TypeVar("T")
+PROBE_ARGUMENTS = ("--rounding", "0")
+"""As test_serve.py probes its servers: the served model has a drafter, whose
+decode steps differ from run to run, so the rounding is given, not measured."""
 NODE_MODES = {0: None, 1: "full"}  # None: the default mode (kept)
 REFUSED_MODE = "bogus"
 REFUSAL_BOUND = 300.0  # seconds for the refusing node to exit (it fails at start)
@@ -114,6 +123,14 @@ class Deployment:
     node_exit: int | None = None
     head_exit: int | None = None
     probe: ProbeRun | None = None
+    direct: ProbeRun | None = None
+    """Replicas: the probe of one replica at its own address."""
+    forwarded: list[int] = field(default_factory=list)
+    """Replicas: requests the round-robin balancer sent to each."""
+
+
+def reused(probe: ProbeRun) -> set[str]:
+    return {name for name, case in probe.cases().items() if case["cached_tokens"]}
 
 
 _deployments: dict[str, Deployment] = {}
@@ -189,8 +206,10 @@ def _run_multinode(root: Path) -> Deployment:
             _scenario(head, run, rank)
         found.done = run.done
         found.metrics = head.metrics()
-        # As an operator would run it: the head's URL, no rank header.
-        found.probe = run_probe(head.base)
+        # As an operator would run it: the head's URL (the probe pins its
+        # requests to rank 0 itself). --rounding 0 as for test_serve's servers:
+        # with the drafter, decode steps differ from run to run.
+        found.probe = run_probe(head.base, *PROBE_ARGUMENTS)
     finally:
         _stop_and_record(found, started, head, node)
     return found
@@ -243,15 +262,20 @@ def test_two_api_servers_export_the_head_rank_not_the_headless_one(
     assert info["0"]["mode"] == "kept" and info["0"]["status"] == "ACTIVE"
 
 
-def test_the_probe_finds_no_wrong_state_on_the_two_node_deployment(
+def test_the_probe_passes_the_two_node_deployment_through_the_head(
     multinode: Deployment,
 ) -> None:
-    """The probe through the head's API servers, which spread its requests over
-    both ranks: whatever reuse it sees, none continues differently from a fresh
-    run (its verdict and exit code are in the summary line)."""
+    """The probe through the head's two API servers: every request pinned to
+    rank 0 (vLLM 0.32.0 honours the header), every prompt token counted by the
+    head's /metrics, cached states read and none continuing differently."""
     probe = multinode.probe
     assert probe is not None
-    assert probe.exit_code != 1 and probe.diverged() == [], probe.report
+    report = probe.report
+    assert probe.exit_code == 0, report["verdict"]
+    assert report["verdict"].startswith("[ok] no wrong state served")
+    assert not report["reached_other_servers"]
+    assert report["prompt_tokens_counted"] >= report["prompt_tokens_sent"] > 0
+    assert {"pair2.second", "replay", "reask"} <= set(reused(probe))
 
 
 def test_both_nodes_stop_within_bounds_leaving_no_process(
@@ -383,17 +407,97 @@ def test_the_api_servers_deployment_stops_within_bounds_leaving_no_process(
     assert found.left == (False, False)
 
 
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Deployment:
+    """Two replicas (two ``vllm serve``, one engine each, the fix in the default
+    mode) behind a round-robin balancer; the probe through the balancer, then
+    at one replica's own address."""
+    return _isolated(tmp_path_factory, "replicas", _run_replicas)
+
+
+def _run_replicas(root: Path) -> Deployment:
+    model = write_served_model(root)
+    servers = [
+        Server(
+            model,
+            SERVE_OPTIONS,
+            node_environment(None, root),
+            root / f"replica{number}.log",
+            entry=VLLM_CLI,
+        )
+        for number in (0, 1)
+    ]
+    found = _deployments["replicas"] = Deployment()
+    started = time.monotonic()
+    try:
+        for server in servers:
+            server.launch()
+        for server in servers:
+            server.wait_healthy()
+        found.start_seconds = time.monotonic() - started
+        with RoundRobin([server.base for server in servers]) as balancer:
+            found.probe = run_probe(balancer.url, *PROBE_ARGUMENTS)
+            found.forwarded = list(balancer.sent)
+        found.direct = run_probe(servers[0].base, *PROBE_ARGUMENTS)
+    finally:
+        stop_together(*servers)
+        found.seconds = time.monotonic() - started
+        found.head_log, found.node_log = servers[0].log(), servers[1].log()
+        found.stopped_cleanly = (servers[0].stopped_cleanly, servers[1].stopped_cleanly)
+        found.left = (servers[0].group_alive(), servers[1].group_alive())
+    return found
+
+
+def test_behind_a_round_robin_balancer_the_probe_says_reuse_was_split(
+    replicas: Deployment,
+) -> None:
+    """Two prefix caches behind one URL: no header reaches one of them, so the
+    probe cannot pass the deployment; it says its requests reached more than one
+    server and how to point it at one, and calls no correct state wrong."""
+    probe = replicas.probe
+    assert probe is not None
+    report = probe.report
+    assert replicas.forwarded[0] > 0 and replicas.forwarded[1] > 0
+    assert probe.exit_code == 5, report["verdict"]
+    assert report["reached_other_servers"] is True
+    assert report["prompt_tokens_counted"] < report["prompt_tokens_sent"]
+    assert "reached more than one server" in report["verdict"]
+    assert "probe each replica at its own address" in report["verdict"]
+    assert probe.diverged() == []
+
+
+def test_one_replica_at_its_own_address_passes(replicas: Deployment) -> None:
+    """The way out the report names: the same probe at one replica's URL."""
+    probe = replicas.direct
+    assert probe is not None
+    report = probe.report
+    assert probe.exit_code == 0, report["verdict"]
+    assert not report["reached_other_servers"]
+    assert {"pair2.second", "replay", "reask"} <= set(reused(probe))
+
+
+def test_each_replica_runs_the_fix_and_stops_leaving_no_process(
+    replicas: Deployment,
+) -> None:
+    for log in (replicas.head_log, replicas.node_log):
+        (line,) = [m.groupdict() for m in PLUGIN_LINE.finditer(log)]
+        assert line["status"].startswith("ACTIVE, mode=kept"), line
+    assert replicas.stopped_cleanly == (True, True)
+    assert replicas.left == (False, False)
+
+
 def summary_lines() -> list[str]:
     """What each deployment cost, and the probe's verdict (printed after the
     tests)."""
     lines = []
     for key, found in _deployments.items():
         probe = ""
-        if found.probe is not None:
-            probe = (
-                f"; probe exit {found.probe.exit_code} in {found.probe.seconds:.1f} "
-                f"s: {found.probe.report.get('verdict', '')}"
-            )
+        for where, run in (("probe", found.probe), ("one replica", found.direct)):
+            if run is not None:
+                probe += (
+                    f"; {where}: exit {run.exit_code} in {run.seconds:.1f} s: "
+                    f"{run.report.get('verdict', '')}"
+                )
         lines.append(
             f"distributed {key}: {found.seconds:.1f} s in all (until ready or "
             f"refused {found.start_seconds:.1f} s); cached "

@@ -26,7 +26,12 @@ from vllm_mamba_align.cli import main
 from vllm_mamba_align.probe import judge, workload
 from vllm_mamba_align.probe.client import Completion
 from vllm_mamba_align.probe.judge import DEFAULT_THRESHOLD, compare
-from vllm_mamba_align.probe.report import EXIT_CANNOT_TELL, decide
+from vllm_mamba_align.probe.report import (
+    EXIT_CANNOT_TELL,
+    decide,
+    render_text,
+    to_json,
+)
 from vllm_mamba_align.probe.report import engine_lines as report_engine_lines
 from vllm_mamba_align.probe.run import Options, Probe, run
 
@@ -127,6 +132,11 @@ class Replay(ThreadingHTTPServer):
         self.bodies: list[dict[str, Any]] = []
         self.ranks: list[str | None] = []
         self.status = 200
+        self.prompt_tokens = 0
+        self.counted_share: float | None = None
+        """The share of the prompt tokens it was sent that its ``/metrics``
+        shows as ``vllm:prompt_tokens_total`` (None: no such series, as in the
+        recordings); below 1, the URL's other replicas got the rest."""
 
     @property
     def url(self) -> str:
@@ -155,6 +165,13 @@ class Handler(BaseHTTPRequestHandler):
             text = recorded["metrics"]
             if self.server.metrics_reads > 1:
                 text = text.replace(" 0.0\n", f" {recorded.get('hits_after', 0)}\n")
+            share = self.server.counted_share
+            if share is not None:
+                counted = int(self.server.prompt_tokens * share)
+                text += (
+                    'vllm:prompt_tokens_total{engine="0",model_name="tiny-hybrid"} '
+                    f"{counted}.0\n"
+                )
             self._answer(text.encode(), "text/plain")
         else:
             self.send_error(404)
@@ -162,6 +179,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.bodies.append(body)
+        self.server.prompt_tokens += len(body["prompt"])
         self.server.ranks.append(self.headers.get("X-data-parallel-rank"))
         recorded = self.server.recorded["completions"]
         if "-rounding-" in body["cache_salt"]:
@@ -466,6 +484,47 @@ def test_a_data_parallel_server_gets_every_request_on_engine_0(replay: Any) -> N
     assert len(lines) == 1 and "2 engine cores" in lines[0], lines
     # The replayed counter grew on both engines: reuse may have been split.
     assert "split across engines (1)" in lines[0]
+
+
+def test_a_server_that_counted_every_prompt_token_is_one_server(replay: Any) -> None:
+    server = replay(recording("kept_retention0"))
+    server.counted_share = 1.0
+    found = probe(server)
+    assert found.prompt_tokens_sent == server.prompt_tokens > 0
+    assert found.prompt_tokens_counted == found.prompt_tokens_sent
+    assert not found.reached_other_servers
+    assert decide(found).exit_code == 0
+    assert "  servers " not in render_text(found)  # nothing worth a line
+
+
+def test_replicas_behind_one_url_cannot_be_told_and_the_report_says_where_to_point(
+    replay: Any,
+) -> None:
+    """A load balancer over two replicas: the /metrics it answers counts about
+    half of what the probe sent. Reuse was split between two prefix caches; the
+    probe says so and names the way out instead of passing the server."""
+    server = replay(recording("kept_retention0"))
+    server.counted_share = 0.5
+    found = probe(server)
+    assert found.reached_other_servers
+    decision = decide(found)
+    assert decision.exit_code == EXIT_CANNOT_TELL
+    assert "reached more than one server" in decision.verdict
+    assert "probe each replica at its own address" in decision.verdict
+    assert f"sent {found.prompt_tokens_sent:,}" in decision.verdict
+    assert "its requests reached more than one server" in render_text(found)
+    report = json.loads(to_json(found))
+    assert report["reached_other_servers"] is True
+    assert report["prompt_tokens_counted"] < report["prompt_tokens_sent"]
+
+
+def test_wrong_states_behind_replicas_are_still_wrong_states(replay: Any) -> None:
+    server = replay(recording("stock_dense"))
+    server.counted_share = 0.5
+    decision = decide(probe(server))
+    assert decision.exit_code == 1
+    assert decision.verdict.startswith("[!!] wrong states served: pair2.first, ")
+    assert "probe each replica at its own address" in decision.verdict
 
 
 def test_tokens_outside_each_others_top_k_diverge_whatever_the_delta() -> None:

@@ -6,7 +6,9 @@ states served (the cases beyond ``ROUNDING_MARGIN`` x that rounding are named);
 2 the server could not be probed (the reason and the way out are printed); 5
 cannot tell on this server: a case differs by more than rounding but not by
 enough to call it wrong, or the rounding measurement itself parted outside the
-top-k (the cases are named, with the bound a wrong state must pass there).
+top-k (the cases are named, with the bound a wrong state must pass there), or
+its requests reached more than one server behind the URL (replicas behind a load
+balancer: each has a prefix cache of its own, so the probe is pointed at one).
 """
 
 from __future__ import annotations
@@ -48,6 +50,18 @@ def _hits(probe: Probe) -> float | None:
     return None if before is None or after is None else after - before
 
 
+def _several_servers(probe: Probe) -> str:
+    counted = probe.prompt_tokens_counted or 0.0
+    return (
+        f"the /metrics behind {probe.base or probe.options.url} counted "
+        f"{counted:,.0f} prompt tokens while the probe sent "
+        f"{probe.prompt_tokens_sent:,}, so its requests reached more than one "
+        "server (replicas behind a load balancer?), each with a prefix cache of "
+        "its own: probe each replica at its own address (--url "
+        "http://REPLICA_HOST:PORT)"
+    )
+
+
 def decide(probe: Probe) -> Decision:
     if probe.problem is not None:
         return Decision(EXIT_CANNOT_PROBE, f"could not probe: {probe.problem}")
@@ -59,6 +73,16 @@ def decide(probe: Probe) -> Decision:
             "(concurrent load on GPU kernels that are not batch-invariant): probe "
             "at a quieter time, or with --max-tokens 1",
         )
+    diverged = [r.name for r in probe.results if r.verdict is Verdict.DIVERGED]
+    if probe.reached_other_servers and not diverged:
+        reused = sum(1 for r in probe.results if r.cached_tokens)
+        return Decision(
+            EXIT_CANNOT_TELL,
+            f"[??] cannot tell on this server: {_several_servers(probe)}. "
+            f"{reused} of {len(probe.results)} cases read cached states, some "
+            "perhaps on another replica than their writer's, from what the "
+            "probe's other requests left there",
+        )
     if probe.rounding_wild:
         return Decision(
             EXIT_CANNOT_TELL,
@@ -68,12 +92,16 @@ def decide(probe: Probe) -> Decision:
             "moves logprobs as far as a wrong state: probe at a quieter time; "
             "`full` mode makes a cached continuation equal a fresh one",
         )
-    diverged = [r.name for r in probe.results if r.verdict is Verdict.DIVERGED]
     if diverged:
+        also = (
+            f"; and {_several_servers(probe)}, to find which serves them"
+            if probe.reached_other_servers
+            else ""
+        )
         return Decision(
             EXIT_WRONG_STATES,
             f"[!!] wrong states served: {', '.join(diverged)} continued from a "
-            "cached state differently from a fresh run of the same prompt",
+            "cached state differently from a fresh run of the same prompt" + also,
         )
     unresolved = [r.name for r in probe.results if r.verdict is Verdict.UNRESOLVED]
     if unresolved:
@@ -251,6 +279,13 @@ def render_text(probe: Probe) -> str:
                 f"  reuse      vllm:prefix_cache_hits +{hits:,.0f} of "
                 f"+{queries:,.0f} queried tokens while the probe ran (every client)"
             )
+        if probe.reached_other_servers:  # said only when it matters
+            lines.append(
+                f"  servers    vllm:prompt_tokens "
+                f"+{probe.prompt_tokens_counted or 0:,.0f} while the probe sent "
+                f"{probe.prompt_tokens_sent:,} prompt tokens: its requests "
+                "reached more than one server"
+            )
         engines = engine_lines(probe)
         lines += engines
         lines += ["", _table(probe)]
@@ -319,6 +354,9 @@ def to_json(probe: Probe) -> str:
             "prompt_tokens": plan.prompt_tokens,
         },
         "requests_sent": probe.sent,
+        "prompt_tokens_sent": probe.prompt_tokens_sent,
+        "prompt_tokens_counted": probe.prompt_tokens_counted,
+        "reached_other_servers": probe.reached_other_servers,
         "salt_prefix": probe.salt_prefix or None,
         "logprobs": options.logprobs,
         "max_tokens": options.max_tokens,

@@ -18,11 +18,17 @@ server: a single engine is rank 0, and an API server of an external or hybrid
 load balancer counts its local engines from 0. A release or a proxy that does
 not know the header ignores it, and the report then says reuse may be split
 (``report``: several engines on ``/metrics``).
+
+Replicas behind one URL (several ``vllm serve`` servers and a load balancer)
+each have their own prefix cache, and no header reaches one of them: the probe
+sees them in ``vllm:prompt_tokens_total``, which grew by less than the prompt
+tokens it sent (:attr:`Probe.reached_other_servers`).
 """
 
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -48,6 +54,10 @@ DEFAULT_MAX_REQUESTS = 48
 DEFAULT_LOGPROBS = 5
 DEFAULT_MAX_TOKENS = 1
 DEFAULT_TIMEOUT = 120.0
+STATS_SETTLE = 2.0
+"""Seconds to wait before scraping ``/metrics`` again when it counted fewer
+prompt tokens than the probe sent: vLLM's API server records a request's
+statistics just after it answers, so the last request may not be counted yet."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,9 @@ class Probe:
     workload: workloads.Workload | None = None
     salt_prefix: str = ""
     sent: int = 0
+    prompt_tokens_sent: int = 0
+    """Prompt tokens of every completion sent (vLLM counts them as
+    ``vllm:prompt_tokens_total``)."""
     results: list[CaseResult] = field(default_factory=list)
     floor: float = 0.0
     wild: bool = False
@@ -91,6 +104,21 @@ class Probe:
     bound: Bounds = field(default_factory=lambda: Bounds(0.0, 0.0))
     problem: str | None = None
     """Why the server could not be probed (exit 2), if it could not."""
+
+    @property
+    def prompt_tokens_counted(self) -> float | None:
+        """How much ``vllm:prompt_tokens_total`` grew on the ``/metrics`` this
+        URL answered while the probe ran (None: not reported)."""
+        before, after = self.before.prompt_tokens, self.after.prompt_tokens
+        return None if before is None or after is None else after - before
+
+    @property
+    def reached_other_servers(self) -> bool:
+        """The URL's ``/metrics`` counted fewer prompt tokens than the probe
+        sent: its requests, or its two scrapes, reached more than one server
+        (replicas behind a load balancer), each with a prefix cache of its own."""
+        counted = self.prompt_tokens_counted
+        return counted is not None and counted < self.prompt_tokens_sent
 
 
 Progress = Callable[[int, int, str], None]
@@ -211,6 +239,7 @@ def _run(
             extra={"ignore_eos": True} if decode_steps else None,
         )
         probe.sent += 1
+        probe.prompt_tokens_sent += len(prompt)
         if decode_steps and len(done.tokens) != decode_steps:
             raise CannotProbe(
                 f"a request for {decode_steps} tokens with ignore_eos returned "
@@ -223,6 +252,9 @@ def _run(
     probe.rounding = _measure_rounding(plan, send)
     progress(probe.sent, plan.requests, "done")
     probe.after = read_metrics(client.metrics(), probe.model)
+    if probe.reached_other_servers:
+        time.sleep(STATS_SETTLE)
+        probe.after = read_metrics(client.metrics(), probe.model)
     probe.floor, probe.wild = noise_floor(observed)
     if options.rounding is None:
         probe.rounding_floor, probe.rounding_wild = rounding_floor(probe.rounding)

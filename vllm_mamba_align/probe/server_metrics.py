@@ -14,6 +14,11 @@ Read when the endpoint is there (vLLM serves it by default), never required:
   looked up and found in the prefix cache, read before and after the probe. They
   count every client's traffic, so on a busy server they bound, not measure,
   what the probe reused.
+- ``vllm:prompt_tokens_total``: prompt tokens of every request the server
+  prefilled. Every client's requests only add to it, so between two scrapes of
+  one server it grows by at least what the probe sent: when it grows by less,
+  the probe's requests (or the scrapes) reached servers other than the one
+  whose ``/metrics`` was read (replicas behind a load balancer).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from ..metrics import INFO
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 QUERIES = "vllm:prefix_cache_queries_total"
 HITS = "vllm:prefix_cache_hits_total"
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
 
 SAMPLE = re.compile(
     r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)"
@@ -79,6 +85,8 @@ class ServerMetrics:
     hits_by_engine: dict[str, float] = field(default_factory=dict)
     """``vllm:prefix_cache_hits_total`` per ``engine`` label (one per engine
     core of a data-parallel server)."""
+    prompt_tokens: float | None = None
+    """``vllm:prompt_tokens_total``, every engine's."""
 
     @property
     def prefix_caching(self) -> bool | None:
@@ -121,6 +129,7 @@ class ServerMetrics:
             "prefix_cache_queries": self.queries,
             "prefix_cache_hits": self.hits,
             "prefix_cache_hits_by_engine": dict(self.hits_by_engine),
+            "prompt_tokens": self.prompt_tokens,
         }
 
 
@@ -148,4 +157,5 @@ def read_metrics(text: str | None, model: str | None) -> ServerMetrics:
         queries=total(QUERIES),
         hits=total(HITS),
         hits_by_engine=by_engine,
+        prompt_tokens=total(PROMPT_TOKENS),
     )
