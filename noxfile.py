@@ -327,6 +327,7 @@ def run_suite(
     env["MAMBA_ALIGN_WHEEL"] = install_plugin_wheel(session)
     junit = Path(tempfile.mkdtemp()) / "junit.xml"
     started = time.monotonic()
+    load_before = os.getloadavg()[0]
     try:
         pytest(
             session,
@@ -349,6 +350,8 @@ def run_suite(
                 str(junit),
                 "--seconds",
                 seconds,
+                "--load-before",
+                f"{load_before:.2f}",
                 env=env,
             )
         drop_env_if_asked(session)

@@ -369,8 +369,9 @@ def test_doctor_judges_the_configured_scheduler_class(
     assert code == EXIT_REFUSE
     assert report["scheduler_class"] == FOREIGN_ASYNC
     assert report["refusal"].count("NOT VERIFIED") == 1
-    assert "ForeignAsyncScheduler overrides _mamba_block_aligned_split" in (
-        report["refusal"]
+    assert (
+        "ForeignAsyncScheduler overrides _mamba_block_aligned_split"
+        in report["refusal"]
     )
     assert "vllm-test-foreign-split" in report["refusal"]
     vllms = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"

@@ -94,7 +94,12 @@ def record_path(release: str) -> Path:
     return (NIGHTLY_RESULTS if nightly else RESULTS) / f"{release}.json"
 
 
-def record(release: str, junit: Path, seconds: float) -> None:
+def record(
+    release: str, junit: Path, seconds: float, load_before: float | None = None
+) -> None:
+    """Write one release's record. ``load_before``: the 1-minute load average
+    when the suite started; with the one now, the record says how busy the
+    machine was while its time was measured."""
     sys.path.insert(0, str(REPO))
     import vllm
     import vllm.v1.core.sched.scheduler as scheduler_module
@@ -128,6 +133,9 @@ def record(release: str, junit: Path, seconds: float) -> None:
         "skipped": skipped,
         "seed_site": site.value,
         "seconds": round(seconds),
+        "load": None
+        if load_before is None
+        else f"{load_before:.2f} -> {os.getloadavg()[0]:.2f}",
         "commit": commit(),
         "date": date.today().isoformat(),
         "machine": machine(),
@@ -197,7 +205,9 @@ def table() -> str:
         body = f"{e['body']} (`{e['fingerprint']}`)" if e["body"] else "unknown"
         rows.append(
             f"| {e['release']} | {body} | {e['passed']} / {e['failed']} / "
-            f"{e['skipped']} | {e['seed_site']} | {e['seconds']} s | "
+            f"{e['skipped']} | {e['seed_site']} | {e['seconds']} s"
+            + (f" (load {e['load']})" if e.get("load") else "")
+            + " | "
             f"{e.get('commit', 'not recorded')} |"
         )
     return "\n".join(rows + _unrecorded_line())
@@ -478,6 +488,7 @@ def main() -> None:
     rec.add_argument("--release", required=True)
     rec.add_argument("--junit", type=Path, required=True)
     rec.add_argument("--seconds", type=float, required=True)
+    rec.add_argument("--load-before", type=float, default=None)
     nightly = sub.add_parser(
         "record-nightlies",
         help="keep a nightlies --json report as matrix/nightlies.json",
@@ -487,7 +498,7 @@ def main() -> None:
     sub.add_parser("check", help="fail when a generated block is out of date")
     args = parser.parse_args()
     if args.command == "record":
-        record(args.release, args.junit, args.seconds)
+        record(args.release, args.junit, args.seconds, args.load_before)
     elif args.command == "record-nightlies":
         record_nightlies(args.report)
     elif args.command == "table":
