@@ -370,10 +370,15 @@ def _run_api_servers(root: Path) -> ServeRun:
         for rank in (0, 1):
             _scenario(server, run, rank)
         _wait_for_audit(server, run, (0, 1))
+        # The audit's figures as they stood after the scenario, before the
+        # probe adds traffic of its own.
+        audited = server.log()
+        found.probe = run_probe(server.base, *PROBE_ARGUMENTS)
     finally:
         stop_together(server)
         found.seconds = time.monotonic() - started
-        run.log = found.head_log = server.log()
+        found.head_log = server.log()
+        run.log = audited if found.probe is not None else found.head_log
         found.done, found.metrics = run.done, run.metrics
         found.stopped_cleanly = (server.stopped_cleanly, True)
         found.left = (server.group_alive(), False)
@@ -397,6 +402,21 @@ def test_two_api_servers_show_each_engine_audit_series_equal_to_its_summary(
         shown = counters(run.metrics, rank)
         assert shown == {figure: summary[figure] for figure in COUNTER_NAMES}
         assert shown["poisoned_slots"] > 0 and shown["requests"] == 4
+
+
+def test_the_probe_through_two_api_servers_names_the_states_audit_mode_serves(
+    api_servers: ServeRun,
+) -> None:
+    """``audit`` schedules as stock vLLM does: the probe, its requests pinned to
+    rank 0 through either API server and every prompt token counted by their
+    shared /metrics, finds the wrong states stock publishes here (C = 8 < B = 32)."""
+    probe = _deployments["api-servers"].probe
+    assert probe is not None
+    report = probe.report
+    assert probe.exit_code == 1, report["verdict"]
+    assert probe.diverged(), report["verdict"]
+    assert not report["reached_other_servers"]
+    assert report["prompt_tokens_counted"] >= report["prompt_tokens_sent"]
 
 
 def test_the_api_servers_deployment_stops_within_bounds_leaving_no_process(
