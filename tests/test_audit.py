@@ -32,6 +32,7 @@ from random_workloads import (
     VllmDefect,
     Workload,
     drafter_tail_unaligned,
+    drafters_build,
     drive,
     scratch_blocks_published_possible,
     unwritten_checkpoints_possible,
@@ -39,11 +40,13 @@ from random_workloads import (
 from test_property import CONTROL_SEARCH, workloads
 
 from vllm_mamba_align import audit
+from vllm_mamba_align.checkpoints import InternalCheckpoint
 from vllm_mamba_align.releases import in_prefill
 from vllm_mamba_align.tools.sim import (
     Chunk,
     Geometry,
     Simulation,
+    available_checkpoint_backends,
     cacheable_boundaries,
     prompt,
     state_id,
@@ -391,6 +394,40 @@ def test_audit_counts_a_first_decode_under_async_scheduling_as_no_prefill() -> N
     workload = Workload(geometry, [prompt(7, seed=1)], [40], [0])
     found = check_audit_against_stock(workload)
     assert found.prefill_chunks == 1 and found.noncanonical_states == 0
+
+
+@pytest.mark.skipif(
+    installed_body().internal_checkpoint is InternalCheckpoint.NONE
+    or "flashkda" not in available_checkpoint_backends()
+    or not drafters_build(),
+    reason="flashkda checkpoints with an MTP drafter: 0.29.0+ where both build",
+)
+@settings(max_examples=1, database=None)
+@given(st.just(prompt(25, seed=3)))
+def test_audit_counts_a_checkpoint_below_its_column_as_written(
+    tokens: list[int],
+) -> None:
+    """A backend checkpoint on a grid coarser than B lands below the last
+    boundary of its chunk: B = 8, the cache-hit alignment 16 (an MTP drafter
+    turns partial hash hits off), a 25-token prompt in one chunk. The backend
+    writes the state at 16 into column 2, where 0.30.0+ publishes it under 16's
+    hash (the manager re-keys its checkpoint block). Found by the release
+    matrix on 0.33.0: the audit counted 16, the prompt's replay boundary, as
+    skipped while the oracle found it written and published."""
+    geometry = Geometry(
+        cache_block=16,
+        state_block=8,
+        budget=25,
+        hash_block=8,
+        max_num_seqs=2,
+        num_blocks=42,
+        reserve_full_input=False,
+        retention="default",
+        prefill_checkpoint="flashkda",
+        speculative=("mtp", 1),
+    )
+    found = check_audit_against_stock(Workload(geometry, [tokens], [8], [0]))
+    assert found.prefill_chunks == 1 and found.prefill_tokens == 25
 
 
 @st.composite

@@ -251,6 +251,60 @@ def installed_manager_skips_scratch_move(manager_class: type | None = None) -> b
         return True
 
 
+REKEY_CHECKPOINT = "_cache_partial_tail_block"
+"""The Mamba manager's method that publishes a request's partial tail and, from
+0.30.0, re-keys its reserved checkpoint block."""
+
+
+def rekeys_checkpoint_block(manager_source: str) -> bool:
+    """Whether a Mamba manager's code publishes the backend's in-chunk state
+    under its own position's hash, in whatever column the backend wrote it.
+
+    Read from the code of :data:`REKEY_CHECKPOINT`: it looks up the request's
+    reserved checkpoint (``self._checkpoints``) and passes its block to
+    ``cache_partial_block`` with ``replace_existing_hashes=True``, dropping the
+    full-block hash that column received in the same step (0.30.0-0.33.0). 0.29.0
+    has neither: its method publishes only a prompt's partial tail.
+    """
+    tree = ast.parse(textwrap.dedent(manager_source))
+    reads_checkpoints = any(
+        isinstance(node, ast.Attribute)
+        and node.attr == "_checkpoints"
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+        for node in ast.walk(tree)
+    )
+    replaces = any(
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "cache_partial_block"
+        and any(
+            keyword.arg == "replace_existing_hashes"
+            and isinstance(keyword.value, ast.Constant)
+            and keyword.value.value is True
+            for keyword in node.keywords
+        )
+        for node in ast.walk(tree)
+    )
+    return reads_checkpoints and replaces
+
+
+@functools.lru_cache(maxsize=8)
+def manager_rekeys_checkpoint_block(manager_class: type) -> bool:
+    """:func:`rekeys_checkpoint_block` for the Mamba manager class a scheduler
+    runs, once per class, read from the method that class resolves to. Code
+    that cannot be read, or a method wrapped by someone else, counts as not
+    re-keying: the audit then counts such a write as no boundary (an upper
+    bound on what vLLM leaves unwritten)."""
+    try:
+        method = inspect.getattr_static(manager_class, REKEY_CHECKPOINT)
+        if hasattr(method, "__wrapped__"):
+            return False
+        return rekeys_checkpoint_block(inspect.getsource(method))
+    except (AttributeError, OSError, TypeError, SyntaxError):
+        return False
+
+
 def backend_off_manager_grid(scheduler: Scheduler, body: SplitBody, grid: int) -> bool:
     """Whether vLLM's backend puts its in-chunk state on another hash grid than
     its Mamba manager reserves and publishes the block for.
@@ -401,9 +455,14 @@ def own_slot_write(
     The backend writes its state (position: :func:`backend_checkpoint_rule`)
     into column ``cdiv(end, B) - 2``, and nothing when vLLM left that column
     null (e.g. 0.29.0 with a drafter moves a speculative scratch block out of
-    it). The column is that boundary's own slot only when the position is the
-    last boundary before the chunk's end block; any other write makes no
-    boundary exist.
+    it). The column is that boundary's own slot when the position is the last
+    boundary before the chunk's end block. A position further down (the
+    backend's grid, the cache-hit alignment, coarser than B) is published in
+    that column under the position's own hash where the manager re-keys its
+    checkpoint block (:func:`manager_rekeys_checkpoint_block`, 0.30.0+); on
+    0.29.0 such a write makes no boundary exist. E.g. 0.33.0, B = 8, alignment
+    16, a 25-token prompt in one chunk: the state at 16 goes into column 2 and
+    is published there, under 16's hash.
     """
     if not spec_reserves_checkpoints(scheduler):
         return None
@@ -413,20 +472,23 @@ def own_slot_write(
     try:
         groups = scheduler.kv_cache_config.kv_cache_groups
         managers = scheduler.kv_cache_manager.coordinator.single_type_managers
-        blocks_of = next(
-            manager.req_to_blocks
+        manager = next(
+            manager
             for group, manager in zip(groups, managers, strict=True)
             if getattr(group.kv_cache_spec, "num_prefill_checkpoint_blocks", 0) > 0
         )
+        blocks_of = manager.req_to_blocks
     except (AttributeError, StopIteration, TypeError, ValueError):
         return None
+    manager_class: type = type(manager)
+    rekeyed = manager_rekeys_checkpoint_block(manager_class)
 
     def written(request: Request, start: int, end: int) -> int:
         position = position_of(start, end)
         if not start < position < end or position % grid:
             return 0
         column = -(-end // grid) - 2
-        if position // grid - 1 != column:
+        if position // grid - 1 != column and not rekeyed:
             return 0
         blocks = blocks_of.get(request.request_id)
         if not blocks or column >= len(blocks) or blocks[column].is_null:

@@ -11,6 +11,7 @@ import pytest
 
 from vllm_mamba_align.checkpoints import (
     installed_manager_skips_scratch_move,
+    rekeys_checkpoint_block,
     skips_scratch_move_in_checkpoint_steps,
 )
 from vllm_mamba_align.fingerprint import analyse_source
@@ -103,6 +104,52 @@ def test_the_scratch_move_fact_comes_from_the_manager(move: str, skips: bool) ->
     assert skips_scratch_move_in_checkpoint_steps(source) is skips
     indented = textwrap.indent(source, "    ")
     assert skips_scratch_move_in_checkpoint_steps(indented) is skips
+
+
+REKEYING = """
+    def _cache_partial_tail_block(self, request, num_tokens, retention_interval):
+        checkpoint = self._checkpoints.get(request.request_id)
+        if checkpoint is not None:
+            position, column = checkpoint
+            block = self.req_to_blocks[request.request_id][column]
+            return self.block_pool.cache_partial_block(
+                request=request,
+                block=block,
+                num_tokens=position,
+                kv_cache_group_id=self.kv_cache_group_id,
+                block_size=self.block_size,
+                replace_existing_hashes=True,
+            )
+        return None
+"""
+TAIL_ONLY = """
+    def _cache_partial_tail_block(self, request, num_tokens):
+        block = self.req_to_blocks[request.request_id][num_tokens // self.block_size]
+        return self.block_pool.cache_partial_block(
+            request=request,
+            block=block,
+            num_tokens=num_tokens,
+            kv_cache_group_id=self.kv_cache_group_id,
+            block_size=self.block_size,
+        )
+"""
+
+
+@pytest.mark.parametrize(
+    ("source", "rekeys"),
+    [
+        (REKEYING, True),  # 0.30.0-0.33.0: the checkpoint block under its position
+        (TAIL_ONLY, False),  # 0.29.0: a prompt's partial tail only
+        (REKEYING.replace("replace_existing_hashes=True", "block_size=1"), False),
+        (REKEYING.replace("self._checkpoints", "self._tails"), False),
+    ],
+)
+def test_the_checkpoint_rekey_fact_comes_from_the_manager(
+    source: str, rekeys: bool
+) -> None:
+    """Where the backend's in-chunk state is published when its position lies
+    below its column's own boundary (checkpoints.own_slot_write)."""
+    assert rekeys_checkpoint_block(source) is rekeys
 
 
 PLATFORM = """
