@@ -427,7 +427,9 @@ def test_audit_counts_a_checkpoint_below_its_column_as_written(
         speculative=("mtp", 1),
     )
     found = check_audit_against_stock(Workload(geometry, [tokens], [8], [0]))
-    assert found.prefill_chunks == 1 and found.prefill_tokens == 25
+    # 0.33.0 takes the prompt in one chunk, 0.32.0 in two: the audit and the
+    # oracle agree on either schedule.
+    assert found.prefill_tokens == 25
 
 
 @st.composite

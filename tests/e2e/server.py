@@ -284,6 +284,12 @@ def stop_groups(processes: list[subprocess.Popen[bytes]]) -> list[tuple[bool, fl
         if process.poll() is None:
             process.kill()
         process.wait(timeout=30)
+        # Killed members that are not our children (engine cores) are gone only
+        # once their parent or init reaps them: the group stays visible until
+        # then (seen on a loaded 2-core machine right after SIGKILL).
+        deadline = time.monotonic() + GROUP_EXIT_TIMEOUT
+        while _group_alive(group) and time.monotonic() < deadline:
+            time.sleep(0.2)
         results.append((cleanly, time.monotonic() - started))
     return results
 
