@@ -242,13 +242,28 @@ def installed_manager_skips_scratch_move(manager_class: type | None = None) -> b
             from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 
             manager_class = MambaManager
-        allocate = inspect.getattr_static(manager_class, "allocate_new_blocks")
-        if hasattr(allocate, "__wrapped__"):
-            return True
-        source = inspect.getsource(allocate)
-        return skips_scratch_move_in_checkpoint_steps(source)
-    except (ImportError, AttributeError, OSError, TypeError, SyntaxError):
+    except ImportError:
         return True
+    source = _own_method_source(manager_class, "allocate_new_blocks")
+    if source is None:
+        return True
+    try:
+        return skips_scratch_move_in_checkpoint_steps(source)
+    except SyntaxError:
+        return True
+
+
+def _own_method_source(manager_class: type, name: str) -> str | None:
+    """The source of the method ``manager_class`` resolves ``name`` to, or None
+    where it cannot be read or is wrapped by someone else (``__wrapped__``: the
+    source inspect finds is not the code that runs)."""
+    try:
+        method = inspect.getattr_static(manager_class, name)
+        if hasattr(method, "__wrapped__"):
+            return None
+        return inspect.getsource(method)
+    except (AttributeError, OSError, TypeError):
+        return None
 
 
 REKEY_CHECKPOINT = "_cache_partial_tail_block"
@@ -296,12 +311,12 @@ def manager_rekeys_checkpoint_block(manager_class: type) -> bool:
     that cannot be read, or a method wrapped by someone else, counts as not
     re-keying: the audit then counts such a write as no boundary (an upper
     bound on what vLLM leaves unwritten)."""
+    source = _own_method_source(manager_class, REKEY_CHECKPOINT)
+    if source is None:
+        return False
     try:
-        method = inspect.getattr_static(manager_class, REKEY_CHECKPOINT)
-        if hasattr(method, "__wrapped__"):
-            return False
-        return rekeys_checkpoint_block(inspect.getsource(method))
-    except (AttributeError, OSError, TypeError, SyntaxError):
+        return rekeys_checkpoint_block(source)
+    except SyntaxError:
         return False
 
 
