@@ -20,7 +20,7 @@ import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,8 @@ class Leg:
     failed: int = 0
     skipped: int = 0
     ran_tests: bool = False
+    failures: list[str] = field(default_factory=list)
+    """Each failed or erroring test's id and the first line of its reason."""
 
 
 LEGS: list[Leg] = []
@@ -136,6 +138,22 @@ def pytest(
                 leg.failed += failed
                 leg.skipped += skipped
                 leg.ran_tests = True
+            leg.failures += failure_lines(junit)
+
+
+def failure_lines(junit: Path) -> list[str]:
+    """``test id: reason`` for each failed or erroring test in ``junit``.
+
+    The closing table repeats them so that the end of the output, the part a
+    CI log keeps, says what failed and why, not only how many."""
+    lines = []
+    for case in ElementTree.parse(junit).getroot().iter("testcase"):
+        for problem in (*case.iter("failure"), *case.iter("error")):
+            where = f"{case.get('classname', '')}::{case.get('name', '')}"
+            reason = (problem.get("message") or problem.text or "").strip()
+            first = reason.splitlines()[0] if reason else "(no message)"
+            lines.append(f"{where}: {first[:300]}")
+    return lines
 
 
 def _minutes(seconds: float) -> str:
@@ -175,6 +193,9 @@ def print_legs() -> None:
     )
     if any(leg.ran_tests for leg in LEGS):
         print(f"tests: {passed} passed, {failed} failed, {skipped} skipped")
+    for leg in LEGS:
+        for line in leg.failures:
+            print(f"failed in {leg.name}: {line}")
     sys.stdout.flush()
 
 
