@@ -13,7 +13,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from helpers import geometry_rule, run_python
+from helpers import cache_block_for, geometry_rule, run_python
 
 from vllm_mamba_align import MambaAlignError, releases, settings
 from vllm_mamba_align.cli import EXIT_OK, EXIT_REFUSE, EXIT_USAGE, main
@@ -741,9 +741,14 @@ def test_doctor_classifies_the_worker_seed_with_the_plugins_fingerprints() -> No
 
 def test_ctrl_c_during_simulate_exits_130_without_a_traceback(tmp_path: Path) -> None:
     """A real SIGINT while simulate imports vLLM or runs its schedulers (32
-    concurrent prompts: tens of seconds), as a terminal's Ctrl-C sends it."""
+    concurrent prompts: tens of seconds), as a terminal's Ctrl-C sends it.
+
+    The geometry is one the installed vLLM starts with: a release that refuses
+    the default one (0.26.0 hashes at the LCM of unequal blocks and fails its
+    own check) exits 2 at once, on a quiet machine before the signal."""
+    command = [sys.executable, "-m", "vllm_mamba_align", "simulate"]
     running = subprocess.Popen(
-        [sys.executable, "-m", "vllm_mamba_align", "simulate", "--requests", "32"],
+        [*command, "--requests", "32", "--cache-block", str(cache_block_for(1648))],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
