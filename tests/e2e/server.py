@@ -21,6 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,7 @@ class ProcessGroup:
         self.process: subprocess.Popen[bytes] | None = None
         self.stop_seconds = 0.0
         self.stopped_cleanly = False
+        self.stop_report = "not stopped"
 
     def launch(self) -> None:
         """Start the process group without waiting for anything."""
@@ -125,7 +127,12 @@ class ProcessGroup:
         """SIGINT to the whole group, SIGKILL after STOP_TIMEOUT; reap."""
         if self.process is None:
             return
-        self.stopped_cleanly, self.stop_seconds = stop_group(self.process)
+        self.record_stop(stop_group(self.process))
+
+    def record_stop(self, outcome: StopOutcome) -> None:
+        self.stopped_cleanly = outcome.cleanly
+        self.stop_seconds = outcome.seconds
+        self.stop_report = outcome.report
 
     def group_alive(self) -> bool:
         return self.process is not None and _group_alive(self.process.pid)
@@ -249,13 +256,25 @@ class Server(ProcessGroup):
             return str(r.read().decode())
 
 
-def stop_group(process: subprocess.Popen[bytes]) -> tuple[bool, float]:
+@dataclass
+class StopOutcome:
+    """How one process group's stop went, for a test's assertion message."""
+
+    cleanly: bool
+    """The leader exited within STOP_TIMEOUT of SIGINT and the rest of the group
+    within GROUP_EXIT_TIMEOUT after it, nothing killed."""
+    seconds: float
+    report: str
+    """One line: when the leader exited, what had to be killed, what is left."""
+
+
+def stop_group(process: subprocess.Popen[bytes]) -> StopOutcome:
     """SIGINT to the process group ``process`` leads, SIGKILL to what is left
-    after bounds; reap. Returns (stopped within the bounds, seconds taken)."""
+    after bounds; reap."""
     return stop_groups([process])[0]
 
 
-def stop_groups(processes: list[subprocess.Popen[bytes]]) -> list[tuple[bool, float]]:
+def stop_groups(processes: list[subprocess.Popen[bytes]]) -> list[StopOutcome]:
     """:func:`stop_group` for several groups at once (the nodes of one
     deployment): SIGINT to all first, so that no node outlives its peers'
     shutdown, then each is waited for and, past the bounds, killed."""
@@ -267,19 +286,27 @@ def stop_groups(processes: list[subprocess.Popen[bytes]]) -> list[tuple[bool, fl
     results = []
     for process, alive in zip(processes, running, strict=True):
         group = process.pid  # start_new_session: the group id is the leader's pid
-        cleanly = False
+        cleanly = alive
+        said = [] if alive else ["the leader had exited before SIGINT"]
         if alive:
             try:
                 process.wait(timeout=max(started + STOP_TIMEOUT - time.monotonic(), 0))
-                cleanly = True
+                said.append(
+                    f"the leader exited {time.monotonic() - started:.1f} s after SIGINT"
+                )
             except subprocess.TimeoutExpired:
-                pass
+                cleanly = False
+                said.append(f"the leader did not exit within {STOP_TIMEOUT:.0f} s")
         # Whatever is left of the group (engine cores, workers) goes too.
         deadline = time.monotonic() + GROUP_EXIT_TIMEOUT
         while _group_alive(group) and time.monotonic() < deadline:
             time.sleep(0.2)
         if _group_alive(group):
             cleanly = False
+            said.append(
+                f"killed after {time.monotonic() - started:.1f} s: "
+                + (", ".join(group_members(group)) or "members not readable")
+            )
             _signal_group(group, signal.SIGKILL)
         if process.poll() is None:
             process.kill()
@@ -290,16 +317,35 @@ def stop_groups(processes: list[subprocess.Popen[bytes]]) -> list[tuple[bool, fl
         deadline = time.monotonic() + GROUP_EXIT_TIMEOUT
         while _group_alive(group) and time.monotonic() < deadline:
             time.sleep(0.2)
-        results.append((cleanly, time.monotonic() - started))
+        if _group_alive(group):
+            said.append("still there: " + ", ".join(group_members(group)))
+        seconds = time.monotonic() - started
+        results.append(StopOutcome(cleanly, seconds, "; ".join(said)))
     return results
+
+
+def group_members(group: int) -> list[str]:
+    """``pid (state) command line`` of each process in ``group``, read from
+    /proc (empty where /proc is not Linux's)."""
+    members = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # The fields after the command name's closing parenthesis: state,
+            # parent, process group.
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == group:
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+                text = command.decode(errors="replace").strip()[:120]
+                members.append(f"{entry.name} ({fields[0]}) {text}")
+    return members
 
 
 def stop_together(*members: ProcessGroup) -> None:
     """Stop the process groups of one deployment's nodes at once."""
     launched = [m for m in members if m.process is not None]
     found = stop_groups([m.process for m in launched if m.process is not None])
-    for member, (cleanly, seconds) in zip(launched, found, strict=True):
-        member.stopped_cleanly, member.stop_seconds = cleanly, seconds
+    for member, outcome in zip(launched, found, strict=True):
+        member.record_stop(outcome)
 
 
 class Headless(ProcessGroup):

@@ -119,6 +119,8 @@ class Deployment:
     done: dict[str, Completion] = field(default_factory=dict)
     metrics: str = ""
     stopped_cleanly: tuple[bool, bool] = (False, False)
+    stop_reports: tuple[str, ...] = ()
+    """How each node's stop went (server.StopOutcome.report)."""
     left: tuple[bool, bool] = (True, True)
     node_exit: int | None = None
     head_exit: int | None = None
@@ -179,6 +181,7 @@ def _stop_and_record(
     found.seconds = time.monotonic() - started
     found.head_log, found.node_log = head.log(), node.log()
     found.stopped_cleanly = (head.stopped_cleanly, node.stopped_cleanly)
+    found.stop_reports = (head.stop_report, node.stop_report)
     found.left = (head.group_alive(), node.group_alive())
 
 
@@ -281,8 +284,8 @@ def test_the_probe_passes_the_two_node_deployment_through_the_head(
 def test_both_nodes_stop_within_bounds_leaving_no_process(
     multinode: Deployment,
 ) -> None:
-    assert multinode.stopped_cleanly == (True, True)
-    assert multinode.left == (False, False)
+    assert multinode.stopped_cleanly == (True, True), multinode.stop_reports
+    assert multinode.left == (False, False), multinode.stop_reports
 
 
 @pytest.fixture(scope="module")
@@ -381,6 +384,7 @@ def _run_api_servers(root: Path) -> ServeRun:
         run.log = audited if found.probe is not None else found.head_log
         found.done, found.metrics = run.done, run.metrics
         found.stopped_cleanly = (server.stopped_cleanly, True)
+        found.stop_reports = (server.stop_report,)
         found.left = (server.group_alive(), False)
     return run
 
@@ -423,8 +427,8 @@ def test_the_api_servers_deployment_stops_within_bounds_leaving_no_process(
     api_servers: ServeRun,
 ) -> None:
     found = _deployments["api-servers"]
-    assert found.stopped_cleanly == (True, True)
-    assert found.left == (False, False)
+    assert found.stopped_cleanly == (True, True), found.stop_reports
+    assert found.left == (False, False), found.stop_reports
 
 
 @pytest.fixture(scope="module")
@@ -464,6 +468,7 @@ def _run_replicas(root: Path) -> Deployment:
         found.seconds = time.monotonic() - started
         found.head_log, found.node_log = servers[0].log(), servers[1].log()
         found.stopped_cleanly = (servers[0].stopped_cleanly, servers[1].stopped_cleanly)
+        found.stop_reports = (servers[0].stop_report, servers[1].stop_report)
         found.left = (servers[0].group_alive(), servers[1].group_alive())
     return found
 
@@ -502,8 +507,8 @@ def test_each_replica_runs_the_fix_and_stops_leaving_no_process(
     for log in (replicas.head_log, replicas.node_log):
         (line,) = [m.groupdict() for m in PLUGIN_LINE.finditer(log)]
         assert line["status"].startswith("ACTIVE, mode=kept"), line
-    assert replicas.stopped_cleanly == (True, True)
-    assert replicas.left == (False, False)
+    assert replicas.stopped_cleanly == (True, True), replicas.stop_reports
+    assert replicas.left == (False, False), replicas.stop_reports
 
 
 def summary_lines() -> list[str]:

@@ -93,6 +93,8 @@ class ServeRun:
     stop_seconds: float = 0.0
     request_seconds: float = 0.0
     stopped_cleanly: bool = False
+    stop_report: str = ""
+    """How the stop went (server.StopOutcome.report), for the assertions."""
     group_left: bool = True
     done: dict[str, Completion] = field(default_factory=dict)
     metrics: str = ""
@@ -349,6 +351,7 @@ def serving(served_model: Path, workdir: Path) -> Callable[[str], ServeRun]:
             run.log = server.log()
             run.stop_seconds = server.stop_seconds
             run.stopped_cleanly = server.stopped_cleanly
+            run.stop_report = server.stop_report
             run.group_left = server.group_alive()
             _seconds[key] = time.monotonic() - started
         _runs[key] = run
@@ -471,8 +474,8 @@ def test_server_starts_and_stops_within_bounds_leaving_no_process(
     served: Callable[[str], ServeRun], key: str
 ) -> None:
     run = served(key)
-    assert run.stopped_cleanly, "SIGINT did not stop the server in time"
-    assert not run.group_left, "a process of the server's group survived"
+    assert run.stopped_cleanly, f"SIGINT did not stop it in time: {run.stop_report}"
+    assert not run.group_left, f"a process of the group survived: {run.stop_report}"
     assert re.search(r"Starting vLLM server on http://127\.0\.0\.1:\d+", run.log)
 
 
