@@ -149,11 +149,13 @@ def test_full_and_kept_never_poison_with_a_backend_off_the_hash_grid(
 
 @given(workloads(equal_geometry=True))
 def test_grid_mode_is_stock_in_equal_geometry(workload: Workload) -> None:
-    """Except where stock publishes a wrong state: 0.30.0+ drops its stop after
-    a mid-block start for a chunk it checkpoints internally, grid keeps it;
-    before 0.27.1 a drafter's unaligned last blocks run across a boundary from
-    mid-block (grid stops there; vLLM's own defect, measured on 0.18.1: 4 of
-    400 drafted equal-geometry cases, each with stock publishing wrong); and
+    """Except where stock publishes a wrong state or loses a kept one (or
+    would, were the boundary kept: :func:`what_grids_stops_spare`): 0.30.0+
+    drops its stop after a mid-block start for a chunk it checkpoints
+    internally, grid keeps it; before 0.27.1 a drafter's unaligned last blocks
+    run across a boundary (grid stops there; vLLM's own defect, measured on
+    0.18.1: 4 of 400 drafted equal-geometry cases, each with stock publishing
+    wrong; on 0.26.0 also one losing a state and one at a dropped boundary); and
     before 0.26.0 a chunk from a KV connector's hit runs on past the next
     boundary (grid adds the stop vLLM makes from 0.26.0)."""
     grid = simulate("grid", workload)
@@ -185,7 +187,31 @@ def test_grid_mode_is_stock_in_equal_geometry(workload: Workload) -> None:
                 and not installed_body().stops_after_mid_block_start
             )
         )
-        assert stock.poisoned
+        reason = what_grids_stops_spare(grid, stock, geometry.state_block)
+        assert reason is not None, "grid changed chunks where stock lost nothing"
+        event(f"equal geometry: grid's stops spare {reason}")
+
+
+def what_grids_stops_spare(
+    grid: Simulation, stock: Simulation, state_block: int
+) -> str | None:
+    """What stock loses where grid ends chunks that stock does not (None:
+    nothing). Stock's chunk runs across a B boundary; then it publishes a wrong
+    state there, or leaves a state vLLM keeps unwritten (its slot null: no
+    reuse), or vLLM's retention drops that boundary (grid's stop costs a chunk
+    and spares nothing here, but it is the stop that spares a wrong state
+    wherever the boundary is kept: seen on 0.26.0 with MTP and retention 224)."""
+    if stock.poisoned:
+        return "a wrong state"
+    if set(stock.missing_kept) - set(grid.missing_kept):
+        return "a lost state"
+    kept = {(d.req_id, d.boundary) for d in stock.keep_decisions if d.kept}
+    for req_id, record in stock.records.items():
+        for end in set(grid.chunk_ends(req_id)) - {c.end for c in record.chunks}:
+            crossed = any(c.start < end < c.end for c in record.chunks)
+            if end % state_block == 0 and crossed and (req_id, end) not in kept:
+                return "nothing: vLLM does not keep that boundary"
+    return None
 
 
 CONTROL_SEARCH = settings(max_examples=400, database=None, phases=[Phase.generate])
