@@ -747,8 +747,10 @@ def test_ctrl_c_during_simulate_exits_130_without_a_traceback(tmp_path: Path) ->
     the default one (0.26.0 hashes at the LCM of unequal blocks and fails its
     own check) exits 2 at once, on a quiet machine before the signal."""
     command = [sys.executable, "-m", "vllm_mamba_align", "simulate"]
+    # Hash block 8 divides every release's cache block: 816, 824 (B / 2), 1648.
+    blocks = ["--cache-block", str(cache_block_for(1648)), "--hash-block", "8"]
     running = subprocess.Popen(
-        [*command, "--requests", "32", "--cache-block", str(cache_block_for(1648))],
+        [*command, "--requests", "32", *blocks],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
