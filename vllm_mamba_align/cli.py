@@ -538,15 +538,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         except BaseException:
             if not ctrl_c.seen:
                 raise
-            code = EXIT_INTERRUPTED
-        if ctrl_c.seen:  # the KeyboardInterrupt was lost on its way here
-            print(
-                f"{PROG}: Ctrl-C arrived where a library swallowed it; anything "
-                "reported above after that point is its consequence",
-                file=sys.stderr,
-            )
-            return _interrupted(args.command, json_wanted)
-        return code
+        else:
+            if not ctrl_c.seen:
+                return code
+    # A Ctrl-C whose KeyboardInterrupt was lost on its way here.
+    print(
+        f"{PROG}: Ctrl-C arrived where a library swallowed it; anything "
+        "reported above after that point is its consequence",
+        file=sys.stderr,
+    )
+    return _interrupted(args.command, json_wanted)
 
 
 def _run(args: argparse.Namespace) -> int:
