@@ -85,16 +85,37 @@ def short_tail_answer(body: dict[str, Any]) -> dict[str, Any]:
 
 class Rounding:
     """Answers to the probe's rounding prompts: the prefill's logprobs differ
-    from the last decode step's by ``delta`` (the server's rounding)."""
+    from the last decode step's by ``delta`` (the server's rounding), and the
+    prompt's first token beside a filler from its serial prefill's by
+    ``beside`` (``delta`` unless given)."""
 
-    def __init__(self, delta: float = 0.0, parted: bool = False) -> None:
+    def __init__(
+        self, delta: float = 0.0, parted: bool = False, beside: float | None = None
+    ) -> None:
         self.delta = delta
         self.parted = parted
+        self.beside = delta if beside is None else beside
         self.decoded: dict[int, dict[str, Any]] = {}
 
     def __call__(self, body: dict[str, Any]) -> dict[str, Any]:
         prompt = body["prompt"]
-        if body["cache_salt"].endswith("-decode"):
+        if body["cache_salt"].endswith("-beside"):
+            filler, prompt = prompt
+            decoded = self.decoded[len(prompt)]
+            first = copy.deepcopy(decoded["choices"][0])
+            logprobs = first["logprobs"]
+            logprobs["tokens"] = logprobs["tokens"][:1]
+            top = logprobs["top_logprobs"][0]
+            logprobs["top_logprobs"] = [{t: v - self.beside for t, v in top.items()}]
+            other = decode_answer(1, filler)["choices"][0]
+            return {
+                "choices": [{**other, "index": 0}, {**first, "index": 1}],
+                "usage": {
+                    "prompt_tokens": len(filler) + len(prompt),
+                    "prompt_tokens_details": {"cached_tokens": 0},
+                },
+            }
+        if body["cache_salt"].endswith(("-decode", "-redecode")):
             answer = decode_answer(body["max_tokens"], prompt)
             assert body["ignore_eos"] is True
             self.decoded[len(prompt)] = answer
@@ -179,7 +200,9 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.bodies.append(body)
-        self.server.prompt_tokens += len(body["prompt"])
+        prompt = body["prompt"]
+        several = isinstance(prompt[0], list)
+        self.server.prompt_tokens += sum(map(len, prompt)) if several else len(prompt)
         self.server.ranks.append(self.headers.get("X-data-parallel-rank"))
         recorded = self.server.recorded["completions"]
         if "-rounding-" in body["cache_salt"]:
@@ -443,17 +466,39 @@ def test_rounding_that_parts_outside_the_top_k_cannot_be_told(replay: Any) -> No
 def test_rounding_is_measured_fresh_with_decode_steps_and_a_prefill(
     replay: Any,
 ) -> None:
-    server = replay(recording("kept_retention0"), rounding=Rounding(0.01))
+    server = replay(recording("kept_retention0"), rounding=Rounding(0.01, beside=0))
     found = probe(server)
     rounding = [b for b in server.bodies if "-rounding-" in b["cache_salt"]]
-    assert len(rounding) == 2 * workload.ROUNDING_PROMPTS
-    decodes = [b for b in rounding if b["cache_salt"].endswith("-decode")]
-    assert [b["max_tokens"] for b in decodes] == [workload.DECODE_TOKENS] * 2
+    assert len(rounding) == 4 * workload.ROUNDING_PROMPTS
+    decodes = [b for b in rounding if b["cache_salt"].endswith("decode")]
+    assert [b["max_tokens"] for b in decodes] == [workload.DECODE_TOKENS] * 4
     assert len({b["cache_salt"] for b in rounding}) == len(rounding)  # all fresh
     for body in rounding:  # every prefill settled, as the cases' are
         if body["cache_salt"].endswith("-prefill"):
             assert len(body["prompt"]) % 16 == 6
     assert found.rounding_floor == pytest.approx(0.01)
+    assert found.rounding_measured and found.rounding_unreproduced == 0
+
+
+def test_rounding_is_measured_beside_a_filler_without_decode_steps(
+    replay: Any,
+) -> None:
+    """The rounding prompt and a longer filler of its own in one request, the
+    filler first (vLLM submits them in that order); the prompt's first token
+    there against its serial prefill's."""
+    server = replay(recording("kept_retention0"), rounding=Rounding(0, beside=0.02))
+    found = probe(server)
+    beside = [b for b in server.bodies if b["cache_salt"].endswith("-beside")]
+    assert len(beside) == workload.ROUNDING_PROMPTS
+    assert found.workload is not None
+    for body, prompt in zip(beside, found.workload.rounding, strict=True):
+        filler, sent = body["prompt"]
+        assert sent == prompt and len(filler) > len(found.workload.writer) // 2
+        assert body["max_tokens"] == 1 and "ignore_eos" not in body
+    assert found.rounding_floor == pytest.approx(0.02)
+    assert [p.prompt_tokens for p in found.rounding] == [
+        len(p) for p in found.workload.rounding
+    ]
 
 
 def test_a_given_rounding_is_not_measured(
@@ -479,7 +524,7 @@ def test_a_data_parallel_server_gets_every_request_on_engine_0(replay: Any) -> N
     recorded["hits_after"] = 16976
     server = replay(recorded)
     found = probe(server)
-    assert server.ranks == ["0"] * found.sent
+    assert server.ranks == ["0"] * server.sent
     lines = report_engine_lines(found)
     assert len(lines) == 1 and "2 engine cores" in lines[0], lines
     # The replayed counter grew on both engines: reuse may have been split.
@@ -636,7 +681,9 @@ def test_requests_are_bounded_serial_and_salted_by_the_probe(replay: Any) -> Non
     server = replay(recording("kept_retention0"))
     found = probe(server)
     assert found.workload is not None
-    assert server.sent == found.sent == found.workload.requests <= 48
+    # Every completion asked for; the prompts beside a filler two to a request.
+    beside = len(found.workload.rounding)
+    assert server.sent + beside == found.sent == found.workload.requests <= 53
     salts = [body["cache_salt"] for body in server.bodies]
     assert all(s.startswith(found.salt_prefix) for s in salts)
     assert found.salt_prefix.startswith("vllm-mamba-align-probe-")
@@ -708,7 +755,7 @@ def test_the_command_prints_a_table_and_exits_with_the_verdict(
     assert "pair3.second" in out.out and "DIVERGED" in out.out
     assert out.out.rstrip().endswith("(exit 1)")
     # Progress only on a terminal; the load it is about to send, always.
-    assert [line[:23] for line in out.err.splitlines()] == ["probe: sending 47 compl"]
+    assert [line[:23] for line in out.err.splitlines()] == ["probe: sending 53 compl"]
     server = replay(recording("kept_retention0"))
     assert main(["probe", "--url", server.url, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -6,9 +6,10 @@ states served (the cases beyond ``ROUNDING_MARGIN`` x that rounding are named);
 2 the server could not be probed (the reason and the way out are printed); 5
 cannot tell on this server: a case differs by more than rounding but not by
 enough to call it wrong, or the rounding measurement itself parted outside the
-top-k (the cases are named, with the bound a wrong state must pass there), or
-its requests reached more than one server behind the URL (replicas behind a load
-balancer: each has a prefix cache of its own, so the probe is pointed at one).
+top-k, so that nothing can be called wrong against it (the cases are named,
+with the bound a wrong state must pass there), or its requests reached more
+than one server behind the URL (replicas behind a load balancer: each has a
+prefix cache of its own, so the probe is pointed at one).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .judge import (
     ROUNDING_SLACK,
     SEES_NOTHING_BEYOND,
     CaseResult,
+    RoundingPair,
     Verdict,
 )
 from .run import Probe
@@ -86,11 +88,12 @@ def decide(probe: Probe) -> Decision:
     if probe.rounding_wild:
         return Decision(
             EXIT_CANNOT_TELL,
-            "[??] cannot tell on this server: a prompt continued by decode steps "
-            "and the same tokens prefilled (nothing cached) chose tokens outside "
+            "[??] cannot tell on this server: the same tokens computed in "
+            "differently chunked runs (nothing cached) chose tokens outside "
             "each other's top-k, so this server's chunk-shape rounding alone "
-            "moves logprobs as far as a wrong state: probe at a quieter time; "
-            "`full` mode makes a cached continuation equal a fresh one",
+            "moves logprobs as far as a wrong state, and no case is called "
+            "wrong against it: probe at a quieter time; `full` mode makes a "
+            "cached continuation equal a fresh one",
         )
     if diverged:
         also = (
@@ -110,7 +113,7 @@ def decide(probe: Probe) -> Decision:
             f"[??] cannot tell on this server: {', '.join(unresolved)} differed "
             f"from a fresh run by more than its rounding ({probe.bound.ok:.3g}) "
             f"but not beyond {probe.bound.wrong:.3g} ({ROUNDING_MARGIN:g}x the "
-            "rounding measured by decode steps against a prefill), where a "
+            "chunk-shape rounding measured with nothing cached), where a "
             "wrong state would be called: probe again with another --seed; "
             "in `full` mode a cached continuation equals a fresh one",
         )
@@ -262,8 +265,7 @@ def render_text(probe: Probe) -> str:
             + (
                 "(given: --rounding)"
                 if options.rounding is not None
-                else f"(decode steps vs prefill of {len(probe.rounding)} prompts, "
-                "nothing cached)"
+                else f"({_rounding_words(probe)})"
             )
         )
         lines.append(
@@ -291,6 +293,24 @@ def render_text(probe: Probe) -> str:
         lines += ["", _table(probe)]
     lines += ["", f"verdict: {decision.verdict} (exit {decision.exit_code})"]
     return "\n".join(lines)
+
+
+def _rounding_words(probe: Probe) -> str:
+    """How the rounding was measured, and which measurements were not used."""
+    prompts = len(probe.rounding)
+    reproduced = prompts - probe.rounding_unreproduced
+    words = (
+        f"{prompts} prompts, nothing cached: serial prefill vs prefill beside a "
+        f"filler; decode steps vs prefill on {reproduced}"
+    )
+    if probe.rounding_unreproduced:
+        words += (
+            f" (on {probe.rounding_unreproduced} two fresh decode runs differed: "
+            "decode steps are not reproducible on this server, not used)"
+        )
+    if not probe.rounding_measured:
+        words += "; NOT MEASURED: no case is called wrong against it"
+    return words
 
 
 def _table(probe: Probe) -> str:
@@ -329,6 +349,19 @@ def _table(probe: Probe) -> str:
     )
 
 
+def _rounding_json(pair: RoundingPair) -> dict[str, Any]:
+    agreement = pair.decode_agreement()
+    beside = pair.beside_difference()
+    return {
+        "prompt_tokens": pair.prompt_tokens,
+        "decode_steps": len(pair.decoded.tokens),
+        "decode_vs_prefill": pair.difference().to_json(),
+        "decode_vs_decode": None if agreement is None else agreement.to_json(),
+        "decode_used": pair.reproduced,
+        "serial_vs_beside_filler": None if beside is None else beside.to_json(),
+    }
+
+
 def to_json(probe: Probe) -> str:
     decision = decide(probe)
     options = probe.options
@@ -363,14 +396,8 @@ def to_json(probe: Probe) -> str:
         "noise_floor": probe.floor,
         "rounding_floor": probe.rounding_floor,
         "rounding_given": options.rounding is not None,
-        "rounding": [
-            {
-                "prompt_tokens": pair.prompt_tokens,
-                "decode_steps": len(pair.decoded.tokens),
-                "decode_vs_prefill": pair.difference().to_json(),
-            }
-            for pair in probe.rounding
-        ],
+        "rounding_measured": probe.rounding_measured,
+        "rounding": [_rounding_json(pair) for pair in probe.rounding],
         "threshold": options.threshold,
         "effective_threshold": probe.bound.wrong,
         "bounds": probe.bound.to_json(),

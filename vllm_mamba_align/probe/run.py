@@ -27,6 +27,7 @@ tokens it sent (:attr:`Probe.reached_other_servers`).
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -50,7 +51,8 @@ from .server_metrics import ServerMetrics, read_metrics
 SALT_PREFIX = "vllm-mamba-align-probe-"
 ENGINE_HEADER = {"X-data-parallel-rank": "0"}
 """Every request to engine core 0 of a data-parallel server (module docstring)."""
-DEFAULT_MAX_REQUESTS = 48
+DEFAULT_MAX_REQUESTS = 53
+"""Completions (``Workload.requests``): 47 for the cases, 6 for the rounding."""
 DEFAULT_LOGPROBS = 5
 DEFAULT_MAX_TOKENS = 1
 DEFAULT_TIMEOUT = 120.0
@@ -100,7 +102,11 @@ class Probe:
     rounding_floor: float = 0.0
     """The largest decode-vs-prefill difference (chunk-shape rounding)."""
     rounding_wild: bool = False
-    """A rounding pair parted outside each other's top-k."""
+    """A rounding measurement parted outside each other's top-k."""
+    rounding_measured: bool = True
+    """The rounding was given, or at least one measurement of it held."""
+    rounding_unreproduced: int = 0
+    """Rounding prompts whose two decode runs differed (decode pair not used)."""
     bound: Bounds = field(default_factory=lambda: Bounds(0.0, 0.0))
     problem: str | None = None
     """Why the server could not be probed (exit 2), if it could not."""
@@ -180,7 +186,7 @@ def _plan(options: Options, probe: Probe) -> workloads.Workload:
         f"({workloads.smallest_requests(1, prompts)} requests: a writer, a "
         "re-ask, one sibling pair, one short-tail pair and a replay sibling, "
         f"each cached and fresh twice, and {prompts} rounding prompts decoded "
-        "and prefilled)"
+        "twice, prefilled, and prefilled beside a filler)"
     )
 
 
@@ -226,20 +232,26 @@ def _run(
     probe.salt_prefix = f"{SALT_PREFIX}{secrets.token_hex(4)}-"
 
     def send(
-        prompt: list[int], salt: str, what: str, decode_steps: int = 0
+        prompt: list[int],
+        salt: str,
+        what: str,
+        decode_steps: int = 0,
+        filler: list[int] | None = None,
     ) -> Completion:
         progress(probe.sent, plan.requests, what)
         done = client.complete(
             probe.model,
-            prompt,
+            prompt if filler is None else [filler, prompt],
             salt=probe.salt_prefix + salt,
             max_tokens=decode_steps or options.max_tokens,
             logprobs=options.logprobs,
             # Every decode step is wanted, whatever the model's end token.
             extra={"ignore_eos": True} if decode_steps else None,
         )
-        probe.sent += 1
-        probe.prompt_tokens_sent += len(prompt)
+        probe.sent += 1 if filler is None else 2
+        probe.prompt_tokens_sent += len(prompt) + len(filler or ())
+        if filler is not None:  # usage counts both prompts
+            done = dataclasses.replace(done, prompt_tokens=len(prompt))
         if decode_steps and len(done.tokens) != decode_steps:
             raise CannotProbe(
                 f"a request for {decode_steps} tokens with ignore_eos returned "
@@ -257,10 +269,15 @@ def _run(
         probe.after = read_metrics(client.metrics(), probe.model)
     probe.floor, probe.wild = noise_floor(observed)
     if options.rounding is None:
-        probe.rounding_floor, probe.rounding_wild = rounding_floor(probe.rounding)
+        measured = rounding_floor(probe.rounding)
+        probe.rounding_floor, probe.rounding_wild = measured.floor, measured.wild
+        probe.rounding_measured = measured.measured
+        probe.rounding_unreproduced = measured.unreproduced
     else:
         probe.rounding_floor = options.rounding
-    probe.bound = bounds(options.threshold, probe.floor, probe.rounding_floor)
+    probe.bound = bounds(
+        options.threshold, probe.floor, probe.rounding_floor, probe.rounding_measured
+    )
     probe.results = [judge_case(case, probe.bound) for case in observed]
 
 
@@ -277,24 +294,38 @@ def _fresh(done: Completion) -> Completion:
 def _measure_rounding(
     plan: workloads.Workload, send: Callable[..., Completion]
 ) -> list[RoundingPair]:
-    """Each rounding prompt continued by decode steps, then prefilled with those
-    tokens but the last, each under a new salt (nothing cached, so no wrong
-    state can enter: what differs is rounding)."""
+    """Each rounding prompt continued by decode steps, twice; prefilled with
+    those tokens but the last; and prefilled beside its filler; each under a
+    new salt (nothing cached, so no wrong state can enter: what differs is
+    rounding)."""
     pairs = []
-    for number, prompt in enumerate(plan.rounding, 1):
-        decoded = _fresh(
-            send(
-                prompt,
-                f"rounding-{number}-decode",
-                f"rounding {number} decode",
-                workloads.DECODE_TOKENS,
+    for number, (prompt, filler) in enumerate(
+        zip(plan.rounding, plan.fillers, strict=True), 1
+    ):
+        runs = [
+            _fresh(
+                send(
+                    prompt,
+                    f"rounding-{number}-{salt}",
+                    f"rounding {number} decode",
+                    workloads.DECODE_TOKENS,
+                )
             )
-        )
-        ids = [_token_id(token) for token in decoded.tokens[:-1]]
+            for salt in ("decode", "redecode")
+        ]
+        ids = [_token_id(token) for token in runs[0].tokens[:-1]]
         prefilled = _fresh(
             send(prompt + ids, f"rounding-{number}-prefill", f"rounding {number}")
         )
-        pairs.append(RoundingPair(len(prompt), decoded, prefilled))
+        beside = _fresh(
+            send(
+                prompt,
+                f"rounding-{number}-beside",
+                f"rounding {number} beside a filler",
+                filler=filler,
+            )
+        )
+        pairs.append(RoundingPair(len(prompt), runs[0], prefilled, runs[1], beside))
     return pairs
 
 
