@@ -232,15 +232,16 @@ def _add_probe(commands: Any) -> None:
         description="Send a bounded workload to a running OpenAI-compatible vLLM "
         "server (any release, with or without this plugin) and compare each "
         "continuation from a cached prefix with a fresh run of the same prompt "
-        "under a new cache_salt. By default 47 serial completions, a writer of "
-        "up to 16,384 tokens (less to fit max_model_len), about 28 times its "
+        "under a new cache_salt. By default 53 completions, one request at a "
+        "time, a writer of up to 16,384 tokens (less to fit max_model_len), "
+        "about 32 times its "
         "length in prompt tokens in all; the exact load is printed before the "
         "first completion, and --prompt-tokens makes it smaller. Exit 0: no "
         "difference beyond the server's own rounding; 1: wrong states served "
         "(the cases are named); 2: could not probe (why, and the way out); 5: "
         "cannot tell on this server (a difference above the server's own "
-        "rounding, measured by decode steps against a prefill with nothing "
-        "cached, below what a wrong state is called); 130: interrupted.",
+        "rounding, measured with nothing cached by prefills chunked "
+        "differently, below what a wrong state is called); 130: interrupted.",
     )
     probe_parser.add_argument(
         "--url", required=True, help="the server, e.g. http://127.0.0.1:8000"
@@ -266,8 +267,8 @@ def _add_probe(commands: Any) -> None:
         type=int,
         default=probe.DEFAULT_MAX_REQUESTS,
         metavar="N",
-        help="completions the probe may send, serially (default "
-        f"{probe.DEFAULT_MAX_REQUESTS}; fewer sibling pairs when lower)",
+        help="completions the probe may ask for, one request at a time "
+        f"(default {probe.DEFAULT_MAX_REQUESTS}; fewer sibling pairs when lower)",
     )
     probe_parser.add_argument(
         "--seed", type=int, default=0, help="prompts' seed (default 0)"
@@ -315,7 +316,8 @@ def _add_probe(commands: Any) -> None:
         type=float,
         metavar="X",
         help="the server's chunk-shape rounding (|delta logprob|), given instead "
-        "of measured by decode steps against a prefill: 0 for kernels that "
+        "of measured (prefills chunked differently, and decode steps where "
+        "they are reproducible): 0 for kernels that "
         "are chunk-invariant (vLLM's CPU engine), or what an earlier probe of "
         "the same kernels measured",
     )

@@ -501,6 +501,81 @@ def test_rounding_is_measured_beside_a_filler_without_decode_steps(
     ]
 
 
+class Recorded:
+    """The rounding prompts' answers a recorded server gave, by salt suffix."""
+
+    def __init__(self, answers: dict[str, Any]) -> None:
+        self.answers = answers
+
+    def __call__(self, body: dict[str, Any]) -> dict[str, Any]:
+        kind = body["cache_salt"].split("-rounding-")[1]
+        return copy.deepcopy(self.answers[kind])
+
+
+def drafter(name: str, replay: Any) -> Probe:
+    """A whole probe replayed from a server with the drafter (C < B)."""
+    recorded = recording(f"drafter_{name}")
+    return probe(replay(recorded, rounding=Recorded(recorded["rounding"])))
+
+
+def test_a_drafters_decode_runs_differ_and_the_filler_measures_the_rounding(
+    replay: Any,
+) -> None:
+    """The fix at retention 0 on the bf16 state emulation, with the drafter:
+    the two decode runs of each rounding prompt part outside each other's
+    top-k (not used), the prompt beside its filler differs from its serial
+    prefill by 0.015, and the correct resumes' 0.015-0.017 pass as rounding."""
+    found = drafter("gpu-kept-retention0", replay)
+    decision = decide(found)
+    assert decision.exit_code == 0, decision.verdict
+    assert found.rounding_unreproduced == 2 and found.rounding_measured
+    assert [p.reproduced for p in found.rounding] == [False, False]
+    assert 0.01 < found.rounding_floor < 0.02
+    verdicts = {r.name: r.verdict.value for r in found.results}
+    assert "DIVERGED" not in verdicts.values()
+    assert verdicts["pair3.first"] == "rounding", verdicts
+    text = render_text(found)
+    assert "on 2 two fresh decode runs differed" in text
+    report = json.loads(to_json(found))
+    assert [r["decode_used"] for r in report["rounding"]] == [False, False]
+
+
+@pytest.mark.parametrize("name", ["gpu-off", "off"])
+def test_stock_with_a_drafter_is_caught_against_the_filler_measurement(
+    replay: Any, name: str
+) -> None:
+    """Stock with every state kept, bf16 state emulation and fp32: exit 1,
+    judged against the rounding measured beside the filler (the decode runs
+    differed)."""
+    found = drafter(name, replay)
+    decision = decide(found)
+    assert decision.exit_code == 1, decision.verdict
+    assert found.rounding_measured and found.rounding_unreproduced == 2
+    diverged = [r.name for r in found.results if r.verdict.value == "DIVERGED"]
+    assert diverged and decision.verdict.startswith("[!!] wrong states served: ")
+    if name == "gpu-off":
+        assert "short1.first" in diverged
+        assert 0.01 < found.rounding_floor < 0.02
+    else:
+        assert found.rounding_floor < DEFAULT_THRESHOLD
+        assert found.bound.wrong == DEFAULT_THRESHOLD
+
+
+def test_no_case_diverges_against_a_rounding_that_could_not_be_measured(
+    replay: Any,
+) -> None:
+    """Every rounding measurement parted outside the top-k: stock's recorded
+    wrong states are beyond the threshold, but the probe cannot tell them
+    from this server's rounding, and each case says so."""
+    found = probe(replay(recording("stock_dense"), rounding=Rounding(parted=True)))
+    decision = decide(found)
+    assert not found.rounding_measured and decision.exit_code == 5
+    verdicts = {r.name: r.verdict.value for r in found.results}
+    assert "DIVERGED" not in verdicts.values()
+    assert verdicts["pair3.second"] == "cannot tell", verdicts
+    assert "NOT MEASURED" in render_text(found)
+
+
 def test_a_given_rounding_is_not_measured(
     replay: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:

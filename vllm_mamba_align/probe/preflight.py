@@ -192,7 +192,8 @@ def load_line(plan: Any) -> str:
     sent once in the cached family and ``FRESH_RUNS`` times fresh."""
     longest = max([len(plan.writer), *(len(case.prompt) for case in plan.cases)])
     return (
-        f"probe: sending {plan.requests} completions, serially, "
+        f"probe: sending {plan.requests} completions, one request at a time "
+        f"({len(plan.rounding)} of them with a filler prompt beside), "
         f"{plan.prompt_tokens:,} prompt tokens in all, the longest prompt "
         f"{longest:,} tokens (--prompt-tokens N sends shorter prompts, "
         "--max-requests N fewer)"
