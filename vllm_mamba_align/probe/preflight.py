@@ -191,9 +191,11 @@ def load_line(plan: Any) -> str:
     ``plan`` is the probe's ``workload.Workload``: its writer and its cases, each
     sent once in the cached family and ``FRESH_RUNS`` times fresh."""
     longest = max([len(plan.writer), *(len(case.prompt) for case in plan.cases)])
+    beside = len(plan.rounding)
     return (
-        f"probe: sending {plan.requests} completions, one request at a time "
-        f"({len(plan.rounding)} of them with a filler prompt beside), "
+        f"probe: sending {plan.requests} completions, one request at a time"
+        + (f" ({beside} of them with a filler prompt beside)" if beside else "")
+        + ", "
         f"{plan.prompt_tokens:,} prompt tokens in all, the longest prompt "
         f"{longest:,} tokens (--prompt-tokens N sends shorter prompts, "
         "--max-requests N fewer)"
