@@ -154,6 +154,11 @@ class Replay(ThreadingHTTPServer):
         self.ranks: list[str | None] = []
         self.status = 200
         self.prompt_tokens = 0
+        self.data_parallel_size: int | None = None
+        """Refuse a rank header beyond it, as vLLM does (None: ignore it)."""
+        self.cycle = False
+        """Replay the recording again from its start once it is used up (one
+        probe per rank)."""
         self.counted_share: float | None = None
         """The share of the prompt tokens it was sent that its ``/metrics``
         shows as ``vllm:prompt_tokens_total`` (None: no such series, as in the
@@ -203,9 +208,21 @@ class Handler(BaseHTTPRequestHandler):
         prompt = body["prompt"]
         several = isinstance(prompt[0], list)
         self.server.prompt_tokens += sum(map(len, prompt)) if several else len(prompt)
-        self.server.ranks.append(self.headers.get("X-data-parallel-rank"))
+        rank = self.headers.get("X-data-parallel-rank")
+        size = self.server.data_parallel_size
+        if rank is not None and size is not None and int(rank) >= size:
+            message = f"data_parallel_rank {rank} is out of range [0, {size})."
+            self.server.status = 400
+            self._answer(json.dumps({"error": {"message": message}}).encode())
+            self.server.status = 200
+            return
+        self.server.ranks.append(rank)
         recorded = self.server.recorded["completions"]
-        if "-rounding-" in body["cache_salt"]:
+        if self.server.cycle and self.server.replayed == len(recorded):
+            self.server.replayed = 0
+        if body["cache_salt"].endswith("-ranks"):
+            answer = decode_answer(1, body["prompt"])
+        elif "-rounding-" in body["cache_salt"]:
             answer = self.server.rounding(body)
         elif self.server.replayed == len(recorded):  # the short-tail cases
             answer = short_tail_answer(body)
@@ -604,6 +621,78 @@ def test_a_data_parallel_server_gets_every_request_on_engine_0(replay: Any) -> N
     assert len(lines) == 1 and "2 engine cores" in lines[0], lines
     # The replayed counter grew on both engines: reuse may have been split.
     assert "split across engines (1)" in lines[0]
+
+
+def ranked(name: str, replay: Any, wrong_on: int | None) -> Replay:
+    """A data-parallel server of 2 ranks replaying ``name`` on each; the cached
+    runs of rank ``wrong_on`` 0.5 off (a wrong state of a GPU's size)."""
+    recorded = recording(f"drafter_{name}")
+    server: Replay
+
+    def edit(index: int, body: dict[str, Any], answer: dict[str, Any]) -> None:
+        if server.ranks[-1] == str(wrong_on):
+            cached_runs(shift_logprobs(0.5))(index, body, answer)
+
+    server = replay(recorded, edit, Recorded(recorded["rounding"]))
+    server.data_parallel_size = 2
+    server.cycle = True
+    return server
+
+
+def test_every_rank_is_probed_in_turn_and_the_wrong_one_named(
+    replay: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--ranks all``: the server names its ranks when refusing one out of
+    range; each rank is probed with salts of its own, and a wrong state on
+    rank 1 alone is exit 1, naming rank 1."""
+    server = ranked("gpu-kept-retention0", replay, wrong_on=1)
+    code = main(["probe", "--url", server.url, "--ranks", "all", "--json"])
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    assert code == report["exit_code"] == 1, report["verdict"]
+    assert (
+        report["ranks_count"] == 2 and "out of range [0, 2)" in report["ranks_source"]
+    )
+    assert report["verdict"].startswith("rank 1 of 2: [!!] wrong states served")
+    first, second = report["ranks"]
+    assert (first["rank"], first["exit_code"]) == (0, 0)
+    assert (second["rank"], second["exit_code"]) == (1, 1)
+    assert first["salt_prefix"] != second["salt_prefix"]
+    # Every request of a rank's probe went to that rank, each within its bound.
+    sent = first["requests_sent"]
+    assert sent == second["requests_sent"] <= 53
+    http = len(server.ranks) // 2
+    assert server.ranks == ["0"] * http + ["1"] * http
+    assert out.err.count("(per rank)") == 2
+
+
+def test_ranks_counted_or_given_and_the_clean_verdict(replay: Any) -> None:
+    from vllm_mamba_align.probe.report import decide_ranks
+    from vllm_mamba_align.probe.run import run_ranks
+
+    server = ranked("gpu-kept-retention0", replay, wrong_on=None)
+    found = run_ranks(Options(url=server.url), None)
+    decision = decide_ranks(found)
+    assert decision.exit_code == 0 and "any of 2 ranks" in decision.verdict
+    # A server that ignores the header (one engine behind a proxy): rank 0 only.
+    server.data_parallel_size = None
+    found = run_ranks(Options(url=server.url), None)
+    assert found.count is None and len(found.probes) == 1
+    assert "sent to rank 0" in decide_ranks(found).verdict
+    # --rank R alone: every request to R.
+    server.ranks.clear()
+    single = probe(server, rank=1)
+    assert set(server.ranks) == {"1"} and decide(single).exit_code == 0
+
+
+@pytest.mark.parametrize("bad", ["0", "two", "-1"])
+def test_a_bad_rank_count_exits_2_naming_the_option(
+    bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["probe", "--url", "http://127.0.0.1:9", "--ranks", bad]) == 2
+    assert f"--ranks {bad} is neither" in capsys.readouterr().err
+    assert main(["probe", "--url", "http://127.0.0.1:9", "--rank", "-1"]) == 2
+    assert "--rank -1 is not a data-parallel rank" in capsys.readouterr().err
 
 
 def test_a_server_that_counted_every_prompt_token_is_one_server(replay: Any) -> None:

@@ -28,7 +28,7 @@ from .judge import (
     RoundingPair,
     Verdict,
 )
-from .run import Probe
+from .run import RANK_HEADER, Probe, Ranks
 
 EXIT_CLEAN = 0
 EXIT_WRONG_STATES = 1
@@ -198,18 +198,19 @@ def engine_lines(probe: Probe) -> list[str]:
     before, after = probe.before.hits_by_engine, probe.after.hits_by_engine
     if len(after) < 2:
         return []
+    rank = str(probe.options.rank)
     grew = {engine: after[engine] - before.get(engine, 0.0) for engine in sorted(after)}
     counts = ", ".join(f"engine {e} +{v:,.0f}" for e, v in grew.items())
-    others = [e for e, v in grew.items() if e != "0" and v]
+    others = [e for e, v in grew.items() if e != rank and v]
     where = (
         "other clients' traffic, or the header was not honoured: the probe's "
         f"reuse may be split across engines ({', '.join(others)})"
         if others
-        else "all on engine 0"
+        else f"all on engine {rank}"
     )
     return [
         f"  engines    {len(after)} engine cores (data parallel); every request "
-        f"sent with X-data-parallel-rank: 0; prefix-cache hits {counts}: {where}"
+        f"sent with {RANK_HEADER}: {rank}; prefix-cache hits {counts}: {where}"
     ]
 
 
@@ -363,12 +364,17 @@ def _rounding_json(pair: RoundingPair) -> dict[str, Any]:
 
 
 def to_json(probe: Probe) -> str:
+    return json.dumps(_report(probe), indent=1)
+
+
+def _report(probe: Probe) -> dict[str, Any]:
     decision = decide(probe)
     options = probe.options
     plan = probe.workload
     data: dict[str, Any] = {
         "probe_version": __version__,
         "url": probe.base or options.url,
+        "rank": options.rank,
         "model": probe.model or None,
         "max_model_len": probe.max_model_len,
         "exit_code": decision.exit_code,
@@ -403,4 +409,65 @@ def to_json(probe: Probe) -> str:
         "bounds": probe.bound.to_json(),
         "cases": [r.to_json() for r in probe.results],
     }
-    return json.dumps(data, indent=1)
+    return data
+
+
+def decide_ranks(ranks: Ranks) -> Decision:
+    """Every rank's verdict in one: 1 if any rank serves a wrong state; else
+    2 if one could not be probed; else 5 if one cannot be told; else 0."""
+    if ranks.problem is not None:
+        return Decision(
+            EXIT_CANNOT_PROBE, f"could not count the ranks: {ranks.problem}"
+        )
+    decided = [(p.options.rank, decide(p)) for p in ranks.probes]
+    for code in (EXIT_WRONG_STATES, EXIT_CANNOT_PROBE, EXIT_CANNOT_TELL):
+        named = [(rank, d) for rank, d in decided if d.exit_code == code]
+        if named:
+            which = ", ".join(str(rank) for rank, _ in named)
+            first = named[0][1].verdict
+            return Decision(
+                code,
+                f"rank {which} of {len(decided)}: {first}"
+                + (" (and the other ranks named)" if len(named) > 1 else ""),
+            )
+    reused = sum(1 for p in ranks.probes for r in p.results if r.cached_tokens)
+    counted = (
+        ""
+        if ranks.count is not None
+        else f" (one rank: {ranks.source}; the probe sent to rank 0)"
+    )
+    return Decision(
+        EXIT_CLEAN,
+        f"[ok] no wrong state served on any of {len(decided)} ranks{counted}: "
+        f"{reused} cases read cached states, each within its rank's rounding",
+    )
+
+
+def render_ranks_text(ranks: Ranks) -> str:
+    decision = decide_ranks(ranks)
+    lines = []
+    if ranks.problem is None:
+        lines.append(
+            f"ranks      {ranks.count if ranks.count is not None else 1} "
+            f"({ranks.source}), probed in turn, each under salts of its own"
+        )
+    for probe in ranks.probes:
+        lines += ["", f"== rank {probe.options.rank} ==", render_text(probe)]
+    lines += ["", f"verdict: {decision.verdict} (exit {decision.exit_code})"]
+    return "\n".join(lines)
+
+
+def ranks_to_json(ranks: Ranks) -> str:
+    decision = decide_ranks(ranks)
+    return json.dumps(
+        {
+            "probe_version": __version__,
+            "exit_code": decision.exit_code,
+            "verdict": decision.verdict,
+            "problem": ranks.problem,
+            "ranks_count": ranks.count,
+            "ranks_source": ranks.source,
+            "ranks": [_report(probe) for probe in ranks.probes],
+        },
+        indent=1,
+    )
