@@ -23,6 +23,7 @@ import pytest
 from .probe_run import ProbeRun, run_probe
 from .test_distributed import (
     Deployment,
+    _deployments,
     _isolated,
     _stop_and_record,
     node_environment,
@@ -48,7 +49,8 @@ def _run(root: Path) -> Deployment:
         {},
         node_environment(HEAD_MODE, root),
     )
-    found = Deployment()
+    # Listed with test_distributed's deployments (its summary line: the cost).
+    found = _deployments["probe-ranks"] = Deployment()
     started = time.monotonic()
     try:
         node.launch()
