@@ -552,7 +552,7 @@ def test_a_drafters_decode_runs_differ_and_the_filler_measures_the_rounding(
     assert "DIVERGED" not in verdicts.values()
     assert verdicts["pair3.first"] == "rounding", verdicts
     text = render_text(found)
-    assert "on 2 two fresh decode runs differed" in text
+    assert "decode steps vs prefill on 0 of 2, not on 2, whose two fresh" in text
     report = json.loads(to_json(found))
     assert [r["decode_used"] for r in report["rounding"]] == [False, False]
 

@@ -254,7 +254,8 @@ def render_text(probe: Probe) -> str:
         lines.append(
             f"  workload   writer {len(plan.writer):,} tokens, B={b} "
             f"({plan.state_block_source}); seed {plan.seed}; {probe.sent} of "
-            f"{plan.requests} requests sent, serial; top-{options.logprobs} "
+            f"{plan.requests} completions sent, one request at a time; "
+            f"rank {options.rank}; top-{options.logprobs} "
             f"logprobs of {options.max_tokens} greedy "
             f"token{'s' if options.max_tokens > 1 else ''}; salts "
             f"{probe.salt_prefix}*"
@@ -302,12 +303,12 @@ def _rounding_words(probe: Probe) -> str:
     reproduced = prompts - probe.rounding_unreproduced
     words = (
         f"{prompts} prompts, nothing cached: serial prefill vs prefill beside a "
-        f"filler; decode steps vs prefill on {reproduced}"
+        f"filler; decode steps vs prefill on {reproduced} of {prompts}"
     )
     if probe.rounding_unreproduced:
         words += (
-            f" (on {probe.rounding_unreproduced} two fresh decode runs differed: "
-            "decode steps are not reproducible on this server, not used)"
+            f", not on {probe.rounding_unreproduced}, whose two fresh decode runs "
+            "differed: decode steps are not reproducible on this server"
         )
     if not probe.rounding_measured:
         words += "; NOT MEASURED: no case is called wrong against it"
@@ -424,11 +425,12 @@ def decide_ranks(ranks: Ranks) -> Decision:
         named = [(rank, d) for rank, d in decided if d.exit_code == code]
         if named:
             which = ", ".join(str(rank) for rank, _ in named)
-            first = named[0][1].verdict
+            first_rank, first = named[0]
+            several = f"s {which} of {len(decided)} (rank {first_rank}'s verdict)"
             return Decision(
                 code,
-                f"rank {which} of {len(decided)}: {first}"
-                + (" (and the other ranks named)" if len(named) > 1 else ""),
+                f"rank{several if len(named) > 1 else f' {which} of {len(decided)}'}"
+                f": {first.verdict}",
             )
     reused = sum(1 for p in ranks.probes for r in p.results if r.cached_tokens)
     counted = (

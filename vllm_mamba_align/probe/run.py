@@ -436,7 +436,7 @@ def count_ranks(options: Options) -> tuple[int | None, str]:
         if found is None:
             raise
         count = int(found.group(1))
-        return count, f"the server ({RANK_HEADER} out of range [0, {count}))"
+        return count, f"counted by the server: {RANK_HEADER} out of range [0, {count})"
     return None, f"the server answered a request to rank {RANK_QUERY}: no ranks"
 
 
