@@ -557,6 +557,39 @@ def test_a_drafters_decode_runs_differ_and_the_filler_measures_the_rounding(
     assert [r["decode_used"] for r in report["rounding"]] == [False, False]
 
 
+def beside_as_serial(answers: dict[str, Any]) -> dict[str, Any]:
+    """The recorded rounding answers with each prompt's run beside its filler
+    made identical to its serial prefill: a server whose chunk ends the filler
+    did not move (its step budget held filler and prompt whole)."""
+    answers = copy.deepcopy(answers)
+    for kind, answer in answers.items():
+        if kind.endswith("-beside"):
+            serial = answers[kind.replace("-beside", "-decode")]["choices"][0]
+            logprobs = copy.deepcopy(serial["logprobs"])
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                logprobs[key] = logprobs[key][:1]
+            answer["choices"][1]["logprobs"] = logprobs
+    return answers
+
+
+def test_a_filler_that_moved_no_chunk_end_measures_nothing(replay: Any) -> None:
+    """The fix at retention 0 on the bf16 state emulation, with the drafter,
+    but the prompts beside the filler identical to their serial prefills:
+    that shows no chunking moved, not a rounding of 0. With the decode runs
+    differing nothing is measured, and the correct resumes (0.015-0.017 from
+    a fresh run) are 'cannot tell' (exit 5), never wrong states (exit 1)."""
+    recorded = recording("drafter_gpu-kept-retention0")
+    answers = beside_as_serial(recorded["rounding"])
+    found = probe(replay(recorded, rounding=Recorded(answers)))
+    decision = decide(found)
+    assert [p.beside_difference().delta for p in found.rounding] == [0.0, 0.0]
+    assert not found.rounding_measured
+    assert decision.exit_code == 5, decision.verdict
+    verdicts = {r.name: r.verdict.value for r in found.results}
+    assert "DIVERGED" not in verdicts.values()
+    assert verdicts["pair3.first"] == "cannot tell", verdicts
+
+
 @pytest.mark.parametrize("name", ["gpu-off", "off"])
 def test_stock_with_a_drafter_is_caught_against_the_filler_measurement(
     replay: Any, name: str

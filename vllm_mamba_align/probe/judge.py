@@ -173,6 +173,11 @@ def noise_floor(observed: list[Observed]) -> tuple[float, bool]:
     return floor, wild
 
 
+def _identical(found: Difference) -> bool:
+    """Two runs that chose the same tokens with the same logprobs."""
+    return found.delta == 0 and found.parted_at is None
+
+
 def _step(run: Completion, position: int) -> Completion:
     """One generated position of ``run``, as a completion of its own."""
     return Completion(
@@ -216,7 +221,7 @@ class RoundingPair:
     def reproduced(self) -> bool:
         """The decode runs agree bit for bit (or there was one)."""
         found = self.decode_agreement()
-        return found is None or (found.delta == 0 and found.parted_at is None)
+        return found is None or _identical(found)
 
     def beside_difference(self) -> Difference | None:
         """Serial prefill against the prefill beside the filler (first token)."""
@@ -225,10 +230,19 @@ class RoundingPair:
         return compare(_step(self.decoded, 0), self.beside)
 
     def measurements(self) -> list[Difference]:
-        """The differences that measure rounding: the beside pair, and the
-        decode pair where the decode runs agree."""
+        """The differences that measure rounding: the beside pair where it
+        shows the chunking moved, and the decode pair where the decode runs
+        agree.
+
+        A prefill beside the filler identical bit for bit to the serial one
+        measures nothing: runs chunked alike are bit-identical on a GPU, so it
+        may only say that the chunk ends did not move (a step budget holding
+        filler and prompt whole, or the prompt scheduled outside the filler's
+        steps). Taken as a rounding of 0 it would tighten the bounds to the
+        noise threshold and call a correct resume, which differs by about 1e-2
+        there, a wrong state."""
         beside = self.beside_difference()
-        found = [] if beside is None else [beside]
+        found = [] if beside is None or _identical(beside) else [beside]
         if self.reproduced:
             found.append(self.difference())
         return found
@@ -302,7 +316,7 @@ def judge_case(case: Observed, bound: Bounds) -> CaseResult:
         verdict = Verdict.DIVERGED
     elif versus.outside_top_k or versus.delta > bound.ok:
         verdict = Verdict.UNRESOLVED
-    elif versus.delta == 0 and versus.parted_at is None:
+    elif _identical(versus):
         verdict = Verdict.EXACT
     else:
         verdict = Verdict.ROUNDING
