@@ -232,15 +232,16 @@ def _add_probe(commands: Any) -> None:
         description="Send a bounded workload to a running OpenAI-compatible vLLM "
         "server (any release, with or without this plugin) and compare each "
         "continuation from a cached prefix with a fresh run of the same prompt "
-        "under a new cache_salt. By default 47 serial completions, a writer of "
-        "up to 16,384 tokens (less to fit max_model_len), about 28 times its "
+        "under a new cache_salt. By default 53 completions, one request at a "
+        "time, a writer of up to 16,384 tokens (less to fit max_model_len), "
+        "about 32 times its "
         "length in prompt tokens in all; the exact load is printed before the "
         "first completion, and --prompt-tokens makes it smaller. Exit 0: no "
         "difference beyond the server's own rounding; 1: wrong states served "
         "(the cases are named); 2: could not probe (why, and the way out); 5: "
         "cannot tell on this server (a difference above the server's own "
-        "rounding, measured by decode steps against a prefill with nothing "
-        "cached, below what a wrong state is called); 130: interrupted.",
+        "rounding, measured with nothing cached by prefills chunked "
+        "differently, below what a wrong state is called); 130: interrupted.",
     )
     probe_parser.add_argument(
         "--url", required=True, help="the server, e.g. http://127.0.0.1:8000"
@@ -266,8 +267,25 @@ def _add_probe(commands: Any) -> None:
         type=int,
         default=probe.DEFAULT_MAX_REQUESTS,
         metavar="N",
-        help="completions the probe may send, serially (default "
-        f"{probe.DEFAULT_MAX_REQUESTS}; fewer sibling pairs when lower)",
+        help="completions the probe may ask for, one request at a time "
+        f"(default {probe.DEFAULT_MAX_REQUESTS}; fewer sibling pairs when lower)",
+    )
+    ranks = probe_parser.add_mutually_exclusive_group()
+    ranks.add_argument(
+        "--rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="the data-parallel rank (engine core) to probe: every request "
+        "carries X-data-parallel-rank: R (default 0)",
+    )
+    ranks.add_argument(
+        "--ranks",
+        metavar="N|all",
+        help="probe ranks 0 to N-1 in turn, each with salts and --max-requests "
+        "of its own; `all`: as many as the server has (vLLM names them when "
+        "refusing one 1-token request to a rank out of range); exit 1 if any "
+        "rank serves a wrong state",
     )
     probe_parser.add_argument(
         "--seed", type=int, default=0, help="prompts' seed (default 0)"
@@ -315,7 +333,8 @@ def _add_probe(commands: Any) -> None:
         type=float,
         metavar="X",
         help="the server's chunk-shape rounding (|delta logprob|), given instead "
-        "of measured by decode steps against a prefill: 0 for kernels that "
+        "of measured (prefills chunked differently, and decode steps where "
+        "they are reproducible): 0 for kernels that "
         "are chunk-invariant (vLLM's CPU engine), or what an earlier probe of "
         "the same kernels measured",
     )
@@ -586,10 +605,12 @@ def _probe_options(args: argparse.Namespace) -> Any:
         state_block=check.check_state_block(args.state_block),
         prompt_tokens=check.check_prompt_tokens(args.prompt_tokens),
         rounding=check.check_rounding(args.rounding),
+        rank=check.check_rank(args.rank),
     )
 
 
 def _probe(args: argparse.Namespace) -> int:
+    from .probe import preflight as check
     from .probe.preflight import BadOption, load_line
     from .probe.progress import terminal_progress
     from .probe.report import decide, render_text, to_json
@@ -602,8 +623,11 @@ def _probe(args: argparse.Namespace) -> int:
 
     try:
         options = _probe_options(args)
+        ranks = check.check_ranks(args.ranks)
     except BadOption as bad:
         return fail(str(bad), args.url)
+    if args.ranks is not None:
+        return _probe_ranks(args, options, ranks, fail)
 
     def announce(plan: Any) -> None:
         print(load_line(plan), file=sys.stderr, flush=True)
@@ -619,6 +643,34 @@ def _probe(args: argparse.Namespace) -> int:
             "vllm-mamba-align, not a verdict on the server: please report this "
             "line with the command that gave it",
             options.url,
+        )
+    print(text)
+    return int(code)
+
+
+def _probe_ranks(args: argparse.Namespace, options: Any, count: Any, fail: Any) -> int:
+    """``--ranks``: every rank in turn, one report."""
+    from .probe.preflight import load_line
+    from .probe.progress import terminal_progress
+    from .probe.report import decide_ranks, ranks_to_json, render_ranks_text
+    from .probe.run import run_ranks
+
+    def announce(plan: Any) -> None:
+        print(load_line(plan) + " (per rank)", file=sys.stderr, flush=True)
+
+    try:
+        with terminal_progress() as progress:
+            found = run_ranks(options, count, progress, announce)
+        text = ranks_to_json(found) if args.json else render_ranks_text(found)
+        code = decide_ranks(found).exit_code
+    except Exception as error:  # a bug must not read as exit 1 (wrong states)
+        return int(
+            fail(
+                f"the probe itself failed ({type(error).__name__}: {error}): a "
+                "bug in vllm-mamba-align, not a verdict on the server: please "
+                "report this line with the command that gave it",
+                options.url,
+            )
         )
     print(text)
     return int(code)

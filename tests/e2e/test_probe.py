@@ -4,14 +4,20 @@ The probe sees the servers only as an operator's client does: their address,
 HTTP and ``/metrics``. Same model and geometry as ``test_serve.py`` (C = 8 <
 B = 32, every state kept with ``--prefix-cache-retention-interval None``); the
 probe runs on that module's servers, after their own scenario, so the default
-mode's and stock's servers are started once for both modules. Three more
-servers exist for the probe: ``full``, stock vLLM without the plugin loaded
-(``VLLM_PLUGINS`` names only the CPU workarounds), and prefix caching off.
+mode's and stock's servers are started once for both modules. More servers
+exist for the probe: ``full``, stock vLLM without the plugin loaded
+(``VLLM_PLUGINS`` names only the CPU workarounds), the default mode at vLLM's
+default retention (0), and prefix caching off.
+
+Every server has the drafter (``extract_hidden_states``, C < B), so its decode
+steps differ from one fresh run to the next on the CPU engine, and the probe
+runs as an operator runs it, without ``--rounding``: it measures the rounding
+beside a filler (no decode step, no cached state).
 
 The claims: against stock scheduling (``off``, and without the plugin) the
 probe exits 1 and names the cases that read a wrong state; with the fix
-(default mode, ``full``) it exits 0 having read cached states; with prefix
-caching off it exits 2, says why, and sends no completion.
+(default mode at either retention, ``full``) it exits 0 having read cached
+states; with prefix caching off it exits 2, says why, and sends no completion.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ def probed(get: Callable[[str], ServeRun], key: str) -> ProbeRun:
 def check_bounded(probe: ProbeRun) -> None:
     """Serial, within its bound, every request under a salt of its own."""
     report = probe.report
-    assert report["requests_sent"] == report["workload"]["requests"] <= 48
+    assert report["requests_sent"] == report["workload"]["requests"] <= 53
     assert report["salt_prefix"].startswith(SALT_PREFIX)
     # The load it is about to send, stated before the first request, and no
     # progress line: stderr is not a terminal.
@@ -50,6 +56,29 @@ def check_bounded(probe: ProbeRun) -> None:
 
 def reused(probe: ProbeRun) -> list[str]:
     return [name for name, case in probe.cases().items() if case["cached_tokens"]]
+
+
+def check_measured_beside_the_filler(probe: ProbeRun) -> list[float]:
+    """No ``--rounding``: the rounding measured beside the filler on every
+    rounding prompt whose run there differs from its serial one (an identical
+    run shows only that no chunk end moved, and measures nothing); the decode
+    pairs not used where the drafter's decode runs differed. Returns the
+    beside-the-filler differences."""
+    report = probe.report
+    assert report["rounding_given"] is False
+    assert len(report["rounding"]) == 2
+    beside, used = [], []
+    for pair in report["rounding"]:
+        found = pair["serial_vs_beside_filler"]
+        assert found["parted_at"] is None, pair
+        beside.append(found["max_abs_delta_logprob"])
+        agree = pair["decode_vs_decode"]
+        same = agree["max_abs_delta_logprob"] == 0 and agree["parted_at"] is None
+        assert pair["decode_used"] is same, pair
+        used.append(same)
+    measured = max(beside) > 0 or any(used)
+    assert report["rounding_measured"] is measured, report["rounding"]
+    return beside
 
 
 @pytest.mark.parametrize("key", ["default", "full"])
@@ -71,6 +100,22 @@ def test_probe_passes_a_server_with_the_fix_that_reuses_states(
         assert case["cached_vs_fresh"]["max_abs_delta_logprob"] == 0, name
         assert case["fresh_vs_fresh"]["max_abs_delta_logprob"] == 0, name
     assert report["verdict"].startswith("[ok] no wrong state served")
+    check_measured_beside_the_filler(probe)
+
+
+def test_probe_passes_the_fix_at_vllms_default_retention(
+    served: Callable[[str], ServeRun],
+) -> None:
+    """Retention 0: each pair's first sibling writes the junction state, the
+    second reads it; the replay sibling reads the writer's replay state."""
+    probe = probed(served, "default-retention0")
+    assert probe.exit_code == 0, probe.report["verdict"]
+    check_bounded(probe)
+    assert {"pair1.second", "pair2.second", "pair3.second", "replay"} <= set(
+        reused(probe)
+    )
+    assert probe.diverged() == []
+    check_measured_beside_the_filler(probe)
 
 
 @pytest.mark.parametrize("key", ["off", "no-plugin"])
@@ -112,6 +157,10 @@ def test_probe_names_the_cases_stock_scheduling_serves_wrong(
     assert (
         re.findall(r"(?:pair|short)\d\.\w+|replay|reask", report["verdict"]) == diverged
     )
+    # The bound it judged by was measured, not given: fp32 on the CPU engine
+    # rounds a prefill chunked elsewhere by 1e-6 at most, under the threshold.
+    assert max(check_measured_beside_the_filler(probe)) < 1e-5
+    assert report["bounds"]["wrong_state_beyond"] == 1e-5
 
 
 def test_probe_keeps_its_salt_family_on_one_engine_of_a_data_parallel_server(
@@ -141,14 +190,21 @@ def test_probe_measures_the_emulated_rounding_and_passes_correct_states(
     served: Callable[[str], ServeRun],
 ) -> None:
     """gpu-measure: no speculative method (C = B: stock's states are correct),
-    so the probe's decode steps work on the CPU engine and measure the rounding."""
+    so the probe's decode steps are reproducible on the CPU engine: both
+    yardsticks measure the rounding, and agree in size."""
     probe = probed(served, "gpu-measure")
     report = probe.report
     assert probe.exit_code != 1, report["verdict"]
-    assert report["rounding_given"] is False
-    assert len(report["rounding"]) == 2
+    beside = check_measured_beside_the_filler(probe)
+    decode = []
+    for pair in report["rounding"]:
+        assert pair["decode_used"], pair
+        decode.append(pair["decode_vs_prefill"]["max_abs_delta_logprob"])
     # The emulation's rounding is of a GPU's order (H200: 0.055-0.064) ...
     assert 3e-3 < report["rounding_floor"] < 0.2, report["rounding"]
+    # ... by either yardstick, within a factor of 4 of each other ...
+    assert max(beside) > 3e-3 and max(decode) > 3e-3, report["rounding"]
+    assert max(beside) / 4 < max(decode) < 4 * max(beside), report["rounding"]
     # ... while two fresh runs chunked alike are bit-identical.
     assert report["noise_floor"] == 0
     check_bounded(probe)
@@ -160,8 +216,8 @@ def test_probe_never_calls_the_fix_wrong_under_gpu_rounding(
 ) -> None:
     probe = probed(served, key)
     report = probe.report
-    assert probe.exit_code in (0, 5), report["verdict"]
-    assert report["rounding_given"] and report["rounding_floor"] > 0
+    assert probe.exit_code == 0, report["verdict"]
+    beside = check_measured_beside_the_filler(probe)
     assert probe.diverged() == []
     assert reused(probe), report["cases"]
     deltas = [
@@ -174,8 +230,14 @@ def test_probe_never_calls_the_fix_wrong_under_gpu_rounding(
         # Resumed at boundaries the fresh runs computed through, correct states
         # differ from them by the emulated rounding (without the emulation the
         # CPU engine is chunk-invariant, bf16 model or not: every case 0), and
-        # the probe does not call that wrong.
+        # the probe does not call that wrong: the filler moved the rounding
+        # prompts' chunk ends, and the emulation rounded them elsewhere.
+        assert min(beside) > 0, report["rounding"]
         assert 0 < max(deltas) <= report["bounds"]["within_rounding_up_to"], deltas
+    else:
+        # Every state kept: kept and full stop every run, fresh or beside a
+        # filler or resumed, at every B boundary: chunked alike, equal.
+        assert max(beside) == 0 and max(deltas) == 0, report["rounding"]
     check_bounded(probe)
 
 
@@ -185,6 +247,7 @@ def test_probe_catches_stock_under_gpu_rounding(
     probe = probed(served, "gpu-off")
     report = probe.report
     assert probe.exit_code == 1, report["verdict"]
+    assert min(check_measured_beside_the_filler(probe)) > 0
     diverged = probe.diverged()
     assert diverged and report["verdict"].startswith("[!!] wrong states served: ")
     bound = report["bounds"]["wrong_state_beyond"]

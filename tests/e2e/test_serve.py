@@ -116,12 +116,9 @@ class Setup:
     wait_for_audit: bool = False
     plugin_loaded: bool = True  # False: VLLM_PLUGINS does not name the plugin
     probe: bool = False  # also run `vllm-mamba-align probe` against it
-    probe_arguments: tuple[str, ...] = ("--rounding", "0")
-    """The CPU engine in fp32 resumes chunk-invariantly (rounding 0), and with a
-    speculative method its decode steps differ from run to run, so the probe's
-    decode-vs-prefill measurement would measure that (test_probe.py)."""
-    rounding_from: str | None = None
-    """Probe with ``--rounding`` as the probe of this server measured it."""
+    probe_arguments: tuple[str, ...] = ()
+    """No ``--rounding``: the probe measures the server's rounding itself
+    (test_probe.py), as an operator's probe does."""
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -130,23 +127,26 @@ SETUPS = {
     "off": Setup("off", {}, (None,), probe=True),
     "dp": Setup(None, DATA_PARALLEL, (0, 1), probe=True),
     "dp-audit": Setup("audit", DATA_PARALLEL, (0, 1), wait_for_audit=True),
-    # For test_probe.py: the other mode, stock vLLM without the plugin, and
-    # prefix caching off.
+    # For test_probe.py: the other mode, stock vLLM without the plugin, the
+    # default mode at vLLM's default retention, and prefix caching off.
     "full": Setup("full", {}, (None,), probe=True),
+    "default-retention0": Setup(
+        None, {"prefix_cache_retention_interval": 0}, (), probe=True
+    ),
     "no-plugin": Setup(None, {}, (None,), plugin_loaded=False, probe=True),
     "no-prefix-caching": Setup(
         None, {"enable_prefix_caching": False}, (None,), probe=True
     ),
     # For test_probe.py: GPU rounding emulated (bf16 model, every stored Mamba
     # state rounded to bf16 at every chunk end; tests/support/cpu_e2e_workarounds).
-    # No speculative method (C = B, stock serves correct states): the probe
-    # measures the rounding by decode steps, which the others then take.
+    # gpu-measure: no speculative method (C = B, stock serves correct states),
+    # so the probe's decode steps are reproducible and measure the rounding
+    # too, beside its filler measurement; the others have the drafter.
     "gpu-measure": Setup(
         "off",
         {**GPU_EMULATION, "speculative_config": OMIT},
         (),
         probe=True,
-        probe_arguments=(),
         env=GPU_EMULATION_ENV,
     ),
     "gpu-kept-retention0": Setup(
@@ -154,7 +154,6 @@ SETUPS = {
         {**GPU_EMULATION, "prefix_cache_retention_interval": 0},
         (),
         probe=True,
-        rounding_from="gpu-measure",
         env=GPU_EMULATION_ENV,
     ),
     "gpu-kept": Setup(
@@ -162,7 +161,6 @@ SETUPS = {
         GPU_EMULATION,
         (),
         probe=True,
-        rounding_from="gpu-measure",
         env=GPU_EMULATION_ENV,
     ),
     "gpu-full": Setup(
@@ -170,7 +168,6 @@ SETUPS = {
         GPU_EMULATION,
         (),
         probe=True,
-        rounding_from="gpu-measure",
         env=GPU_EMULATION_ENV,
     ),
     "gpu-off": Setup(
@@ -178,7 +175,6 @@ SETUPS = {
         GPU_EMULATION,
         (),
         probe=True,
-        rounding_from="gpu-measure",
         env=GPU_EMULATION_ENV,
     ),
 }
@@ -317,7 +313,7 @@ def serving(served_model: Path, workdir: Path) -> Callable[[str], ServeRun]:
         if key in _runs:
             return _runs[key]
         setup = SETUPS[key]
-        arguments = probe_arguments(setup, get)  # before this server starts
+        arguments = setup.probe_arguments
         run = ServeRun(key)
         options = {**SERVE_OPTIONS, **setup.options}
         server = Server(
@@ -361,14 +357,6 @@ def serving(served_model: Path, workdir: Path) -> Callable[[str], ServeRun]:
 
 
 _seconds: dict[str, float] = {}
-
-
-def probe_arguments(setup: Setup, get: Callable[[str], ServeRun]) -> tuple[str, ...]:
-    if setup.rounding_from is None:
-        return setup.probe_arguments
-    measured = get(setup.rounding_from).probe
-    assert measured is not None
-    return ("--rounding", repr(measured.report["rounding_floor"]))
 
 
 def check_fix(run: ServeRun, rank: int | None) -> None:

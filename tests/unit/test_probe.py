@@ -85,16 +85,37 @@ def short_tail_answer(body: dict[str, Any]) -> dict[str, Any]:
 
 class Rounding:
     """Answers to the probe's rounding prompts: the prefill's logprobs differ
-    from the last decode step's by ``delta`` (the server's rounding)."""
+    from the last decode step's by ``delta`` (the server's rounding), and the
+    prompt's first token beside a filler from its serial prefill's by
+    ``beside`` (``delta`` unless given)."""
 
-    def __init__(self, delta: float = 0.0, parted: bool = False) -> None:
+    def __init__(
+        self, delta: float = 0.0, parted: bool = False, beside: float | None = None
+    ) -> None:
         self.delta = delta
         self.parted = parted
+        self.beside = delta if beside is None else beside
         self.decoded: dict[int, dict[str, Any]] = {}
 
     def __call__(self, body: dict[str, Any]) -> dict[str, Any]:
         prompt = body["prompt"]
-        if body["cache_salt"].endswith("-decode"):
+        if body["cache_salt"].endswith("-beside"):
+            filler, prompt = prompt
+            decoded = self.decoded[len(prompt)]
+            first = copy.deepcopy(decoded["choices"][0])
+            logprobs = first["logprobs"]
+            logprobs["tokens"] = logprobs["tokens"][:1]
+            top = logprobs["top_logprobs"][0]
+            logprobs["top_logprobs"] = [{t: v - self.beside for t, v in top.items()}]
+            other = decode_answer(1, filler)["choices"][0]
+            return {
+                "choices": [{**other, "index": 0}, {**first, "index": 1}],
+                "usage": {
+                    "prompt_tokens": len(filler) + len(prompt),
+                    "prompt_tokens_details": {"cached_tokens": 0},
+                },
+            }
+        if body["cache_salt"].endswith(("-decode", "-redecode")):
             answer = decode_answer(body["max_tokens"], prompt)
             assert body["ignore_eos"] is True
             self.decoded[len(prompt)] = answer
@@ -133,6 +154,11 @@ class Replay(ThreadingHTTPServer):
         self.ranks: list[str | None] = []
         self.status = 200
         self.prompt_tokens = 0
+        self.data_parallel_size: int | None = None
+        """Refuse a rank header beyond it, as vLLM does (None: ignore it)."""
+        self.cycle = False
+        """Replay the recording again from its start once it is used up (one
+        probe per rank)."""
         self.counted_share: float | None = None
         """The share of the prompt tokens it was sent that its ``/metrics``
         shows as ``vllm:prompt_tokens_total`` (None: no such series, as in the
@@ -179,10 +205,24 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.bodies.append(body)
-        self.server.prompt_tokens += len(body["prompt"])
-        self.server.ranks.append(self.headers.get("X-data-parallel-rank"))
+        prompt = body["prompt"]
+        several = isinstance(prompt[0], list)
+        self.server.prompt_tokens += sum(map(len, prompt)) if several else len(prompt)
+        rank = self.headers.get("X-data-parallel-rank")
+        size = self.server.data_parallel_size
+        if rank is not None and size is not None and int(rank) >= size:
+            message = f"data_parallel_rank {rank} is out of range [0, {size})."
+            self.server.status = 400
+            self._answer(json.dumps({"error": {"message": message}}).encode())
+            self.server.status = 200
+            return
+        self.server.ranks.append(rank)
         recorded = self.server.recorded["completions"]
-        if "-rounding-" in body["cache_salt"]:
+        if self.server.cycle and self.server.replayed == len(recorded):
+            self.server.replayed = 0
+        if body["cache_salt"].endswith("-ranks"):
+            answer = decode_answer(1, body["prompt"])
+        elif "-rounding-" in body["cache_salt"]:
             answer = self.server.rounding(body)
         elif self.server.replayed == len(recorded):  # the short-tail cases
             answer = short_tail_answer(body)
@@ -443,17 +483,147 @@ def test_rounding_that_parts_outside_the_top_k_cannot_be_told(replay: Any) -> No
 def test_rounding_is_measured_fresh_with_decode_steps_and_a_prefill(
     replay: Any,
 ) -> None:
-    server = replay(recording("kept_retention0"), rounding=Rounding(0.01))
+    server = replay(recording("kept_retention0"), rounding=Rounding(0.01, beside=0))
     found = probe(server)
     rounding = [b for b in server.bodies if "-rounding-" in b["cache_salt"]]
-    assert len(rounding) == 2 * workload.ROUNDING_PROMPTS
-    decodes = [b for b in rounding if b["cache_salt"].endswith("-decode")]
-    assert [b["max_tokens"] for b in decodes] == [workload.DECODE_TOKENS] * 2
+    assert len(rounding) == 4 * workload.ROUNDING_PROMPTS
+    decodes = [b for b in rounding if b["cache_salt"].endswith("decode")]
+    assert [b["max_tokens"] for b in decodes] == [workload.DECODE_TOKENS] * 4
     assert len({b["cache_salt"] for b in rounding}) == len(rounding)  # all fresh
     for body in rounding:  # every prefill settled, as the cases' are
         if body["cache_salt"].endswith("-prefill"):
             assert len(body["prompt"]) % 16 == 6
     assert found.rounding_floor == pytest.approx(0.01)
+    assert found.rounding_measured and found.rounding_unreproduced == 0
+
+
+def test_rounding_is_measured_beside_a_filler_without_decode_steps(
+    replay: Any,
+) -> None:
+    """The rounding prompt and a longer filler of its own in one request, the
+    filler first (vLLM submits them in that order); the prompt's first token
+    there against its serial prefill's."""
+    server = replay(recording("kept_retention0"), rounding=Rounding(0, beside=0.02))
+    found = probe(server)
+    beside = [b for b in server.bodies if b["cache_salt"].endswith("-beside")]
+    assert len(beside) == workload.ROUNDING_PROMPTS
+    assert found.workload is not None
+    for body, prompt in zip(beside, found.workload.rounding, strict=True):
+        filler, sent = body["prompt"]
+        assert sent == prompt and len(filler) > len(found.workload.writer) // 2
+        assert body["max_tokens"] == 1 and "ignore_eos" not in body
+    assert found.rounding_floor == pytest.approx(0.02)
+    assert [p.prompt_tokens for p in found.rounding] == [
+        len(p) for p in found.workload.rounding
+    ]
+
+
+class Recorded:
+    """The rounding prompts' answers a recorded server gave, by salt suffix."""
+
+    def __init__(self, answers: dict[str, Any]) -> None:
+        self.answers = answers
+
+    def __call__(self, body: dict[str, Any]) -> dict[str, Any]:
+        kind = body["cache_salt"].split("-rounding-")[1]
+        return copy.deepcopy(self.answers[kind])
+
+
+def drafter(name: str, replay: Any) -> Probe:
+    """A whole probe replayed from a server with the drafter (C < B)."""
+    recorded = recording(f"drafter_{name}")
+    return probe(replay(recorded, rounding=Recorded(recorded["rounding"])))
+
+
+def test_a_drafters_decode_runs_differ_and_the_filler_measures_the_rounding(
+    replay: Any,
+) -> None:
+    """The fix at retention 0 on the bf16 state emulation, with the drafter:
+    the two decode runs of each rounding prompt part outside each other's
+    top-k (not used), the prompt beside its filler differs from its serial
+    prefill by 0.015, and the correct resumes' 0.015-0.017 pass as rounding."""
+    found = drafter("gpu-kept-retention0", replay)
+    decision = decide(found)
+    assert decision.exit_code == 0, decision.verdict
+    assert found.rounding_unreproduced == 2 and found.rounding_measured
+    assert [p.reproduced for p in found.rounding] == [False, False]
+    assert 0.01 < found.rounding_floor < 0.02
+    verdicts = {r.name: r.verdict.value for r in found.results}
+    assert "DIVERGED" not in verdicts.values()
+    assert verdicts["pair3.first"] == "rounding", verdicts
+    text = render_text(found)
+    assert "decode steps vs prefill on 0 of 2, not on 2, whose two fresh" in text
+    report = json.loads(to_json(found))
+    assert [r["decode_used"] for r in report["rounding"]] == [False, False]
+
+
+def beside_as_serial(answers: dict[str, Any]) -> dict[str, Any]:
+    """The recorded rounding answers with each prompt's run beside its filler
+    made identical to its serial prefill: a server whose chunk ends the filler
+    did not move (its step budget held filler and prompt whole)."""
+    answers = copy.deepcopy(answers)
+    for kind, answer in answers.items():
+        if kind.endswith("-beside"):
+            serial = answers[kind.replace("-beside", "-decode")]["choices"][0]
+            logprobs = copy.deepcopy(serial["logprobs"])
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                logprobs[key] = logprobs[key][:1]
+            answer["choices"][1]["logprobs"] = logprobs
+    return answers
+
+
+def test_a_filler_that_moved_no_chunk_end_measures_nothing(replay: Any) -> None:
+    """The fix at retention 0 on the bf16 state emulation, with the drafter,
+    but the prompts beside the filler identical to their serial prefills:
+    that shows no chunking moved, not a rounding of 0. With the decode runs
+    differing nothing is measured, and the correct resumes (0.015-0.017 from
+    a fresh run) are 'cannot tell' (exit 5), never wrong states (exit 1)."""
+    recorded = recording("drafter_gpu-kept-retention0")
+    answers = beside_as_serial(recorded["rounding"])
+    found = probe(replay(recorded, rounding=Recorded(answers)))
+    decision = decide(found)
+    assert [p.beside_difference().delta for p in found.rounding] == [0.0, 0.0]
+    assert not found.rounding_measured
+    assert decision.exit_code == 5, decision.verdict
+    verdicts = {r.name: r.verdict.value for r in found.results}
+    assert "DIVERGED" not in verdicts.values()
+    assert verdicts["pair3.first"] == "cannot tell", verdicts
+
+
+@pytest.mark.parametrize("name", ["gpu-off", "off"])
+def test_stock_with_a_drafter_is_caught_against_the_filler_measurement(
+    replay: Any, name: str
+) -> None:
+    """Stock with every state kept, bf16 state emulation and fp32: exit 1,
+    judged against the rounding measured beside the filler (the decode runs
+    differed)."""
+    found = drafter(name, replay)
+    decision = decide(found)
+    assert decision.exit_code == 1, decision.verdict
+    assert found.rounding_measured and found.rounding_unreproduced == 2
+    diverged = [r.name for r in found.results if r.verdict.value == "DIVERGED"]
+    assert diverged and decision.verdict.startswith("[!!] wrong states served: ")
+    if name == "gpu-off":
+        assert "short1.first" in diverged
+        assert 0.01 < found.rounding_floor < 0.02
+    else:
+        assert found.rounding_floor < DEFAULT_THRESHOLD
+        assert found.bound.wrong == DEFAULT_THRESHOLD
+
+
+def test_no_case_diverges_against_a_rounding_that_could_not_be_measured(
+    replay: Any,
+) -> None:
+    """Every rounding measurement parted outside the top-k: stock's recorded
+    wrong states are beyond the threshold, but the probe cannot tell them
+    from this server's rounding, and each case says so."""
+    found = probe(replay(recording("stock_dense"), rounding=Rounding(parted=True)))
+    decision = decide(found)
+    assert not found.rounding_measured and decision.exit_code == 5
+    verdicts = {r.name: r.verdict.value for r in found.results}
+    assert "DIVERGED" not in verdicts.values()
+    assert verdicts["pair3.second"] == "cannot tell", verdicts
+    assert "NOT MEASURED" in render_text(found)
 
 
 def test_a_given_rounding_is_not_measured(
@@ -479,11 +649,83 @@ def test_a_data_parallel_server_gets_every_request_on_engine_0(replay: Any) -> N
     recorded["hits_after"] = 16976
     server = replay(recorded)
     found = probe(server)
-    assert server.ranks == ["0"] * found.sent
+    assert server.ranks == ["0"] * server.sent
     lines = report_engine_lines(found)
     assert len(lines) == 1 and "2 engine cores" in lines[0], lines
     # The replayed counter grew on both engines: reuse may have been split.
     assert "split across engines (1)" in lines[0]
+
+
+def ranked(name: str, replay: Any, wrong_on: int | None) -> Replay:
+    """A data-parallel server of 2 ranks replaying ``name`` on each; the cached
+    runs of rank ``wrong_on`` 0.5 off (a wrong state of a GPU's size)."""
+    recorded = recording(f"drafter_{name}")
+    server: Replay
+
+    def edit(index: int, body: dict[str, Any], answer: dict[str, Any]) -> None:
+        if server.ranks[-1] == str(wrong_on):
+            cached_runs(shift_logprobs(0.5))(index, body, answer)
+
+    server = replay(recorded, edit, Recorded(recorded["rounding"]))
+    server.data_parallel_size = 2
+    server.cycle = True
+    return server
+
+
+def test_every_rank_is_probed_in_turn_and_the_wrong_one_named(
+    replay: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--ranks all``: the server names its ranks when refusing one out of
+    range; each rank is probed with salts of its own, and a wrong state on
+    rank 1 alone is exit 1, naming rank 1."""
+    server = ranked("gpu-kept-retention0", replay, wrong_on=1)
+    code = main(["probe", "--url", server.url, "--ranks", "all", "--json"])
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    assert code == report["exit_code"] == 1, report["verdict"]
+    assert (
+        report["ranks_count"] == 2 and "out of range [0, 2)" in report["ranks_source"]
+    )
+    assert report["verdict"].startswith("rank 1 of 2: [!!] wrong states served")
+    first, second = report["ranks"]
+    assert (first["rank"], first["exit_code"]) == (0, 0)
+    assert (second["rank"], second["exit_code"]) == (1, 1)
+    assert first["salt_prefix"] != second["salt_prefix"]
+    # Every request of a rank's probe went to that rank, each within its bound.
+    sent = first["requests_sent"]
+    assert sent == second["requests_sent"] <= 53
+    http = len(server.ranks) // 2
+    assert server.ranks == ["0"] * http + ["1"] * http
+    assert out.err.count("(per rank)") == 2
+
+
+def test_ranks_counted_or_given_and_the_clean_verdict(replay: Any) -> None:
+    from vllm_mamba_align.probe.report import decide_ranks
+    from vllm_mamba_align.probe.run import run_ranks
+
+    server = ranked("gpu-kept-retention0", replay, wrong_on=None)
+    found = run_ranks(Options(url=server.url), None)
+    decision = decide_ranks(found)
+    assert decision.exit_code == 0 and "any of 2 ranks" in decision.verdict
+    # A server that ignores the header (one engine behind a proxy): rank 0 only.
+    server.data_parallel_size = None
+    found = run_ranks(Options(url=server.url), None)
+    assert found.count is None and len(found.probes) == 1
+    assert "sent to rank 0" in decide_ranks(found).verdict
+    # --rank R alone: every request to R.
+    server.ranks.clear()
+    single = probe(server, rank=1)
+    assert set(server.ranks) == {"1"} and decide(single).exit_code == 0
+
+
+@pytest.mark.parametrize("bad", ["0", "two", "-1"])
+def test_a_bad_rank_count_exits_2_naming_the_option(
+    bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["probe", "--url", "http://127.0.0.1:9", "--ranks", bad]) == 2
+    assert f"--ranks {bad} is neither" in capsys.readouterr().err
+    assert main(["probe", "--url", "http://127.0.0.1:9", "--rank", "-1"]) == 2
+    assert "--rank -1 is not a data-parallel rank" in capsys.readouterr().err
 
 
 def test_a_server_that_counted_every_prompt_token_is_one_server(replay: Any) -> None:
@@ -636,7 +878,9 @@ def test_requests_are_bounded_serial_and_salted_by_the_probe(replay: Any) -> Non
     server = replay(recording("kept_retention0"))
     found = probe(server)
     assert found.workload is not None
-    assert server.sent == found.sent == found.workload.requests <= 48
+    # Every completion asked for; the prompts beside a filler two to a request.
+    beside = len(found.workload.rounding)
+    assert server.sent + beside == found.sent == found.workload.requests <= 53
     salts = [body["cache_salt"] for body in server.bodies]
     assert all(s.startswith(found.salt_prefix) for s in salts)
     assert found.salt_prefix.startswith("vllm-mamba-align-probe-")
@@ -708,7 +952,7 @@ def test_the_command_prints_a_table_and_exits_with_the_verdict(
     assert "pair3.second" in out.out and "DIVERGED" in out.out
     assert out.out.rstrip().endswith("(exit 1)")
     # Progress only on a terminal; the load it is about to send, always.
-    assert [line[:23] for line in out.err.splitlines()] == ["probe: sending 47 compl"]
+    assert [line[:23] for line in out.err.splitlines()] == ["probe: sending 53 compl"]
     server = replay(recording("kept_retention0"))
     assert main(["probe", "--url", server.url, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

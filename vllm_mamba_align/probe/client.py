@@ -65,13 +65,18 @@ NOT_A_COMPLETION = (
 )
 
 
-def parse_completion(body: Any, logprobs: int) -> Completion:
-    """A completions response -> ``Completion``; anything else -> CannotProbe."""
+def parse_completion(body: Any, logprobs: int, index: int = 0) -> Completion:
+    """A completions response -> ``Completion`` (its choice for prompt
+    ``index`` of the request); anything else -> CannotProbe."""
     try:
-        choice = body["choices"][0]
+        choice = next(c for c in body["choices"] if c.get("index", 0) == index)
         usage = body.get("usage") or {}
         found = choice.get("logprobs") or {}
         tokens, top = found.get("tokens"), found.get("top_logprobs")
+    except StopIteration:
+        raise CannotProbe(
+            NOT_A_COMPLETION.format(detail=f"no choice for prompt {index}")
+        ) from None
     except (KeyError, IndexError, TypeError, AttributeError) as missing:
         raise CannotProbe(NOT_A_COMPLETION.format(detail=f"no {missing!r}")) from None
     if not tokens or not top or any(not position for position in top):
@@ -224,7 +229,7 @@ class Client:
     def complete(
         self,
         model: str,
-        prompt: list[int],
+        prompt: list[int] | list[list[int]],
         *,
         salt: str,
         max_tokens: int,
@@ -232,7 +237,9 @@ class Client:
         extra: dict[str, Any] | None = None,
     ) -> Completion:
         """One greedy completion of a token-id prompt under a cache salt
-        (``extra``: more fields of the request body)."""
+        (``extra``: more fields of the request body). Given several prompts,
+        the completion of the last: vLLM takes them as requests of their own,
+        submitted together in the order given."""
         body: dict[str, Any] = {
             "model": model,
             "prompt": prompt,
@@ -261,7 +268,8 @@ class Client:
                     "probe needs for fresh runs (vLLM 0.9+ takes it)"
                 ) from None
             raise
-        return parse_completion(answer, logprobs)
+        several = bool(prompt) and isinstance(prompt[0], list)
+        return parse_completion(answer, logprobs, len(prompt) - 1 if several else 0)
 
     def metrics(self) -> str | None:
         """The Prometheus text of ``/metrics``, or None where there is none."""

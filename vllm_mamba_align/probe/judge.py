@@ -13,10 +13,19 @@ and between a cached-family run that reused nothing and its fresh run. It is 0
 on a GPU (runs chunked alike are bit-identical) and says nothing about the
 rounding of runs chunked differently, which a correct cached continuation is
 (it resumes at a boundary the fresh run did not stop at). So the probe also
-measures the server's **chunk-shape rounding**, with nothing cached: a fresh
-prompt continued greedily by decode steps against a fresh prompt holding those
-tokens, prefilled (``rounding_floor``). On an H200 that measured 0.89-1.22x
-the rounding of a correct resume on the same kernels.
+measures the server's **chunk-shape rounding**, with nothing cached
+(``rounding_floor``), two ways:
+
+- a fresh prompt's serial prefill against the same prompt prefilled beside a
+  filler prompt (its chunks end elsewhere): no decode step, no cached state;
+- a fresh prompt continued greedily by decode steps against a fresh prompt
+  holding those tokens, prefilled. On an H200 that measured 0.89-1.22x the
+  rounding of a correct resume on the same kernels. Used only where two fresh
+  decode runs agree: with a drafter, vLLM's CPU engine decodes differently
+  from one run to the next (the first token, a prefill's, is reproducible).
+
+Where neither measurement holds (every pair parted outside the top-k) the
+bound is not measured, and no case is called ``DIVERGED`` against it.
 
 A case is rounding up to ``Bounds.ok`` (``ROUNDING_SLACK`` x that rounding, or
 the noise bound), ``DIVERGED`` beyond ``Bounds.wrong`` (``ROUNDING_MARGIN`` x
@@ -164,36 +173,103 @@ def noise_floor(observed: list[Observed]) -> tuple[float, bool]:
     return floor, wild
 
 
+def _identical(found: Difference) -> bool:
+    """Two runs that chose the same tokens with the same logprobs."""
+    return found.delta == 0 and found.parted_at is None
+
+
+def _step(run: Completion, position: int) -> Completion:
+    """One generated position of ``run``, as a completion of its own."""
+    return Completion(
+        run.tokens[position : position + 1],
+        run.top_logprobs[position : position + 1],
+        run.cached_tokens,
+        run.prompt_tokens,
+    )
+
+
 @dataclass(frozen=True)
 class RoundingPair:
-    """One measurement of chunk-shape rounding, nothing cached: the last of
-    ``decoded``'s greedy tokens (a decode step) against the first token of
-    ``prefilled`` (the prompt and the tokens before it, prefilled)."""
+    """Measurements of chunk-shape rounding on one prompt, nothing cached.
+
+    ``decoded``: the prompt continued by greedy decode steps (its first token
+    is the serial prefill's); ``prefilled``: the first token of the prompt and
+    the decoded tokens but the last, prefilled, compared with the last decode
+    step; ``decoded_again``: a second decode run, which must agree with the
+    first for that comparison to count; ``beside``: the prompt's first token
+    when prefilled beside a filler, compared with the serial prefill's."""
 
     prompt_tokens: int
     decoded: Completion
     prefilled: Completion
+    decoded_again: Completion | None = None
+    beside: Completion | None = None
 
     def difference(self) -> Difference:
-        last = len(self.decoded.tokens) - 1
-        decode_step = Completion(
-            self.decoded.tokens[last:],
-            self.decoded.top_logprobs[last:],
-            self.decoded.cached_tokens,
-            self.decoded.prompt_tokens,
+        """The last decode step against the prefill of the same tokens."""
+        return compare(
+            _step(self.decoded, len(self.decoded.tokens) - 1), self.prefilled
         )
-        return compare(decode_step, self.prefilled)
+
+    def decode_agreement(self) -> Difference | None:
+        """The two decode runs against each other (None: one run only)."""
+        if self.decoded_again is None:
+            return None
+        return compare(self.decoded, self.decoded_again)
+
+    @property
+    def reproduced(self) -> bool:
+        """The decode runs agree bit for bit (or there was one)."""
+        found = self.decode_agreement()
+        return found is None or _identical(found)
+
+    def beside_difference(self) -> Difference | None:
+        """Serial prefill against the prefill beside the filler (first token)."""
+        if self.beside is None:
+            return None
+        return compare(_step(self.decoded, 0), self.beside)
+
+    def measurements(self) -> list[Difference]:
+        """The differences that measure rounding: the beside pair where it
+        shows the chunking moved, and the decode pair where the decode runs
+        agree.
+
+        A prefill beside the filler identical bit for bit to the serial one
+        measures nothing: runs chunked alike are bit-identical on a GPU, so it
+        may only say that the chunk ends did not move (a step budget holding
+        filler and prompt whole, or the prompt scheduled outside the filler's
+        steps). Taken as a rounding of 0 it would tighten the bounds to the
+        noise threshold and call a correct resume, which differs by about 1e-2
+        there, a wrong state."""
+        beside = self.beside_difference()
+        found = [] if beside is None or _identical(beside) else [beside]
+        if self.reproduced:
+            found.append(self.difference())
+        return found
 
 
-def rounding_floor(pairs: list[RoundingPair]) -> tuple[float, bool]:
-    """The largest decode-vs-prefill difference, and whether a pair parted
-    outside each other's top-k (rounding too coarse to judge by)."""
-    floor, wild = 0.0, False
+@dataclass(frozen=True)
+class RoundingFloor:
+    floor: float
+    """The largest difference measured (0 if none held)."""
+    wild: bool
+    """A measurement parted outside each other's top-k."""
+    measured: bool
+    """At least one measurement held and none parted outside the top-k."""
+    unreproduced: int
+    """Prompts whose two decode runs differed (their decode pair not used)."""
+
+
+def rounding_floor(pairs: list[RoundingPair]) -> RoundingFloor:
+    """The largest chunk-shape rounding measured, and whether it holds."""
+    floor, wild, count = 0.0, False, 0
     for pair in pairs:
-        found = pair.difference()
-        floor = max(floor, found.delta)
-        wild = wild or found.outside_top_k
-    return floor, wild
+        for found in pair.measurements():
+            count += 1
+            floor = max(floor, found.delta)
+            wild = wild or found.outside_top_k
+    unreproduced = sum(1 for pair in pairs if not pair.reproduced)
+    return RoundingFloor(floor, wild, count > 0 and not wild, unreproduced)
 
 
 @dataclass(frozen=True)
@@ -203,17 +279,28 @@ class Bounds:
 
     ok: float
     wrong: float
+    measured: bool = True
+    """False: the rounding could not be measured, and nothing beyond ``ok`` is
+    called a wrong state (it cannot be told from rounding)."""
 
-    def to_json(self) -> dict[str, float]:
-        return {"within_rounding_up_to": self.ok, "wrong_state_beyond": self.wrong}
+    def to_json(self) -> dict[str, float | bool]:
+        return {
+            "within_rounding_up_to": self.ok,
+            "wrong_state_beyond": self.wrong,
+            "rounding_measured": self.measured,
+        }
 
 
-def bounds(threshold: float, noise: float, rounding: float) -> Bounds:
-    """From ``--threshold``, the fresh-vs-fresh noise and the measured rounding."""
+def bounds(
+    threshold: float, noise: float, rounding: float, measured: bool = True
+) -> Bounds:
+    """From ``--threshold``, the fresh-vs-fresh noise and the measured rounding
+    (``measured``: whether it could be measured or was given)."""
     floor = effective_threshold(threshold, noise)
     return Bounds(
         ok=max(floor, ROUNDING_SLACK * rounding),
         wrong=max(floor, ROUNDING_MARGIN * rounding),
+        measured=measured,
     )
 
 
@@ -225,11 +312,11 @@ def judge_case(case: Observed, bound: Bounds) -> CaseResult:
     versus = compare(case.cached, case.fresh[0])
     if case.cached.cached_tokens == 0:
         verdict = Verdict.NO_REUSE
-    elif versus.outside_top_k or versus.delta > bound.wrong:
+    elif (versus.outside_top_k or versus.delta > bound.wrong) and bound.measured:
         verdict = Verdict.DIVERGED
-    elif versus.delta > bound.ok:
+    elif versus.outside_top_k or versus.delta > bound.ok:
         verdict = Verdict.UNRESOLVED
-    elif versus.delta == 0 and versus.parted_at is None:
+    elif _identical(versus):
         verdict = Verdict.EXACT
     else:
         verdict = Verdict.ROUNDING

@@ -137,6 +137,32 @@ def check_rounding(value: float | None) -> float | None:
     return value
 
 
+def check_rank(value: int) -> int:
+    """``--rank``: a data-parallel rank, from 0."""
+    if value < 0:
+        raise BadOption(
+            f"--rank {value} is not a data-parallel rank: ranks count from 0 "
+            "(--ranks all probes every rank the server has)"
+        )
+    return value
+
+
+def check_ranks(value: str | None) -> int | None:
+    """``--ranks N`` or ``--ranks all`` -> N, or None for all (and not given)."""
+    if value is None or value == "all":
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise BadOption(
+            f"--ranks {value} is neither a count of ranks from 1 nor `all`: "
+            "give the server's --data-parallel-size, or `all` to ask the server"
+        )
+    return count
+
+
 def check_timeout(value: float) -> float:
     if not math.isfinite(value) or value <= 0 or value > MAX_TIMEOUT:
         raise BadOption(
@@ -191,8 +217,11 @@ def load_line(plan: Any) -> str:
     ``plan`` is the probe's ``workload.Workload``: its writer and its cases, each
     sent once in the cached family and ``FRESH_RUNS`` times fresh."""
     longest = max([len(plan.writer), *(len(case.prompt) for case in plan.cases)])
+    beside = len(plan.rounding)
     return (
-        f"probe: sending {plan.requests} completions, serially, "
+        f"probe: sending {plan.requests} completions, one request at a time"
+        + (f" ({beside} of them with a filler prompt beside)" if beside else "")
+        + ", "
         f"{plan.prompt_tokens:,} prompt tokens in all, the longest prompt "
         f"{longest:,} tokens (--prompt-tokens N sends shorter prompts, "
         "--max-requests N fewer)"

@@ -6,9 +6,10 @@ states served (the cases beyond ``ROUNDING_MARGIN`` x that rounding are named);
 2 the server could not be probed (the reason and the way out are printed); 5
 cannot tell on this server: a case differs by more than rounding but not by
 enough to call it wrong, or the rounding measurement itself parted outside the
-top-k (the cases are named, with the bound a wrong state must pass there), or
-its requests reached more than one server behind the URL (replicas behind a load
-balancer: each has a prefix cache of its own, so the probe is pointed at one).
+top-k, so that nothing can be called wrong against it (the cases are named,
+with the bound a wrong state must pass there), or its requests reached more
+than one server behind the URL (replicas behind a load balancer: each has a
+prefix cache of its own, so the probe is pointed at one).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from .judge import (
     ROUNDING_SLACK,
     SEES_NOTHING_BEYOND,
     CaseResult,
+    RoundingPair,
     Verdict,
 )
-from .run import Probe
+from .run import RANK_HEADER, Probe, Ranks
 
 EXIT_CLEAN = 0
 EXIT_WRONG_STATES = 1
@@ -86,11 +88,12 @@ def decide(probe: Probe) -> Decision:
     if probe.rounding_wild:
         return Decision(
             EXIT_CANNOT_TELL,
-            "[??] cannot tell on this server: a prompt continued by decode steps "
-            "and the same tokens prefilled (nothing cached) chose tokens outside "
+            "[??] cannot tell on this server: the same tokens computed in "
+            "differently chunked runs (nothing cached) chose tokens outside "
             "each other's top-k, so this server's chunk-shape rounding alone "
-            "moves logprobs as far as a wrong state: probe at a quieter time; "
-            "`full` mode makes a cached continuation equal a fresh one",
+            "moves logprobs as far as a wrong state, and no case is called "
+            "wrong against it: probe at a quieter time; `full` mode makes a "
+            "cached continuation equal a fresh one",
         )
     if diverged:
         also = (
@@ -110,7 +113,7 @@ def decide(probe: Probe) -> Decision:
             f"[??] cannot tell on this server: {', '.join(unresolved)} differed "
             f"from a fresh run by more than its rounding ({probe.bound.ok:.3g}) "
             f"but not beyond {probe.bound.wrong:.3g} ({ROUNDING_MARGIN:g}x the "
-            "rounding measured by decode steps against a prefill), where a "
+            "chunk-shape rounding measured with nothing cached), where a "
             "wrong state would be called: probe again with another --seed; "
             "in `full` mode a cached continuation equals a fresh one",
         )
@@ -149,6 +152,18 @@ def decide(probe: Probe) -> Decision:
             f"wrong state, above {SEES_NOTHING_BEYOND:g}, the largest wrong state "
             "measured on a GPU's Mamba2 kernels: the rounding (measured, or "
             "given by --rounding) is too large to separate them",
+        )
+    if not probe.bound.measured:
+        # Every case within the noise threshold of its fresh run, with no
+        # rounding measured to call anything beyond it wrong: the continuations
+        # themselves are the evidence, and a difference would have been exit 5.
+        return Decision(
+            EXIT_CLEAN,
+            f"[ok] no wrong state served: {reused} of {len(cached)} cases read "
+            "cached states, each continuing as a fresh run does within "
+            f"{probe.bound.ok:.3g}; the chunk-shape rounding could not be "
+            "measured (the runs chunked differently came out alike), so a "
+            "larger difference would have been reported as cannot tell",
         )
     return Decision(
         EXIT_CLEAN,
@@ -195,18 +210,19 @@ def engine_lines(probe: Probe) -> list[str]:
     before, after = probe.before.hits_by_engine, probe.after.hits_by_engine
     if len(after) < 2:
         return []
+    rank = str(probe.options.rank)
     grew = {engine: after[engine] - before.get(engine, 0.0) for engine in sorted(after)}
     counts = ", ".join(f"engine {e} +{v:,.0f}" for e, v in grew.items())
-    others = [e for e, v in grew.items() if e != "0" and v]
+    others = [e for e, v in grew.items() if e != rank and v]
     where = (
         "other clients' traffic, or the header was not honoured: the probe's "
         f"reuse may be split across engines ({', '.join(others)})"
         if others
-        else "all on engine 0"
+        else f"all on engine {rank}"
     )
     return [
         f"  engines    {len(after)} engine cores (data parallel); every request "
-        f"sent with X-data-parallel-rank: 0; prefix-cache hits {counts}: {where}"
+        f"sent with {RANK_HEADER}: {rank}; prefix-cache hits {counts}: {where}"
     ]
 
 
@@ -250,7 +266,8 @@ def render_text(probe: Probe) -> str:
         lines.append(
             f"  workload   writer {len(plan.writer):,} tokens, B={b} "
             f"({plan.state_block_source}); seed {plan.seed}; {probe.sent} of "
-            f"{plan.requests} requests sent, serial; top-{options.logprobs} "
+            f"{plan.requests} completions sent, one request at a time; "
+            f"rank {options.rank}; top-{options.logprobs} "
             f"logprobs of {options.max_tokens} greedy "
             f"token{'s' if options.max_tokens > 1 else ''}; salts "
             f"{probe.salt_prefix}*"
@@ -262,8 +279,7 @@ def render_text(probe: Probe) -> str:
             + (
                 "(given: --rounding)"
                 if options.rounding is not None
-                else f"(decode steps vs prefill of {len(probe.rounding)} prompts, "
-                "nothing cached)"
+                else f"({_rounding_words(probe)})"
             )
         )
         lines.append(
@@ -291,6 +307,24 @@ def render_text(probe: Probe) -> str:
         lines += ["", _table(probe)]
     lines += ["", f"verdict: {decision.verdict} (exit {decision.exit_code})"]
     return "\n".join(lines)
+
+
+def _rounding_words(probe: Probe) -> str:
+    """How the rounding was measured, and which measurements were not used."""
+    prompts = len(probe.rounding)
+    reproduced = prompts - probe.rounding_unreproduced
+    words = (
+        f"{prompts} prompts, nothing cached: serial prefill vs prefill beside a "
+        f"filler; decode steps vs prefill on {reproduced} of {prompts}"
+    )
+    if probe.rounding_unreproduced:
+        words += (
+            f", not on {probe.rounding_unreproduced}, whose two fresh decode runs "
+            "differed: decode steps are not reproducible on this server"
+        )
+    if not probe.rounding_measured:
+        words += "; NOT MEASURED: no case is called wrong against it"
+    return words
 
 
 def _table(probe: Probe) -> str:
@@ -329,13 +363,31 @@ def _table(probe: Probe) -> str:
     )
 
 
+def _rounding_json(pair: RoundingPair) -> dict[str, Any]:
+    agreement = pair.decode_agreement()
+    beside = pair.beside_difference()
+    return {
+        "prompt_tokens": pair.prompt_tokens,
+        "decode_steps": len(pair.decoded.tokens),
+        "decode_vs_prefill": pair.difference().to_json(),
+        "decode_vs_decode": None if agreement is None else agreement.to_json(),
+        "decode_used": pair.reproduced,
+        "serial_vs_beside_filler": None if beside is None else beside.to_json(),
+    }
+
+
 def to_json(probe: Probe) -> str:
+    return json.dumps(_report(probe), indent=1)
+
+
+def _report(probe: Probe) -> dict[str, Any]:
     decision = decide(probe)
     options = probe.options
     plan = probe.workload
     data: dict[str, Any] = {
         "probe_version": __version__,
         "url": probe.base or options.url,
+        "rank": options.rank,
         "model": probe.model or None,
         "max_model_len": probe.max_model_len,
         "exit_code": decision.exit_code,
@@ -363,17 +415,73 @@ def to_json(probe: Probe) -> str:
         "noise_floor": probe.floor,
         "rounding_floor": probe.rounding_floor,
         "rounding_given": options.rounding is not None,
-        "rounding": [
-            {
-                "prompt_tokens": pair.prompt_tokens,
-                "decode_steps": len(pair.decoded.tokens),
-                "decode_vs_prefill": pair.difference().to_json(),
-            }
-            for pair in probe.rounding
-        ],
+        "rounding_measured": probe.rounding_measured,
+        "rounding": [_rounding_json(pair) for pair in probe.rounding],
         "threshold": options.threshold,
         "effective_threshold": probe.bound.wrong,
         "bounds": probe.bound.to_json(),
         "cases": [r.to_json() for r in probe.results],
     }
-    return json.dumps(data, indent=1)
+    return data
+
+
+def decide_ranks(ranks: Ranks) -> Decision:
+    """Every rank's verdict in one: 1 if any rank serves a wrong state; else
+    2 if one could not be probed; else 5 if one cannot be told; else 0."""
+    if ranks.problem is not None:
+        return Decision(
+            EXIT_CANNOT_PROBE, f"could not count the ranks: {ranks.problem}"
+        )
+    decided = [(p.options.rank, decide(p)) for p in ranks.probes]
+    for code in (EXIT_WRONG_STATES, EXIT_CANNOT_PROBE, EXIT_CANNOT_TELL):
+        named = [(rank, d) for rank, d in decided if d.exit_code == code]
+        if named:
+            which = ", ".join(str(rank) for rank, _ in named)
+            first_rank, first = named[0]
+            several = f"s {which} of {len(decided)} (rank {first_rank}'s verdict)"
+            return Decision(
+                code,
+                f"rank{several if len(named) > 1 else f' {which} of {len(decided)}'}"
+                f": {first.verdict}",
+            )
+    reused = sum(1 for p in ranks.probes for r in p.results if r.cached_tokens)
+    counted = (
+        ""
+        if ranks.count is not None
+        else f" (one rank: {ranks.source}; the probe sent to rank 0)"
+    )
+    return Decision(
+        EXIT_CLEAN,
+        f"[ok] no wrong state served on any of {len(decided)} ranks{counted}: "
+        f"{reused} cases read cached states, each within its rank's rounding",
+    )
+
+
+def render_ranks_text(ranks: Ranks) -> str:
+    decision = decide_ranks(ranks)
+    lines = []
+    if ranks.problem is None:
+        lines.append(
+            f"ranks      {ranks.count if ranks.count is not None else 1} "
+            f"({ranks.source}), probed in turn, each under salts of its own"
+        )
+    for probe in ranks.probes:
+        lines += ["", f"== rank {probe.options.rank} ==", render_text(probe)]
+    lines += ["", f"verdict: {decision.verdict} (exit {decision.exit_code})"]
+    return "\n".join(lines)
+
+
+def ranks_to_json(ranks: Ranks) -> str:
+    decision = decide_ranks(ranks)
+    return json.dumps(
+        {
+            "probe_version": __version__,
+            "exit_code": decision.exit_code,
+            "verdict": decision.verdict,
+            "problem": ranks.problem,
+            "ranks_count": ranks.count,
+            "ranks_source": ranks.source,
+            "ranks": [_report(probe) for probe in ranks.probes],
+        },
+        indent=1,
+    )

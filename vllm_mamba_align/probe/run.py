@@ -7,17 +7,21 @@ family shares no cache entry with the server's other traffic or with an earlier
 probe, each fresh run shares none with anything, and nothing else is written on
 the server; vLLM evicts the salted blocks like any others.
 
-Every request also carries ``ENGINE_HEADER``. On a data-parallel server
+Every request also carries ``engine_header(rank)`` (rank 0 unless ``--rank``
+or ``--ranks``). On a data-parallel server
 (``--data-parallel-size N`` behind one API server) each engine core has its own
 prefix cache and vLLM's load balancer sends each request to the least loaded
 engine, so a salt family could be split across engines and a sibling find
 nothing its writer left. vLLM's OpenAI server (read in 0.32.0: its
 ``_get_data_parallel_rank`` and the DP client's engine choice) sends a request
-carrying ``X-data-parallel-rank: R`` to engine R. Rank 0 is valid on every
-server: a single engine is rank 0, and an API server of an external or hybrid
-load balancer counts its local engines from 0. A release or a proxy that does
-not know the header ignores it, and the report then says reuse may be split
-(``report``: several engines on ``/metrics``).
+carrying ``X-data-parallel-rank: R`` to engine R, and refuses a rank out of
+range naming the range ("data_parallel_rank R is out of range [0, N)", its
+input processor): ``count_ranks`` reads N from that refusal, and
+``run_ranks`` probes every rank in turn, each with salts of its own. Rank 0 is
+valid on every server: a single engine is rank 0, and an API server of an
+external or hybrid load balancer counts its local engines from 0. A release or
+a proxy that does not know the header ignores it, and the report then says
+reuse may be split (``report``: several engines on ``/metrics``).
 
 Replicas behind one URL (several ``vllm serve`` servers and a load balancer)
 each have their own prefix cache, and no header reaches one of them: the probe
@@ -27,6 +31,8 @@ tokens it sent (:attr:`Probe.reached_other_servers`).
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -48,9 +54,21 @@ from .judge import (
 from .server_metrics import ServerMetrics, read_metrics
 
 SALT_PREFIX = "vllm-mamba-align-probe-"
-ENGINE_HEADER = {"X-data-parallel-rank": "0"}
-"""Every request to engine core 0 of a data-parallel server (module docstring)."""
-DEFAULT_MAX_REQUESTS = 48
+RANK_HEADER = "X-data-parallel-rank"
+
+
+def engine_header(rank: int) -> dict[str, str]:
+    """Every request to engine core ``rank`` of a data-parallel server."""
+    return {RANK_HEADER: str(rank)}
+
+
+ENGINE_HEADER = engine_header(0)
+"""The header of a probe of rank 0 (the default)."""
+RANK_QUERY = 1 << 20
+"""A rank no server has: vLLM refuses it, naming how many it has."""
+OUT_OF_RANGE = re.compile(r"data_parallel_rank \d+ is out of range \[0, (\d+)\)")
+DEFAULT_MAX_REQUESTS = 53
+"""Completions (``Workload.requests``): 47 for the cases, 6 for the rounding."""
 DEFAULT_LOGPROBS = 5
 DEFAULT_MAX_TOKENS = 1
 DEFAULT_TIMEOUT = 120.0
@@ -75,6 +93,8 @@ class Options:
     prompt_tokens: int | None = None
     rounding: float | None = None
     """The server's chunk-shape rounding, given (``--rounding``): not measured."""
+    rank: int = 0
+    """The data-parallel rank every request is sent to (``--rank``)."""
 
 
 @dataclass
@@ -100,7 +120,11 @@ class Probe:
     rounding_floor: float = 0.0
     """The largest decode-vs-prefill difference (chunk-shape rounding)."""
     rounding_wild: bool = False
-    """A rounding pair parted outside each other's top-k."""
+    """A rounding measurement parted outside each other's top-k."""
+    rounding_measured: bool = True
+    """The rounding was given, or at least one measurement of it held."""
+    rounding_unreproduced: int = 0
+    """Rounding prompts whose two decode runs differed (decode pair not used)."""
     bound: Bounds = field(default_factory=lambda: Bounds(0.0, 0.0))
     problem: str | None = None
     """Why the server could not be probed (exit 2), if it could not."""
@@ -118,6 +142,11 @@ class Probe:
         sent: its requests, or its two scrapes, reached more than one server
         (replicas behind a load balancer), each with a prefix cache of its own."""
         counted = self.prompt_tokens_counted
+        engines = self.after.hits_by_engine
+        if engines and str(self.options.rank) not in engines:
+            # The rank's engine reports elsewhere (a headless node's engine is
+            # not on the head's /metrics): its prompt tokens are not counted.
+            return False
         return counted is not None and counted < self.prompt_tokens_sent
 
 
@@ -180,7 +209,7 @@ def _plan(options: Options, probe: Probe) -> workloads.Workload:
         f"({workloads.smallest_requests(1, prompts)} requests: a writer, a "
         "re-ask, one sibling pair, one short-tail pair and a replay sibling, "
         f"each cached and fresh twice, and {prompts} rounding prompts decoded "
-        "and prefilled)"
+        "twice, prefilled, and prefilled beside a filler)"
     )
 
 
@@ -210,7 +239,9 @@ def run(
 def _run(
     options: Options, probe: Probe, progress: Progress, announce: Announce
 ) -> None:
-    client = Client(options.url, options.api_key, options.timeout, ENGINE_HEADER)
+    client = Client(
+        options.url, options.api_key, options.timeout, engine_header(options.rank)
+    )
     probe.base = client.base
     probe.model, probe.max_model_len = _choose_model(client, options.model)
     probe.before = read_metrics(client.metrics(), probe.model)
@@ -226,20 +257,26 @@ def _run(
     probe.salt_prefix = f"{SALT_PREFIX}{secrets.token_hex(4)}-"
 
     def send(
-        prompt: list[int], salt: str, what: str, decode_steps: int = 0
+        prompt: list[int],
+        salt: str,
+        what: str,
+        decode_steps: int = 0,
+        filler: list[int] | None = None,
     ) -> Completion:
         progress(probe.sent, plan.requests, what)
         done = client.complete(
             probe.model,
-            prompt,
+            prompt if filler is None else [filler, prompt],
             salt=probe.salt_prefix + salt,
             max_tokens=decode_steps or options.max_tokens,
             logprobs=options.logprobs,
             # Every decode step is wanted, whatever the model's end token.
             extra={"ignore_eos": True} if decode_steps else None,
         )
-        probe.sent += 1
-        probe.prompt_tokens_sent += len(prompt)
+        probe.sent += 1 if filler is None else 2
+        probe.prompt_tokens_sent += len(prompt) + len(filler or ())
+        if filler is not None:  # usage counts both prompts
+            done = dataclasses.replace(done, prompt_tokens=len(prompt))
         if decode_steps and len(done.tokens) != decode_steps:
             raise CannotProbe(
                 f"a request for {decode_steps} tokens with ignore_eos returned "
@@ -257,10 +294,15 @@ def _run(
         probe.after = read_metrics(client.metrics(), probe.model)
     probe.floor, probe.wild = noise_floor(observed)
     if options.rounding is None:
-        probe.rounding_floor, probe.rounding_wild = rounding_floor(probe.rounding)
+        measured = rounding_floor(probe.rounding)
+        probe.rounding_floor, probe.rounding_wild = measured.floor, measured.wild
+        probe.rounding_measured = measured.measured
+        probe.rounding_unreproduced = measured.unreproduced
     else:
         probe.rounding_floor = options.rounding
-    probe.bound = bounds(options.threshold, probe.floor, probe.rounding_floor)
+    probe.bound = bounds(
+        options.threshold, probe.floor, probe.rounding_floor, probe.rounding_measured
+    )
     probe.results = [judge_case(case, probe.bound) for case in observed]
 
 
@@ -277,24 +319,38 @@ def _fresh(done: Completion) -> Completion:
 def _measure_rounding(
     plan: workloads.Workload, send: Callable[..., Completion]
 ) -> list[RoundingPair]:
-    """Each rounding prompt continued by decode steps, then prefilled with those
-    tokens but the last, each under a new salt (nothing cached, so no wrong
-    state can enter: what differs is rounding)."""
+    """Each rounding prompt continued by decode steps, twice; prefilled with
+    those tokens but the last; and prefilled beside its filler; each under a
+    new salt (nothing cached, so no wrong state can enter: what differs is
+    rounding)."""
     pairs = []
-    for number, prompt in enumerate(plan.rounding, 1):
-        decoded = _fresh(
-            send(
-                prompt,
-                f"rounding-{number}-decode",
-                f"rounding {number} decode",
-                workloads.DECODE_TOKENS,
+    for number, (prompt, filler) in enumerate(
+        zip(plan.rounding, plan.fillers, strict=True), 1
+    ):
+        runs = [
+            _fresh(
+                send(
+                    prompt,
+                    f"rounding-{number}-{salt}",
+                    f"rounding {number} decode",
+                    workloads.DECODE_TOKENS,
+                )
             )
-        )
-        ids = [_token_id(token) for token in decoded.tokens[:-1]]
+            for salt in ("decode", "redecode")
+        ]
+        ids = [_token_id(token) for token in runs[0].tokens[:-1]]
         prefilled = _fresh(
             send(prompt + ids, f"rounding-{number}-prefill", f"rounding {number}")
         )
-        pairs.append(RoundingPair(len(prompt), decoded, prefilled))
+        beside = _fresh(
+            send(
+                prompt,
+                f"rounding-{number}-beside",
+                f"rounding {number} beside a filler",
+                filler=filler,
+            )
+        )
+        pairs.append(RoundingPair(len(prompt), runs[0], prefilled, runs[1], beside))
     return pairs
 
 
@@ -343,3 +399,65 @@ def _observe_cases(
             )
         )
     return observed
+
+
+@dataclass
+class Ranks:
+    """A probe of every data-parallel rank of a server, in turn."""
+
+    count: int | None
+    """How many ranks; None: the server ignored the rank header (one engine
+    behind a proxy, or a release that does not route by it)."""
+    source: str
+    """Where the count came from."""
+    probes: list[Probe] = field(default_factory=list)
+    problem: str | None = None
+    """Why the ranks could not be counted (exit 2), if they could not."""
+
+
+def count_ranks(options: Options) -> tuple[int | None, str]:
+    """How many data-parallel ranks the server routes to, from one 1-token
+    request to a rank no server has (vLLM refuses it before any engine sees
+    it, naming the range); None if the server answered it anyway."""
+    client = Client(
+        options.url, options.api_key, options.timeout, engine_header(RANK_QUERY)
+    )
+    model, _ = _choose_model(client, options.model)
+    try:
+        client.complete(
+            model,
+            [workloads.TOKEN_RANGE[0]],
+            salt=f"{SALT_PREFIX}{secrets.token_hex(4)}-ranks",
+            max_tokens=1,
+            logprobs=1,
+        )
+    except CannotProbe as problem:
+        found = OUT_OF_RANGE.search(str(problem))
+        if found is None:
+            raise
+        count = int(found.group(1))
+        return count, f"counted by the server: {RANK_HEADER} out of range [0, {count})"
+    return None, f"the server answered a request to rank {RANK_QUERY}: no ranks"
+
+
+def run_ranks(
+    options: Options,
+    ranks: int | None,
+    progress: Progress | None = None,
+    announce: Announce | None = None,
+) -> Ranks:
+    """Probe ranks 0 to ``ranks`` - 1 in turn (None: as many as the server
+    has), each a probe of its own: its own salts, its own ``--max-requests``."""
+    if ranks is None:
+        try:
+            count, source = count_ranks(options)
+        except CannotProbe as problem:
+            return Ranks(None, "", problem=str(problem))
+    else:
+        count, source = ranks, "--ranks"
+    found = Ranks(count, source)
+    for rank in range(count or 1):
+        found.probes.append(
+            run(dataclasses.replace(options, rank=rank), progress, announce)
+        )
+    return found

@@ -24,11 +24,23 @@ reads. The workload reaches both kinds:
   (on an H200 a wrong state measured 0.28-2.55 there and 0.02-0.20 thousands of
   tokens later), so these are the cases a GPU's rounding hides least. They run
   after the other cases' fresh runs, in the same salt family;
-- **rounding prompts**, unrelated to the writer, each run fresh twice: continued
-  by ``DECODE_TOKENS`` greedy decode steps, and prefilled with all but the last
-  of those tokens. The last decode step and that prefill compute the same
-  position from the same tokens, chunked differently, with nothing cached: the
-  server's own chunk-shape rounding (``judge.rounding_floor``).
+- **rounding prompts**, unrelated to the writer, each computed from scratch
+  (under new salts) in differently chunked runs whose differences are the
+  server's own chunk-shape rounding (``judge.rounding_floor``):
+
+  - continued by ``DECODE_TOKENS`` greedy decode steps, twice, and prefilled
+    with all but the last of those tokens: the last decode step and that
+    prefill compute the same position from the same tokens. Used only where
+    the two decode runs agree: with a speculative method (a drafter) vLLM's
+    CPU engine decodes differently from one run to the next, and a GPU's
+    decode under load need not be reproducible either;
+  - prefilled **beside a filler**: a prompt of its own (``filler_length``,
+    longer than the usual step budgets) sent first in the same request, so
+    vLLM submits both together and the rounding prompt's prefill starts in the
+    filler's last step, with the budget the filler left: its chunks end
+    elsewhere than in the prompt's serial prefill (the decode runs' first
+    token), as a resumed cached continuation's do. No decode step, no cached
+    state.
 
 B is not visible to a client. The probe takes it from ``--state-block``, or the
 plugin's ``vllm_mamba_align_info`` series, or ``vllm:cache_config_info``'s
@@ -57,6 +69,14 @@ DECODE_TOKENS = 8
 """Greedy decode steps of a rounding prompt (the last one is compared)."""
 ROUNDING_PROMPTS = 2
 """Rounding prompts: half the writer's length, and about the writer's."""
+ROUNDING_COMPLETIONS = 5
+"""Completions per rounding prompt: two decode runs, a prefill of the decoded
+tokens, and the prompt beside its filler (two prompts in one request)."""
+FILLER_SHARE = 0.66
+"""A filler's length, as a share of the writer's: more than one step budget
+where the writer spans several (so the rounding prompt, submitted a moment
+after it, joins one of its steps), and rarely a multiple of one (so the filler's
+last step leaves part of the budget to the rounding prompt)."""
 UNKNOWN_B_FRACTIONS = (0.25, 0.5, 0.75)
 UNKNOWN_B_REPLAY_MARGIN = 65
 PAIRS = 3
@@ -90,6 +110,8 @@ class Workload:
     seed: int
     rounding: tuple[list[int], ...] = field(default=(), repr=False)
     """Prompts whose decode steps and prefill measure the server's rounding."""
+    fillers: tuple[list[int], ...] = field(default=(), repr=False)
+    """Each rounding prompt's filler, sent with it (module docstring)."""
     short: tuple[Case, ...] = ()
     """The short-tail cases, sent after the others' fresh runs."""
 
@@ -99,17 +121,19 @@ class Workload:
 
     @property
     def requests(self) -> int:
-        """Completions the probe sends: the writer, each case cached and fresh,
-        each rounding prompt decoded and prefilled."""
+        """Completions the probe asks for: the writer, each case cached and
+        fresh, each rounding prompt decoded twice, prefilled, and prefilled
+        beside its filler (two completions in one request)."""
         cases = len(self.cases) + len(self.short)
-        return 1 + cases * (1 + FRESH_RUNS) + 2 * len(self.rounding)
+        return 1 + cases * (1 + FRESH_RUNS) + ROUNDING_COMPLETIONS * len(self.rounding)
 
     @property
     def prompt_tokens(self) -> int:
         return (
             len(self.writer)
             + sum(len(c.prompt) * (1 + FRESH_RUNS) for c in self.all_cases)
-            + sum(2 * len(p) + DECODE_TOKENS - 1 for p in self.rounding)
+            + sum(4 * len(p) + DECODE_TOKENS - 1 for p in self.rounding)
+            + sum(len(f) for f in self.fillers)
         )
 
 
@@ -117,7 +141,8 @@ def smallest_requests(pairs: int = 1, rounding_prompts: int = ROUNDING_PROMPTS) 
     """Requests of a workload with ``pairs`` sibling pairs and as many short-tail
     pairs (re-ask, replay and the rounding prompts too)."""
     short = min(pairs, SHORT_PAIRS)
-    return 1 + (2 * pairs + 2 * short + 2) * (1 + FRESH_RUNS) + 2 * rounding_prompts
+    cases = 2 * pairs + 2 * short + 2
+    return 1 + cases * (1 + FRESH_RUNS) + ROUNDING_COMPLETIONS * rounding_prompts
 
 
 class Tokens:
@@ -228,6 +253,7 @@ def build(
         tokens.draw(_rounding_length(n))
         for n in (writer_tokens // 2, writer_tokens)[:rounding_prompts]
     )
+    fillers = tuple(tokens.draw(filler_length(writer_tokens)) for _ in rounding)
     short = []
     for number, shared in enumerate(lengths[-SHORT_PAIRS:], 1):
         boundary = _floor(shared, state_block or 16)
@@ -240,8 +266,20 @@ def build(
                 Case(f"short{number}.{order}", prompt, boundary, f"{reads} {target}")
             )
     return Workload(
-        writer, tuple(cases), state_block, source, seed, rounding, tuple(short)
+        writer,
+        tuple(cases),
+        state_block,
+        source,
+        seed,
+        rounding,
+        fillers,
+        tuple(short),
     )
+
+
+def filler_length(writer: int) -> int:
+    """``FILLER_SHARE`` of the writer, settled like every prompt."""
+    return settled(int(writer * FILLER_SHARE))
 
 
 def _rounding_length(n: int) -> int:
