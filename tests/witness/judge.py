@@ -192,10 +192,7 @@ class Witness:
             blocks = self.mamba.req_to_blocks.get(request.request_id, ())
             if not blocks:
                 continue
-            lengths = {
-                bytes(h): (j + 1) * self.hash_block
-                for j, h in enumerate(request.block_hashes)
-            }
+            lengths = self._hash_lengths(request)
             tokens = self.tokens_of(request)
             for block in blocks:
                 key = block.block_hash
@@ -204,11 +201,17 @@ class Witness:
                 digest = bytes(get_block_hash(key))
                 if (block.block_id, digest) in self._judged:
                     continue
-                length = lengths.get(digest)
-                if length is None:
-                    continue  # a hit on another request's hash: judged there
                 self._judged.add((block.block_id, digest))
                 self.findings.publications += 1
+                length = lengths.get(digest)
+                if length is None:
+                    # In the request's own table, yet no prefix of its tokens.
+                    self.findings.wrong_publications += 1
+                    self.findings.note(
+                        f"{request.request_id}: block {block.block_id} carries a "
+                        "hash of no prefix of the request's tokens"
+                    )
+                    continue
                 held = self.holds.get(block.block_id)
                 if held != state_name(tokens, length):
                     self.findings.wrong_publications += 1
@@ -217,6 +220,22 @@ class Witness:
                         f"{request.request_id}: block {block.block_id} hashed as "
                         f"the state after {length} tokens holds {what}"
                     )
+
+    def _hash_lengths(self, request: Any) -> dict[bytes, int]:
+        """Hash -> the prefix length it names, for a request's prefixes at
+        every hash block: vLLM hashes a Mamba block as the chained hash of its
+        last hash block (0.26.0+), or as the concatenation of its hash blocks'
+        hashes (before, where the group's block is a multiple of the hash
+        block): both forms are named."""
+        step = self.hash_block
+        per_block = max(self.state_block // step, 1)
+        hashes = [bytes(h) for h in request.block_hashes]
+        lengths: dict[bytes, int] = {}
+        for j, digest in enumerate(hashes):
+            lengths[digest] = (j + 1) * step
+            first = j // per_block * per_block
+            lengths[b"".join(hashes[first : j + 1])] = (j + 1) * step
+        return lengths
 
     def forget_evicted(self) -> None:
         """A block whose hash vLLM dropped (evicted and reused) is judged

@@ -18,7 +18,7 @@ import os
 import pytest
 
 from witness.report import FIXING, MATERIALIZING, run_mode
-from witness.workloads import workloads
+from witness.workloads import STATE_BLOCK, drafter_block, workloads
 
 pytestmark = pytest.mark.random_workloads
 
@@ -26,17 +26,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _needs_witness_release() -> None:
-    """The witness's workloads start where vLLM takes a drafter's group
-    smaller than B and not dividing it (0.28.0+), and retention intervals
-    (0.29.0+)."""
-    import vllm
-    from packaging.version import Version
-
-    if Version(vllm.__version__).release < (0, 29):
-        pytest.skip(
-            "the witness's workloads need C < B with C not dividing B and a "
-            "retention setting (vLLM 0.29.0+)"
-        )
+    """The workloads need a drafter's group smaller than B, which vLLM
+    0.20.2-0.27.1 refuse at startup (their other checks run elsewhere)."""
+    if drafter_block() is None:
+        pytest.skip("this vLLM refuses a group block smaller than B at startup")
 
 
 def test_the_judge_and_its_workloads_import_nothing_of_the_plugin() -> None:
@@ -59,16 +52,24 @@ def test_the_judge_and_its_workloads_import_nothing_of_the_plugin() -> None:
 
 def test_stock_vllm_publishes_wrong_states_under_load() -> None:
     """Without the plugin, where C < B, the witness finds Mamba blocks
-    hashed as states they do not hold, in every such workload; the process
+    hashed as states they do not hold: in every such workload where C does not
+    divide B (0.28.0+), in some where it does (0.18.1: chunks end on C's grid,
+    sometimes on B's too); and chunks that read a wrong state. The process
     never imported the plugin's package (the judge did not either)."""
     _needs_witness_release()
     stock = run_mode("stock")
+    wrong = {}
     for workload in workloads():
         line = stock[workload.name]
         assert not line["patched"]
         assert not line["plugin_imported_at_end"], "the witness imported the plugin"
         if workload.stock_wrong:
-            assert line["findings"]["wrong_publications"] > 0, workload.name
+            wrong[workload.name] = line["findings"]["wrong_publications"]
+    block = drafter_block()
+    assert block is not None
+    if STATE_BLOCK % block:
+        assert all(wrong.values()), wrong
+    assert sum(wrong.values()) > 0, wrong
     assert sum(line["findings"]["wrong_reads"] for line in stock.values()) > 0
 
 

@@ -126,50 +126,87 @@ def _aborts(seed: int, arrivals: tuple[Arrival, ...]) -> tuple[Abort, ...]:
     return tuple(aborts)
 
 
-DRAFTER = Shape(state_block=96, attention_block=96, drafter_block=64, budget=256)
-"""A drafter's hidden-state group of block 64 beside the attention and Mamba
-groups' 96 (B): C = 64 < B, not a divisor (vLLM 0.28.0+ starts with any C)."""
-SCARCE = replace(DRAFTER, num_blocks=40, reserve_full_input=False)
-"""A pool a few requests fit in at once, not all: running ones are preempted
-and resume from what they cached."""
+def drafter_block() -> int | None:
+    """C for the drafter's group beside B = 96 (:data:`STATE_BLOCK`) on the
+    installed vLLM: 64 (not a divisor) from 0.28.0, 48 (C must divide B) before
+    0.20; None where vLLM refuses C < B at startup (0.20.2-0.27.1)."""
+    import vllm
+    from packaging.version import Version
 
+    release = Version(vllm.__version__).release
+    if release >= (0, 28):
+        return 64
+    if release < (0, 20):
+        return 48
+    return None
+
+
+def retention_setting() -> bool:
+    """Whether the installed vLLM takes a retention interval for Mamba states
+    from the KV-cache config (0.29.0+; before: every state kept)."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    return "prefix_cache_retention_interval" in KVCacheConfig.__dataclass_fields__
+
+
+STATE_BLOCK = 96
+"""B, the Mamba group's block (and the attention group's)."""
 PREEMPTED = "preemptions"
 ABORTED = ("aborts_in_prefill", "aborts_in_decode")
 
 
 def workloads() -> list[Workload]:
-    """The named workloads every mode runs, with the events each must show."""
+    """The named workloads every mode runs, with the events each must show; a
+    drafter's group of block C beside the attention and Mamba groups' B = 96."""
+    drafter = Shape(
+        state_block=STATE_BLOCK,
+        attention_block=STATE_BLOCK,
+        drafter_block=drafter_block(),
+        budget=256,
+    )
+    # A pool a few requests fit in at once, not all: running ones are
+    # preempted and resume from what they cached.
+    scarce_pool = replace(drafter, num_blocks=40, reserve_full_input=False)
     concurrent = _load(seed=11, count=12, spread=30)
     scarce = _load(seed=12, count=12, spread=20)
     aborted = _load(seed=13, count=12, spread=25)
     ranked = _load(seed=14, count=10, spread=14, late_priority=True)
+    retention = []
+    if retention_setting():
+        retention = [
+            Workload(
+                "concurrent, dense retention",
+                replace(drafter, retention=None),
+                concurrent,
+            ),
+            Workload(
+                "concurrent, retention R=384",
+                replace(drafter, retention=384),
+                concurrent,
+            ),
+        ]
     return [
-        Workload("concurrent", DRAFTER, concurrent, expects=("cache_hits",)),
-        Workload(
-            "concurrent, dense retention", replace(DRAFTER, retention=None), concurrent
-        ),
-        Workload(
-            "concurrent, retention R=384", replace(DRAFTER, retention=384), concurrent
-        ),
-        Workload("scarce pool", SCARCE, scarce, expects=(PREEMPTED,)),
-        Workload("aborts", DRAFTER, aborted, _aborts(13, aborted), expects=ABORTED),
+        Workload("concurrent", drafter, concurrent, expects=("cache_hits",)),
+        *retention,
+        Workload("scarce pool", scarce_pool, scarce, expects=(PREEMPTED,)),
+        Workload("aborts", drafter, aborted, _aborts(13, aborted), expects=ABORTED),
         Workload(
             "priority",
-            replace(SCARCE, priority=True),
+            replace(scarce_pool, priority=True),
             ranked,
             _aborts(14, ranked),
             expects=("priority_preemptions", "aborts_in_prefill"),
         ),
         Workload(
             "async",
-            replace(SCARCE, async_scheduling=True),
+            replace(scarce_pool, async_scheduling=True),
             scarce,
             _aborts(15, scarce),
             expects=(PREEMPTED, *ABORTED),
         ),
         Workload(
             "equal blocks (C = B)",
-            replace(SCARCE, drafter_block=None, num_blocks=12),
+            replace(scarce_pool, drafter_block=None, num_blocks=12),
             scarce,
             _aborts(12, scarce),
             expects=(PREEMPTED, *ABORTED),
@@ -230,7 +267,7 @@ def drive(workload: Workload) -> tuple[Findings, Events]:
                     events.cache_hits += 1
             witness.run_step(output, chunks)
             witness.forget_evicted()
-            _count_preemptions(scheduler, running, chunks, events, RequestStatus)
+            count_preemptions(scheduler, running, chunks, events, RequestStatus)
             sampled = [
                 [SAMPLED] if end >= scheduler.requests[r].num_tokens else []
                 for r, (_, end) in chunks.items()
@@ -285,7 +322,7 @@ def _abort_due(
             events.aborts_in_decode += 1
 
 
-def _count_preemptions(
+def count_preemptions(
     scheduler: Any,
     running: dict[str, tuple[int, int, int]],
     chunks: dict[str, tuple[int, int]],
