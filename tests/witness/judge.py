@@ -80,9 +80,11 @@ class Witness:
             for index, single in enumerate(coordinator.single_type_managers)
             if isinstance(single.kv_cache_spec, MambaSpec)
         ]
-        assert len(found) == 1, "the witness models one Mamba group"
-        self.group, self.mamba = found[0]
-        self.state_block: int = self.mamba.kv_cache_spec.block_size
+        assert found, "no Mamba group"
+        self.mambas = dict(found)
+        """Group id -> its manager: a model's Mamba layers may fill several
+        groups of one spec, each with its own block table and blocks."""
+        (self.state_block,) = {m.kv_cache_spec.block_size for _, m in found}
         self.block_pool = manager.block_pool
         self.hash_block: int = int(
             getattr(self.block_pool, "hash_block_size", 0)
@@ -116,7 +118,7 @@ class Witness:
                 "block_mask",
             )
             bound = dict(zip(names, args, strict=False)) | kwargs
-            if bound.get("kv_cache_group_id") == witness.group:
+            if bound.get("kv_cache_group_id") in witness.mambas:
                 witness._judge_kept(bound)
             return cache_full_blocks(*args, **kwargs)
 
@@ -140,8 +142,8 @@ class Witness:
                 )
 
     # -- the worker ---------------------------------------------------------
-    def _column(self, req_id: str, column: int) -> Any:
-        blocks = self.mamba.req_to_blocks.get(req_id, ())
+    def _column(self, mamba: Any, req_id: str, column: int) -> Any:
+        blocks = mamba.req_to_blocks.get(req_id, ())
         return blocks[column] if column < len(blocks) else None
 
     def run_step(self, output: Any, chunks: dict[str, tuple[int, int]]) -> None:
@@ -159,18 +161,22 @@ class Witness:
             request = requests[req_id]
             tokens = self.tokens_of(request)
             self.findings.chunks += 1
-            if start > 0:
-                self._judge_read(req_id, tokens, start)
-            running = self._column(req_id, -(-end // self.state_block) - 1)
-            assert running is not None and not running.is_null, (
-                f"{req_id}: the running slot of a chunk ending at {end} is missing"
-            )
-            self.holds[running.block_id] = state_name(tokens, end)
+            for mamba in self.mambas.values():
+                if start > 0:
+                    self._judge_read(mamba, req_id, tokens, start)
+                column = -(-end // self.state_block) - 1
+                running = self._column(mamba, req_id, column)
+                assert running is not None and not running.is_null, (
+                    f"{req_id}: the running slot of a chunk ending at {end} is missing"
+                )
+                self.holds[running.block_id] = state_name(tokens, end)
         self._judge_published()
 
-    def _judge_read(self, req_id: str, tokens: Sequence[int], start: int) -> None:
+    def _judge_read(
+        self, mamba: Any, req_id: str, tokens: Sequence[int], start: int
+    ) -> None:
         self.findings.reads += 1
-        block = self._column(req_id, (start - 1) // self.state_block)
+        block = self._column(mamba, req_id, (start - 1) // self.state_block)
         held = (
             None if block is None or block.is_null else self.holds.get(block.block_id)
         )
@@ -188,15 +194,12 @@ class Witness:
         it ran)."""
         from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
 
-        for request in self.scheduler.requests.values():
-            blocks = self.mamba.req_to_blocks.get(request.request_id, ())
-            if not blocks:
-                continue
+        for request, group, blocks in self._mamba_tables():
             lengths = self._hash_lengths(request)
             tokens = self.tokens_of(request)
             for block in blocks:
                 key = block.block_hash
-                if block.is_null or key is None or get_group_id(key) != self.group:
+                if block.is_null or key is None or get_group_id(key) != group:
                     continue
                 digest = bytes(get_block_hash(key))
                 if (block.block_id, digest) in self._judged:
@@ -220,6 +223,16 @@ class Witness:
                         f"{request.request_id}: block {block.block_id} hashed as "
                         f"the state after {length} tokens holds {what}"
                     )
+
+    def _mamba_tables(self) -> list[tuple[Any, int, Sequence[Any]]]:
+        """(request, group id, its blocks in that group) for live requests."""
+        tables = []
+        for request in self.scheduler.requests.values():
+            for group, mamba in self.mambas.items():
+                blocks = mamba.req_to_blocks.get(request.request_id, ())
+                if blocks:
+                    tables.append((request, group, blocks))
+        return tables
 
     def _hash_lengths(self, request: Any) -> dict[bytes, int]:
         """Hash -> the prefix length it names, for a request's prefixes at
