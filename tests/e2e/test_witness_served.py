@@ -236,7 +236,11 @@ def test_served_engines_under_load_long(
     deployment = LONG[key]
     verdict = watched(key, deployment, served_model, tmp_path_factory.mktemp("w"))
     if deployment.mode == "stock":
-        assert verdict.totals["wrong_publications"] > 0, verdict.totals
+        # C = B here (no drafter, see LOAD_OPTIONS): stock's chunks end on the
+        # state grid and it publishes right states too; what this server
+        # shows is that the judge ran on stock's steps, every one mirrored.
+        totals = verdict.totals
+        assert totals["unmirrored_steps"] == 0 and totals["publications"] > 0, totals
         return
     _check_fixed(verdict)
     if deployment.options.get("data_parallel_size"):
