@@ -204,7 +204,11 @@ def watched(key: str, deployment: Deployment, model: Path, workdir: Path) -> Ver
     return verdict
 
 
-def _check_fixed(verdict: Verdict) -> None:
+def _check_fixed(verdict: Verdict, prefill_aborts: bool = True) -> None:
+    """``prefill_aborts``: require a client to have left in prefill (where the
+    mode stops at every boundary vLLM keeps, dense here, a 1,900-token prefill
+    takes tens of steps; ``grid`` runs it in a few, often inside the client's
+    timeout)."""
     totals = {**verdict.totals, "clients": verdict.clients}
     assert verdict.engines >= 1, verdict.log[-3000:]
     assert totals["unmirrored_steps"] == 0, totals  # every step judged
@@ -214,7 +218,8 @@ def _check_fixed(verdict: Verdict) -> None:
     # The load happened in the engine: clients left in prefill and in decode.
     # (Preemptions are counted and shown; the scheduler-level witness is where
     # they are guaranteed: this engine admitted no more than its pool held.)
-    assert totals["aborts_in_prefill"] > 0, totals
+    if prefill_aborts:
+        assert totals["aborts_in_prefill"] > 0, totals
     assert totals["aborts_in_decode"] > 0, totals
 
 
@@ -242,7 +247,7 @@ def test_served_engines_under_load_long(
         totals = verdict.totals
         assert totals["unmirrored_steps"] == 0 and totals["publications"] > 0, totals
         return
-    _check_fixed(verdict)
+    _check_fixed(verdict, prefill_aborts=deployment.mode != "grid")
     if deployment.options.get("data_parallel_size"):
         assert verdict.engines == 2, verdict.engines
     if deployment.mode != "grid":
