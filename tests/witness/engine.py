@@ -1,0 +1,236 @@
+"""A real vLLM scheduler for the witness, built as vLLM's engine core builds one,
+for a tiny hybrid model known only by its config.json (no weights, no GPU).
+
+Nothing here comes from the plugin: the plugin reaches this scheduler only if
+vLLM's own plugin loader installed it (``VLLM_PLUGINS``,
+``vllm.plugins.load_general_plugins``) before the scheduler is built.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+TINY_HYBRID = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 16,
+    "shared_expert_intermediate_size": 16,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "linear_num_key_heads": 1,
+    "linear_num_value_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 2,
+    "num_experts_per_tok": 1,
+    "decoder_sparse_step": 1,
+    "full_attention_interval": 4,
+    "vocab_size": 512,
+    "max_position_embeddings": 65536,
+    "torch_dtype": "float32",
+    "rope_theta": 10000.0,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+}
+"""Qwen3-Next's layout in miniature: three GDN layers and one attention layer."""
+
+MAX_MODEL_LEN = 16384
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a scheduler is built with."""
+
+    state_block: int
+    """B: the Mamba group's block."""
+    attention_block: int
+    """The attention group's block."""
+    drafter_block: int | None = None
+    """A third group's block (a drafter's hidden-state layers): C, when smaller."""
+    budget: int = 256
+    num_blocks: int = 1000
+    max_num_seqs: int = 8
+    retention: int | str | None = "default"
+    """vLLM's prefix-cache state retention: "default" (what the engine resolves
+    when the user sets nothing), None (dense) or an interval."""
+    priority: bool = False
+    async_scheduling: bool = False
+    reserve_full_input: bool = True
+    """``scheduler_reserve_full_isl`` where vLLM has it; False admits more
+    requests than the pool can finish: running ones get preempted."""
+
+
+@functools.cache
+def model_dir() -> str:
+    path = tempfile.mkdtemp(prefix="witness-tiny-hybrid-")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(TINY_HYBRID, f)
+    return path
+
+
+def engine_config(shape: Shape) -> Any:
+    """vLLM's own config for the model, from the options a user passes."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from vllm.engine.arg_utils import EngineArgs
+
+    options: dict[str, Any] = {}
+    if shape.priority:
+        options["scheduling_policy"] = "priority"
+    args = EngineArgs(
+        model=model_dir(),
+        skip_tokenizer_init=True,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=max(shape.budget, 2048),
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=shape.max_num_seqs,
+        **options,
+    )
+    config = args.create_engine_config()
+    assert config.cache_config.mamba_cache_mode == "align", "not in align mode"
+    return config
+
+
+def kv_cache_config(shape: Shape, config: Any) -> Any:
+    """The KV-cache groups the engine plans for this model: attention, Mamba
+    (GDN), and a drafter's hidden-state group if the shape has one."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
+
+    def attention(block: int) -> Any:
+        return FullAttentionSpec(
+            block_size=block, num_kv_heads=1, head_size=16, dtype=torch.float32
+        )
+
+    groups = [
+        KVCacheGroupSpec(
+            ["model.layers.3.self_attn.attn"], attention(shape.attention_block)
+        ),
+        KVCacheGroupSpec(
+            [f"model.layers.{i}.linear_attn" for i in range(3)],
+            MambaSpec(
+                block_size=shape.state_block,
+                shapes=((1,),),
+                dtypes=(torch.float32,),
+                mamba_cache_mode="align",
+            ),
+        ),
+    ]
+    if shape.drafter_block is not None:
+        groups.append(
+            KVCacheGroupSpec(
+                ["drafter.hidden_states.0"], attention(shape.drafter_block)
+            )
+        )
+    kv = KVCacheConfig(
+        num_blocks=shape.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
+    )
+    if hasattr(kv, "prefix_cache_retention_interval"):
+        # 0.29.0+: the engine copies the cache config's setting in.
+        kv.prefix_cache_retention_interval = (
+            config.cache_config.prefix_cache_retention_interval
+            if shape.retention == "default"
+            else shape.retention
+        )
+    return kv
+
+
+def build_scheduler(shape: Shape) -> Any:
+    """A real Scheduler (AsyncScheduler under async scheduling) as the engine
+    core builds it: the cache config's block is the smallest group block, the
+    scheduler and hash blocks as vLLM resolves them."""
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    if shape.async_scheduling:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler as Scheduler
+
+    config = engine_config(shape)
+    kv = kv_cache_config(shape, config)
+    config.cache_config.block_size = min(
+        g.kv_cache_spec.block_size for g in kv.kv_cache_groups
+    )
+    config.cache_config.num_gpu_blocks = shape.num_blocks
+    config.scheduler_config.max_num_batched_tokens = shape.budget
+    if getattr(config.scheduler_config, "max_num_scheduled_tokens", None):
+        config.scheduler_config.max_num_scheduled_tokens = shape.budget
+    if hasattr(config.scheduler_config, "scheduler_reserve_full_isl"):
+        config.scheduler_config.scheduler_reserve_full_isl = shape.reserve_full_input
+    if hasattr(config.scheduler_config, "async_scheduling"):
+        config.scheduler_config.async_scheduling = shape.async_scheduling
+    if shape.retention != "default" and not hasattr(
+        kv, "prefix_cache_retention_interval"
+    ):
+        raise NotImplementedError("this vLLM has no retention setting")
+    sizes: dict[str, int] = {"block_size": config.cache_config.block_size}
+    resolve = getattr(kv_cache_utils, "resolve_kv_cache_block_sizes", None)
+    if resolve is not None:
+        scheduler_block, hash_block = resolve(kv, config)
+        if hasattr(kv, "hash_block_size"):
+            kv.hash_block_size = hash_block
+        sizes = {"block_size": scheduler_block, "hash_block_size": hash_block}
+    return Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv,
+        structured_output_manager=StructuredOutputManager(config),
+        log_stats=True,
+        **sizes,
+    )
+
+
+def hash_block_of(scheduler: Any) -> int:
+    pool = scheduler.kv_cache_manager.block_pool
+    return int(
+        getattr(pool, "hash_block_size", 0)
+        or getattr(scheduler, "hash_block_size", 0)
+        or scheduler.cache_config.block_size
+    )
+
+
+@functools.cache
+def _hash_function() -> Any:
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    init_none_hash(sha256)
+    return sha256
+
+
+def new_request(
+    scheduler: Any, req_id: str, tokens: list[int], max_tokens: int, priority: int
+) -> Any:
+    """A vLLM Request with the block hasher the engine gives it."""
+    import inspect
+
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    hasher = get_request_block_hasher(hash_block_of(scheduler), _hash_function())
+    extra: dict[str, Any] = {}
+    if "eos_token_id" in inspect.signature(Request.__init__).parameters:
+        extra["eos_token_id"] = None
+    return Request(
+        req_id,
+        list(tokens),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        None,
+        priority=priority,
+        block_hasher=hasher,
+        **extra,
+    )

@@ -1,0 +1,260 @@
+"""The witness: which Mamba state each block holds, and whether vLLM's hashes and
+reads agree with it, after every step of a real scheduler.
+
+Written from vLLM's align-mode contract alone (it shares no code with the
+plugin, and imports nothing of it):
+
+- A step schedules a request's tokens ``[start, end)``. Before the forward
+  pass the worker runs the step's queued block copies
+  (``SchedulerOutput.kv_cache_block_copies``: copy-on-write of a partially hit
+  state). The forward pass reads the state in block-table column
+  ``(start - 1) // B`` of the request's Mamba group, which must be the state
+  after exactly its first ``start`` tokens, and leaves the state after ``end``
+  tokens in column ``ceil(end / B) - 1`` (the running slot). Other columns
+  keep what they held.
+- A Mamba block carrying a hash names the state after the prefix that hash
+  chains over: the ``j``-th of a request's block hashes covers its first
+  ``(j + 1) * hash_block`` tokens. It must hold exactly that state once the
+  step that published it has run.
+- Every Mamba block vLLM's prefix cache decides to keep (its block mask, or
+  every block where it has none) must be a real block when it is cached: a
+  null block there is a boundary state vLLM keeps that no chunk ever wrote.
+
+A state is named by the tokens it has seen: ``(length, digest of the tokens)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+StateName = tuple[int, bytes]
+
+
+def state_name(tokens: Sequence[int], length: int) -> StateName:
+    """The state after the first ``length`` of ``tokens``."""
+    return length, hashlib.sha256(array("q", tokens[:length]).tobytes()).digest()
+
+
+@dataclass
+class Findings:
+    """What the witness saw: the counts a report shows, and the first examples."""
+
+    steps: int = 0
+    chunks: int = 0
+    publications: int = 0
+    wrong_publications: int = 0
+    reads: int = 0
+    wrong_reads: int = 0
+    kept_decisions: int = 0
+    lost_kept_states: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    def note(self, line: str) -> None:
+        if len(self.examples) < 8:
+            self.examples.append(line)
+
+
+class Witness:
+    """Mirrors the worker's Mamba writes for one scheduler and judges vLLM's
+    hashes and reads against them.
+
+    ``tokens_of(request)`` gives a request's tokens as the worker knows them
+    (its prompt, then every sampled token, in-flight ones included).
+    """
+
+    def __init__(
+        self, scheduler: Any, tokens_of: Callable[[Any], Sequence[int]]
+    ) -> None:
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        self.scheduler = scheduler
+        self.tokens_of = tokens_of
+        manager = scheduler.kv_cache_manager
+        coordinator = manager.coordinator
+        found = [
+            (index, single)
+            for index, single in enumerate(coordinator.single_type_managers)
+            if isinstance(single.kv_cache_spec, MambaSpec)
+        ]
+        assert found, "no Mamba group"
+        self.mambas = dict(found)
+        """Group id -> its manager: a model's Mamba layers may fill several
+        groups of one spec, each with its own block table and blocks."""
+        (self.state_block,) = {m.kv_cache_spec.block_size for _, m in found}
+        self.block_pool = manager.block_pool
+        self.hash_block: int = int(
+            getattr(self.block_pool, "hash_block_size", 0)
+            or getattr(scheduler, "hash_block_size", 0)
+            or scheduler.cache_config.block_size
+        )
+        self.holds: dict[int, StateName] = {}
+        """Block id -> the state the worker last wrote there."""
+        self.findings = Findings()
+        self._judged: set[tuple[int, bytes]] = set()
+        self._watch_caching()
+
+    # -- what vLLM decides to keep -------------------------------------------
+    def _watch_caching(self) -> None:
+        """Count every Mamba block vLLM's prefix cache keeps when it caches a
+        request's full blocks, and the kept ones that are null (never written).
+        Watched at ``BlockPool.cache_full_blocks``, whose arguments say which
+        blocks and which of them the retention mask keeps."""
+        pool = self.block_pool
+        cache_full_blocks = pool.cache_full_blocks
+        witness = self
+
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            names = (
+                "request",
+                "blocks",
+                "num_cached_blocks",
+                "num_full_blocks",
+                "block_size",
+                "kv_cache_group_id",
+                "block_mask",
+            )
+            bound = dict(zip(names, args, strict=False)) | kwargs
+            if bound.get("kv_cache_group_id") in witness.mambas:
+                witness._judge_kept(bound)
+            return cache_full_blocks(*args, **kwargs)
+
+        pool.cache_full_blocks = watched
+
+    def _judge_kept(self, call: dict[str, Any]) -> None:
+        blocks = call["blocks"]
+        first, last = call["num_cached_blocks"], call["num_full_blocks"]
+        mask = call.get("block_mask")
+        request = call["request"]
+        for index in range(first, last):
+            if mask is not None and not mask[index - first]:
+                continue
+            self.findings.kept_decisions += 1
+            if blocks[index].is_null:
+                self.findings.lost_kept_states += 1
+                self.findings.note(
+                    f"{request.request_id}: vLLM keeps the state after "
+                    f"{(index + 1) * self.state_block} tokens, but its slot "
+                    "is the null block (no chunk ended there)"
+                )
+
+    # -- the worker ---------------------------------------------------------
+    def _column(self, mamba: Any, req_id: str, column: int) -> Any:
+        blocks = mamba.req_to_blocks.get(req_id, ())
+        return blocks[column] if column < len(blocks) else None
+
+    def run_step(self, output: Any, chunks: dict[str, tuple[int, int]]) -> None:
+        """The forward pass of one scheduled step: block copies, reads, writes,
+        then the hashes vLLM holds on Mamba blocks judged."""
+        self.findings.steps += 1
+        for copy in getattr(output, "kv_cache_block_copies", None) or ():
+            source, target = copy
+            if source in self.holds:
+                self.holds[target] = self.holds[source]
+            else:
+                self.holds.pop(target, None)
+        requests = self.scheduler.requests
+        for req_id, (start, end) in chunks.items():
+            request = requests[req_id]
+            tokens = self.tokens_of(request)
+            self.findings.chunks += 1
+            for mamba in self.mambas.values():
+                if start > 0:
+                    self._judge_read(mamba, req_id, tokens, start)
+                column = -(-end // self.state_block) - 1
+                running = self._column(mamba, req_id, column)
+                assert running is not None and not running.is_null, (
+                    f"{req_id}: the running slot of a chunk ending at {end} is missing"
+                )
+                self.holds[running.block_id] = state_name(tokens, end)
+        self._judge_published()
+
+    def _judge_read(
+        self, mamba: Any, req_id: str, tokens: Sequence[int], start: int
+    ) -> None:
+        self.findings.reads += 1
+        block = self._column(mamba, req_id, (start - 1) // self.state_block)
+        held = (
+            None if block is None or block.is_null else self.holds.get(block.block_id)
+        )
+        if held != state_name(tokens, start):
+            self.findings.wrong_reads += 1
+            what = "nothing" if held is None else f"the state after {held[0]} tokens"
+            self.findings.note(
+                f"{req_id}: a chunk from {start} reads {what} "
+                f"(wants the state after {start} of its own tokens)"
+            )
+
+    def _judge_published(self) -> None:
+        """Every hashed Mamba block of a live request holds the state its hash
+        names (each (block, hash) judged once, after the step that published
+        it ran)."""
+        from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+
+        for request, group, blocks in self._mamba_tables():
+            lengths = self._hash_lengths(request)
+            tokens = self.tokens_of(request)
+            for block in blocks:
+                key = block.block_hash
+                if block.is_null or key is None or get_group_id(key) != group:
+                    continue
+                digest = bytes(get_block_hash(key))
+                if (block.block_id, digest) in self._judged:
+                    continue
+                self._judged.add((block.block_id, digest))
+                self.findings.publications += 1
+                length = lengths.get(digest)
+                if length is None:
+                    # In the request's own table, yet no prefix of its tokens.
+                    self.findings.wrong_publications += 1
+                    self.findings.note(
+                        f"{request.request_id}: block {block.block_id} carries a "
+                        "hash of no prefix of the request's tokens"
+                    )
+                    continue
+                held = self.holds.get(block.block_id)
+                if held != state_name(tokens, length):
+                    self.findings.wrong_publications += 1
+                    what = "nothing" if held is None else f"state@{held[0]}"
+                    self.findings.note(
+                        f"{request.request_id}: block {block.block_id} hashed as "
+                        f"the state after {length} tokens holds {what}"
+                    )
+
+    def _mamba_tables(self) -> list[tuple[Any, int, Sequence[Any]]]:
+        """(request, group id, its blocks in that group) for live requests."""
+        tables = []
+        for request in self.scheduler.requests.values():
+            for group, mamba in self.mambas.items():
+                blocks = mamba.req_to_blocks.get(request.request_id, ())
+                if blocks:
+                    tables.append((request, group, blocks))
+        return tables
+
+    def _hash_lengths(self, request: Any) -> dict[bytes, int]:
+        """Hash -> the prefix length it names, for a request's prefixes at
+        every hash block: vLLM hashes a Mamba block as the chained hash of its
+        last hash block (0.26.0+), or as the concatenation of its hash blocks'
+        hashes (before, where the group's block is a multiple of the hash
+        block): both forms are named."""
+        step = self.hash_block
+        per_block = max(self.state_block // step, 1)
+        hashes = [bytes(h) for h in request.block_hashes]
+        lengths: dict[bytes, int] = {}
+        for j, digest in enumerate(hashes):
+            lengths[digest] = (j + 1) * step
+            first = j // per_block * per_block
+            lengths[b"".join(hashes[first : j + 1])] = (j + 1) * step
+        return lengths
+
+    def forget_evicted(self) -> None:
+        """A block whose hash vLLM dropped (evicted and reused) is judged
+        again when it is next published."""
+        self._judged = {
+            (block_id, digest)
+            for block_id, digest in self._judged
+            if self.block_pool.blocks[block_id].block_hash is not None
+        }

@@ -1,0 +1,344 @@
+"""Concurrent load on the real scheduler, under the witness: staggered arrivals
+whose decodes share the step budget with other requests' prefills, siblings
+sharing prefixes (cache hits), a scarce block pool (preemption and
+resumption), aborts in prefill and in decode, late high-priority arrivals under
+``scheduling_policy="priority"``, async scheduling, a drafter's smaller block
+(C < B) and vLLM's state retention 0 (its default), dense and R > 0.
+
+Each workload is driven the way vLLM's engine core drives its scheduler:
+``schedule()``, the forward pass (here: the witness's mirror of the worker's
+Mamba writes), ``update_from_output()``; under async scheduling the next step
+is scheduled before the previous step's output comes back (a queue of two).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from witness.engine import Shape, build_scheduler, new_request
+from witness.judge import Findings, Witness
+
+SAMPLED = 7
+"""The token the modelled model samples, always: tokens in flight are known."""
+
+
+@dataclass(frozen=True)
+class Arrival:
+    step: int
+    req_id: str
+    tokens: tuple[int, ...]
+    max_tokens: int
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class Abort:
+    req_id: str
+    phase: str
+    """"prefill": once its prefill passed ``at`` tokens; "decode": once it has
+    ``at`` output tokens."""
+    at: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    shape: Shape
+    arrivals: tuple[Arrival, ...]
+    aborts: tuple[Abort, ...] = ()
+    expects: tuple[str, ...] = ()
+    """Events (fields of :class:`Events`) that must occur, in every mode."""
+    stock_wrong: bool = True
+    """Whether stock vLLM publishes wrong states here (C < B: it ends chunks
+    on C's grid). With C = B it does not on these loads."""
+
+
+@dataclass
+class Events:
+    """What happened under the witness (each workload's load must really occur)."""
+
+    preemptions: int = 0
+    preempted_in_prefill: int = 0
+    priority_preemptions: int = 0
+    """Preemptions of a request of lower priority than one scheduled in the
+    same step, whose prefill was in progress."""
+    aborts_in_prefill: int = 0
+    aborts_in_decode: int = 0
+    aborts_waiting: int = 0
+    """Aborted before any of its tokens was computed (served: a client gone
+    while its request waited)."""
+    cache_hits: int = 0
+    unfinished: list[str] = field(default_factory=list)
+    """Requests neither aborted nor given all their tokens (must stay empty)."""
+
+
+def _prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(1, 500) for _ in range(length)]
+
+
+def _load(
+    seed: int,
+    count: int,
+    spread: int,
+    late_priority: bool = False,
+) -> tuple[Arrival, ...]:
+    """``count`` requests over ``spread`` steps: siblings of three shared bases
+    (hits, junctions), some with long decodes."""
+    rng = random.Random(seed)
+    bases = [_prompt(rng, rng.randint(150, 420)) for _ in range(3)]
+    arrivals = []
+    for index in range(count):
+        base = rng.choice(bases)
+        shared = rng.randint(0, len(base))
+        tail = _prompt(rng, rng.randint(1 if shared else 40, 200))
+        decode = rng.choice([1, 3, rng.randint(20, 70)])
+        step = rng.randint(0, spread)
+        priority = 0
+        if late_priority:
+            # The first half arrives early at low priority (larger value), the
+            # rest late at high priority, while the early ones still prefill.
+            early = index < count // 2
+            step = rng.randint(0, 3) if early else rng.randint(4, spread)
+            priority = 5 if early else 0
+            if early:  # long prompts: still in prefill when the others come
+                tail += _prompt(rng, 700)
+        arrivals.append(
+            Arrival(step, f"r{index}", tuple(base[:shared] + tail), decode, priority)
+        )
+    return tuple(arrivals)
+
+
+def _aborts(seed: int, arrivals: tuple[Arrival, ...]) -> tuple[Abort, ...]:
+    """One request in three aborted: in prefill at a random point, or in decode."""
+    rng = random.Random(seed + 1)
+    aborts = []
+    for arrival in arrivals[::3]:
+        if arrival.max_tokens > 2 and rng.random() < 0.5:
+            aborts.append(
+                Abort(arrival.req_id, "decode", rng.randint(1, arrival.max_tokens - 1))
+            )
+        else:
+            aborts.append(
+                Abort(
+                    arrival.req_id, "prefill", rng.randint(1, len(arrival.tokens) - 1)
+                )
+            )
+    return tuple(aborts)
+
+
+def drafter_block() -> int | None:
+    """C for the drafter's group beside B = 96 (:data:`STATE_BLOCK`) on the
+    installed vLLM: 64 (not a divisor) from 0.28.0, 48 (C must divide B) before
+    0.20; None where vLLM refuses C < B at startup (0.20.2-0.27.1)."""
+    import vllm
+    from packaging.version import Version
+
+    release = Version(vllm.__version__).release
+    if release >= (0, 28):
+        return 64
+    if release < (0, 20):
+        return 48
+    return None
+
+
+def retention_setting() -> bool:
+    """Whether the installed vLLM takes a retention interval for Mamba states
+    from the KV-cache config (0.29.0+; before: every state kept)."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    return "prefix_cache_retention_interval" in KVCacheConfig.__dataclass_fields__
+
+
+STATE_BLOCK = 96
+"""B, the Mamba group's block (and the attention group's)."""
+PREEMPTED = "preemptions"
+ABORTED = ("aborts_in_prefill", "aborts_in_decode")
+
+
+def workloads() -> list[Workload]:
+    """The named workloads every mode runs, with the events each must show; a
+    drafter's group of block C beside the attention and Mamba groups' B = 96."""
+    drafter = Shape(
+        state_block=STATE_BLOCK,
+        attention_block=STATE_BLOCK,
+        drafter_block=drafter_block(),
+        budget=256,
+    )
+    # A pool a few requests fit in at once, not all: running ones are
+    # preempted and resume from what they cached.
+    scarce_pool = replace(drafter, num_blocks=40, reserve_full_input=False)
+    concurrent = _load(seed=11, count=12, spread=30)
+    scarce = _load(seed=12, count=12, spread=20)
+    aborted = _load(seed=13, count=12, spread=25)
+    ranked = _load(seed=14, count=10, spread=14, late_priority=True)
+    retention = []
+    if retention_setting():
+        retention = [
+            Workload(
+                "concurrent, dense retention",
+                replace(drafter, retention=None),
+                concurrent,
+            ),
+            Workload(
+                "concurrent, retention R=384",
+                replace(drafter, retention=384),
+                concurrent,
+            ),
+        ]
+    return [
+        Workload("concurrent", drafter, concurrent, expects=("cache_hits",)),
+        *retention,
+        Workload("scarce pool", scarce_pool, scarce, expects=(PREEMPTED,)),
+        Workload("aborts", drafter, aborted, _aborts(13, aborted), expects=ABORTED),
+        Workload(
+            "priority",
+            replace(scarce_pool, priority=True),
+            ranked,
+            _aborts(14, ranked),
+            expects=("priority_preemptions", "aborts_in_prefill"),
+        ),
+        Workload(
+            "async",
+            replace(scarce_pool, async_scheduling=True),
+            scarce,
+            _aborts(15, scarce),
+            expects=(PREEMPTED, *ABORTED),
+        ),
+        Workload(
+            "equal blocks (C = B)",
+            replace(scarce_pool, drafter_block=None, num_blocks=12),
+            scarce,
+            _aborts(12, scarce),
+            expects=(PREEMPTED, *ABORTED),
+            stock_wrong=False,
+        ),
+    ]
+
+
+def tokens_of(request: Any) -> list[int]:
+    """A request's tokens as the worker knows them: in-flight ones (async
+    scheduling's output placeholders) are the sampled token."""
+    in_flight = int(getattr(request, "num_output_placeholders", 0) or 0)
+    return [*request.all_token_ids, *[SAMPLED] * in_flight]
+
+
+def drive(workload: Workload) -> tuple[Findings, Events]:
+    """Run ``workload`` to the end under the witness."""
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import RequestStatus
+
+    scheduler = build_scheduler(workload.shape)
+    witness = Witness(scheduler, tokens_of)
+    events = Events()
+    pending = sorted(workload.arrivals, key=lambda a: (a.step, a.req_id))
+    aborts = {a.req_id: a for a in workload.aborts}
+    aborted: set[str] = set()
+    added: dict[str, Any] = {}
+    in_flight: deque[tuple[Any, Any]] = deque()
+    step = 0
+    try:
+        while pending or scheduler.has_requests() or in_flight:
+            if in_flight and not pending and not scheduler.has_requests():
+                scheduler.update_from_output(*in_flight.pop())  # drain the queue
+                continue
+            while pending and pending[0].step <= step:
+                arrival = pending.pop(0)
+                request = new_request(
+                    scheduler,
+                    arrival.req_id,
+                    list(arrival.tokens),
+                    arrival.max_tokens,
+                    arrival.priority,
+                )
+                added[arrival.req_id] = request
+                scheduler.add_request(request)
+            _abort_due(scheduler, aborts, aborted, events)
+            running = {
+                r.request_id: (r.num_computed_tokens, r.num_prompt_tokens, r.priority)
+                for r in scheduler.running
+            }
+            output = scheduler.schedule()
+            chunks = {}
+            for req_id, count in output.num_scheduled_tokens.items():
+                end = scheduler.requests[req_id].num_computed_tokens
+                chunks[req_id] = (end - count, end)
+            for new in output.scheduled_new_reqs:
+                if new.num_computed_tokens > 0:
+                    events.cache_hits += 1
+            witness.run_step(output, chunks)
+            witness.forget_evicted()
+            count_preemptions(scheduler, running, chunks, events, RequestStatus)
+            sampled = [
+                [SAMPLED] if end >= scheduler.requests[r].num_tokens else []
+                for r, (_, end) in chunks.items()
+            ]
+            runner = ModelRunnerOutput(
+                req_ids=list(chunks),
+                req_id_to_index={r: i for i, r in enumerate(chunks)},
+                sampled_token_ids=sampled,
+            )
+            in_flight.appendleft((output, runner))
+            if (
+                workload.shape.async_scheduling
+                and len(in_flight) < 2
+                and scheduler.has_requests()
+            ):
+                step += 1
+                continue
+            scheduler.update_from_output(*in_flight.pop())
+            step += 1
+            assert step < 20_000, f"{workload.name}: the scheduler stalled"
+    finally:
+        scheduler.shutdown()
+    for req_id, request in added.items():
+        if req_id not in aborted and request.num_output_tokens < request.max_tokens:
+            events.unfinished.append(req_id)
+    return witness.findings, events
+
+
+def _abort_due(
+    scheduler: Any, aborts: dict[str, Abort], aborted: set[str], events: Events
+) -> None:
+    """Abort (as a client disconnecting: ``finish_requests``) every request
+    whose abort point has come."""
+    from vllm.v1.request import RequestStatus
+
+    for req_id, abort in list(aborts.items()):
+        request = scheduler.requests.get(req_id)
+        if request is None:
+            continue
+        if abort.phase == "prefill":
+            due = abort.at <= request.num_computed_tokens < request.num_prompt_tokens
+        else:
+            due = request.num_output_tokens >= abort.at
+        if not due:
+            continue
+        scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+        del aborts[req_id]
+        aborted.add(req_id)
+        if abort.phase == "prefill":
+            events.aborts_in_prefill += 1
+        else:
+            events.aborts_in_decode += 1
+
+
+def count_preemptions(
+    scheduler: Any,
+    running: dict[str, tuple[int, int, int]],
+    chunks: dict[str, tuple[int, int]],
+    events: Events,
+    status: Any,
+) -> None:
+    scheduled = [scheduler.requests[r].priority for r in chunks]
+    for req_id, (computed, prompt, priority) in running.items():
+        request = scheduler.requests.get(req_id)
+        if request is None or request.status != status.PREEMPTED:
+            continue
+        events.preemptions += 1
+        in_prefill = computed < prompt
+        events.preempted_in_prefill += in_prefill
+        if in_prefill and any(p < priority for p in scheduled):
+            events.priority_preemptions += 1
