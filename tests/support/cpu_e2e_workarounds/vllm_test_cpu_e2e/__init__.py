@@ -1,4 +1,4 @@
-"""Test-only vLLM general plugin: two gaps of the CPU backend, bridged for e2e tests.
+"""Test-only vLLM general plugin: three gaps of the CPU backend, bridged for e2e.
 
 Installed only into the e2e test environment (``nox -s e2e``) and enabled by
 listing ``cpu_e2e_workarounds`` in ``VLLM_PLUGINS``. It is a plugin (not a
@@ -29,16 +29,7 @@ on host memory. The tests send ``max_tokens=1`` requests, so no draft is ever
 verified and the post-step stand-in only confirms that nothing needs to move;
 the pre-step copies do run, between prefill chunks.
 
-Gap 3 (a Ray device), only with ``MAMBA_ALIGN_E2E_RAY_DEVICE_KEY`` set (to
-``CPU``): vLLM's Ray data-parallel backend places each rank in a Ray placement
-group of ``current_platform.ray_device_key`` devices
-(``CoreEngineActorManager.create_dp_placement_groups``), and the CPU platform
-names none (the empty key), so the server stops before any engine actor exists.
-The variable gives the CPU platform class that key, so that each rank's bundle
-asks the Ray cluster for a logical CPU. A workaround of the tests: the real CPU
-platform's key stays empty (test_distributed.py checks it without the variable).
-
-Gap 4 (an MoE model's data-parallel exchange). With ``--data-parallel-size`` > 1
+Gap 3 (an MoE model's data-parallel exchange). With ``--data-parallel-size`` > 1
 an MoE layer gathers every rank's tokens before its experts and hands each rank
 its share of the sum after (vLLM 0.32.0's ``AgRsAll2AllManager.dispatch`` and
 ``combine`` in ``device_communicators/all2all.py``), through the device
@@ -74,8 +65,6 @@ MIXER2_MODULE = "vllm.model_executor.layers.mamba.mamba_mixer2"
 WORKER_MAMBA_MODULE = "vllm.v1.worker.mamba_utils"
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 CPU_COMMUNICATOR_MODULE = "vllm.distributed.device_communicators.cpu_communicator"
-CPU_PLATFORM_MODULE = "vllm.platforms.cpu"
-RAY_DEVICE_VARIABLE = "MAMBA_ALIGN_E2E_RAY_DEVICE_KEY"
 TRACE_VARIABLE = "MAMBA_ALIGN_E2E_TRACE"
 BF16_STATES_VARIABLE = "MAMBA_ALIGN_E2E_BF16_STATES"
 _registered = False
@@ -289,7 +278,7 @@ def _all_gatherv(
     padded[: moved.shape[0]] = moved
     gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
     dist.all_gather(gathered, padded, group=self.device_group)
-    rows = torch.cat([part[:size] for part, size in zip(gathered, sizes)])
+    rows = torch.cat([part[:size] for part, size in zip(gathered, sizes, strict=True)])
     return rows.movedim(0, dim).contiguous()
 
 
@@ -309,12 +298,6 @@ def _patch_cpu_communicator(module: ModuleType) -> None:
     module.CpuCommunicator.reduce_scatterv = _reduce_scatterv  # type: ignore[attr-defined]
 
 
-def _give_the_cpu_platform_a_ray_device(module: ModuleType) -> None:
-    key = os.environ.get(RAY_DEVICE_VARIABLE)
-    if key:
-        module.CpuPlatform.ray_device_key = key  # type: ignore[attr-defined]
-
-
 def register() -> None:
     """Entry point (group ``vllm.general_plugins``); idempotent."""
     global _registered
@@ -324,7 +307,4 @@ def register() -> None:
     wrapt.register_post_import_hook(_patch_mixer2, MIXER2_MODULE)
     wrapt.register_post_import_hook(_patch_worker_mamba, WORKER_MAMBA_MODULE)
     wrapt.register_post_import_hook(_patch_scheduler, SCHEDULER_MODULE)
-    wrapt.register_post_import_hook(
-        _give_the_cpu_platform_a_ray_device, CPU_PLATFORM_MODULE
-    )
     wrapt.register_post_import_hook(_patch_cpu_communicator, CPU_COMMUNICATOR_MODULE)
