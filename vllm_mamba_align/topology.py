@@ -45,9 +45,11 @@ def headless_lines(mode: str | None, setting_errors: Iterable[str]) -> list[str]
     ]
     if errors:
         lines.append(
-            "a refused setting stops this node only: vLLM's head node then "
-            "waits for its rank without a bound and says nothing at INFO, so "
-            "read this node's log"
+            "a refused setting stops this node; it first sends the refusal to "
+            "the head (waiting up to 60 s for the head to listen), whose "
+            "startup then stops with this message in its log; a head that "
+            "starts later waits for this rank without a bound, so read this "
+            "node's log"
         )
     return lines
 

@@ -70,6 +70,7 @@ def _summary_lines() -> list[str]:
         test_default_retention,
         test_distributed,
         test_engine,
+        test_moe_dp,
         test_probe,
         test_serve,
     )
@@ -77,6 +78,7 @@ def _summary_lines() -> list[str]:
     return [
         *test_engine.summary_lines(),
         *test_distributed.summary_lines(),
+        *test_moe_dp.summary_lines(),
         *test_default_retention.retention_summary_lines(),
         *test_serve.summary_lines(),
         *test_probe.probe_summary_lines(test_serve._runs),

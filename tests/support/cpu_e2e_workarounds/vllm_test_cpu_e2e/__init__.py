@@ -1,4 +1,4 @@
-"""Test-only vLLM general plugin: two gaps of the CPU backend, bridged for e2e tests.
+"""Test-only vLLM general plugin: three gaps of the CPU backend, bridged for e2e.
 
 Installed only into the e2e test environment (``nox -s e2e``) and enabled by
 listing ``cpu_e2e_workarounds`` in ``VLLM_PLUGINS``. It is a plugin (not a
@@ -29,6 +29,17 @@ on host memory. The tests send ``max_tokens=1`` requests, so no draft is ever
 verified and the post-step stand-in only confirms that nothing needs to move;
 the pre-step copies do run, between prefill chunks.
 
+Gap 3 (an MoE model's data-parallel exchange). With ``--data-parallel-size`` > 1
+an MoE layer gathers every rank's tokens before its experts and hands each rank
+its share of the sum after (vLLM 0.32.0's ``AgRsAll2AllManager.dispatch`` and
+``combine`` in ``device_communicators/all2all.py``), through the device
+communicator's ``all_gatherv`` and ``reduce_scatterv``. The CPU communicator
+inherits the base class's, which raise ``NotImplementedError``
+(``base_device_communicator.py``), so the first step of any rank fails. The
+stand-ins do the same exchange with the communicator's own collectives
+(``all_gather`` of tensors padded to the largest rank's size, then trimmed;
+``all_reduce``, then this rank's rows).
+
 Also (not a workaround): with ``MAMBA_ALIGN_E2E_TRACE`` set to a file path, every
 prefill chunk the scheduler hands out is appended to that file as one JSON line
 (request id, the chunk's end, the prompt length, and the cache block C the
@@ -53,6 +64,7 @@ import wrapt
 MIXER2_MODULE = "vllm.model_executor.layers.mamba.mamba_mixer2"
 WORKER_MAMBA_MODULE = "vllm.v1.worker.mamba_utils"
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
+CPU_COMMUNICATOR_MODULE = "vllm.distributed.device_communicators.cpu_communicator"
 TRACE_VARIABLE = "MAMBA_ALIGN_E2E_TRACE"
 BF16_STATES_VARIABLE = "MAMBA_ALIGN_E2E_BF16_STATES"
 _registered = False
@@ -249,6 +261,43 @@ def _patch_scheduler(module: ModuleType) -> None:
     wrapt.wrap_function_wrapper(module, "Scheduler.schedule", _trace_prefill_chunks)
 
 
+def _all_gatherv(
+    self: Any, input_: Any, dim: int = 0, sizes: list[int] | None = None
+) -> Any:
+    """Each rank's rows along ``dim`` (``sizes[rank]`` of them), concatenated."""
+    import torch
+    import torch.distributed as dist
+
+    if isinstance(input_, list | tuple):
+        return [_all_gatherv(self, tensor, dim, sizes) for tensor in input_]
+    assert sizes is not None and len(sizes) == self.world_size
+    moved = input_.movedim(dim, 0).contiguous()
+    padded = torch.zeros(
+        (max(sizes), *moved.shape[1:]), dtype=moved.dtype, device=moved.device
+    )
+    padded[: moved.shape[0]] = moved
+    gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
+    dist.all_gather(gathered, padded, group=self.device_group)
+    rows = torch.cat([part[:size] for part, size in zip(gathered, sizes, strict=True)])
+    return rows.movedim(0, dim).contiguous()
+
+
+def _reduce_scatterv(
+    self: Any, input_: Any, dim: int = -1, sizes: list[int] | None = None
+) -> Any:
+    """The sum over ranks, of which this rank keeps its own ``sizes[rank]`` rows."""
+    assert sizes is not None and len(sizes) == self.world_size
+    summed = self.all_reduce(input_.movedim(dim, 0).contiguous().clone())
+    start = sum(sizes[: self.rank_in_group])
+    mine = summed[start : start + sizes[self.rank_in_group]]
+    return mine.movedim(0, dim).contiguous()
+
+
+def _patch_cpu_communicator(module: ModuleType) -> None:
+    module.CpuCommunicator.all_gatherv = _all_gatherv  # type: ignore[attr-defined]
+    module.CpuCommunicator.reduce_scatterv = _reduce_scatterv  # type: ignore[attr-defined]
+
+
 def register() -> None:
     """Entry point (group ``vllm.general_plugins``); idempotent."""
     global _registered
@@ -258,3 +307,4 @@ def register() -> None:
     wrapt.register_post_import_hook(_patch_mixer2, MIXER2_MODULE)
     wrapt.register_post_import_hook(_patch_worker_mamba, WORKER_MAMBA_MODULE)
     wrapt.register_post_import_hook(_patch_scheduler, SCHEDULER_MODULE)
+    wrapt.register_post_import_hook(_patch_cpu_communicator, CPU_COMMUNICATOR_MODULE)
