@@ -16,6 +16,7 @@ import random
 import pytest
 from helpers import cache_block_for, scheduler_mode
 
+from vllm_mamba_align.tools.modes import STOCK
 from vllm_mamba_align.tools.sim import Geometry, Simulation, prompt
 
 B = 1648
@@ -78,12 +79,21 @@ def test_lean_keeps_every_kept_state_and_publishes_nothing_wrong(
 
 
 @pytest.mark.parametrize("families", [False, True], ids=["unique", "families"])
-def test_lean_reaches_first_tokens_no_later_than_kept(families: bool) -> None:
-    """At vLLM's default retention; where retention keeps every boundary (or
-    the release has none) lean schedules as kept does."""
-    _, lean = served("lean", families, "default")
+def test_lean_reaches_first_tokens_no_later_than_kept_and_near_stock(
+    families: bool,
+) -> None:
+    """Where vLLM keeps only replay boundaries and junctions (retention 0),
+    lean is within 5 % of stock's time to first token on unique prompts
+    (its extra chunk ends: the replay boundaries) and no later than stock's
+    with shared prefixes (which stock publishes wrongly or loses); never later
+    than kept's. Measured on 0.33.0: 88 steps against stock's 85 and kept's
+    96 (unique), 65 against 72 and 70 (families)."""
+    sim, lean = served("lean", families, "default")
     _, kept = served("kept", families, "default")
     assert lean <= kept
+    if sim.retention_interval == 0:
+        _, stock = served(STOCK, families, "default")
+        assert lean <= (stock if families else stock * 1.05)
 
 
 def test_lean_is_kept_under_dense_retention() -> None:
