@@ -48,7 +48,7 @@ from vllm_mamba_align.tools.sim.engine import model_dir
 C, B, H = 816, 1648, 16
 MODES = [STOCK, *(m.value for m in Mode)]
 """Stock vLLM, then every plugin mode (``off`` measures the wrappers alone)."""
-SCHEDULING_MODES = simulated_modes()
+SCHEDULING_MODES = simulated_modes(every=True)
 
 
 def log(message: str) -> None:
