@@ -35,7 +35,6 @@ def served(
     geometry = Geometry(
         cache_block=cache_block_for(B),
         state_block=B,
-        hash_block=16,
         budget=8192,
         num_blocks=8000,
         retention=retention,
