@@ -736,8 +736,8 @@ def bench(session: nox.Session, vllm: str) -> None:
 def bench_load(session: nox.Session, vllm: str) -> None:
     """The concurrent-load counts (benchmarks/bench.py --load): every mode on
     requests arriving over time, three seeds; writes benchmarks/LOAD.md.
-    Counts only, so the machine's load does not matter (about 10 minutes on
-    one core)."""
+    Counts only, so the machine's load does not matter (one process: 24-29
+    minutes measured on 2 shared cores, 1-minute load 3-22)."""
     install_vllm(session, vllm)
     install_plugin_wheel(session)
     env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
