@@ -762,3 +762,25 @@ def bench(session: nox.Session, vllm: str) -> None:
     )
     # docs/benchmarks.md shows the report: keep it in step.
     session.run("python", str(REPO / "tools" / "matrix.py"), "table")
+
+
+@nox.session
+@nox.parametrize("vllm", VLLM_RELEASES[-1:])
+@timed
+def bench_load(session: nox.Session, vllm: str) -> None:
+    """The concurrent-load counts (benchmarks/bench.py --load): every mode on
+    requests arriving over time, three seeds; writes benchmarks/LOAD.md.
+    Counts only, so the machine's load does not matter (one process: 24-29
+    minutes measured on 2 shared cores, 1-minute load 3-22)."""
+    install_vllm(session, vllm)
+    install_plugin_wheel(session)
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    session.run(
+        "python",
+        str(REPO / "benchmarks" / "bench.py"),
+        "--load",
+        "--output",
+        str(REPO / "benchmarks" / "LOAD.md"),
+        *session.posargs,
+        env=env,
+    )

@@ -28,6 +28,12 @@ How it measures (CPU only, no weights; see ``vllm_mamba_align/tools/sim/``):
   by the plugin's fixing modes (and with the mode unset), at vLLM's default
   retention and dense (``tools/matrix.py`` copies that section into
   docs/modes.md).
+- concurrent load (``--load``, counts only, its own report): requests arriving
+  over time with decodes sharing each step's budget, unique prompts, prefix
+  families, KV pressure and preemption, with and without a backend's in-chunk
+  prefill checkpoint; steps, time to first token in steps, chunks, reuse and
+  the oracle's verdicts per mode and seed. Counts do not depend on the
+  machine's load, so this report is written whatever the load.
 - register(): timed inside fresh interpreters, with and without vLLM's scheduler
   module already imported (0.33.0 imports it before plugins run, so the patch and
   the code fingerprint happen inside register()); medians.
@@ -70,7 +76,15 @@ def main() -> int:
         help="measure only the hot path (the plugin's own time per step); "
         "not with --output",
     )
+    parser.add_argument(
+        "--load",
+        action="store_true",
+        help="count only the concurrent-load workloads (deterministic: written "
+        "whatever the machine's load)",
+    )
     args = parser.parse_args()
+    if args.load:
+        return load_report(args.output)
     if args.hot_path and args.output:
         parser.error("--hot-path measures one section: it writes no report")
     load_before = os.getloadavg()[0]
@@ -132,6 +146,35 @@ def main() -> int:
         return 3
     if args.output:
         with open(args.output, "w") as f:
+            f.write(text)
+    measure.log(f"done in {elapsed:.0f}s")
+    return 0
+
+
+def load_report(output: str | None) -> int:
+    """The concurrent-load counts, alone (``--load``)."""
+    import vllm
+
+    vllm_mamba_align.register()
+    revision = commit()
+    began = time.monotonic()
+    load_before = os.getloadavg()[0]
+    results = measure.measure_load()
+    elapsed = time.monotonic() - began
+    text = report.render(
+        (
+            f"## Concurrent load (vLLM {vllm.__version__}, vllm-mamba-align "
+            f"{vllm_mamba_align.__version__})\n\n"
+            "Produced by `benchmarks/bench.py --load` (what `python3 -m nox -s "
+            f"bench_load` runs) at commit {revision}, {elapsed / 60:.1f} minutes "
+            f"on {os.cpu_count()} CPUs (1-minute load average {load_before:.2f} "
+            f"before, {os.getloadavg()[0]:.2f} after: counts do not depend on it)."
+        ),
+        [report.load_section(measure.LOAD_SEEDS, results)],
+    )
+    print(text)
+    if output:
+        with open(output, "w") as f:
             f.write(text)
     measure.log(f"done in {elapsed:.0f}s")
     return 0

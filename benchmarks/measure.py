@@ -39,6 +39,7 @@ from vllm_mamba_align.tools.sim import (
     MAX_MODEL_LEN,
     Geometry,
     Simulation,
+    available_checkpoint_backends,
     chunk_starts,
     prompt,
 )
@@ -47,7 +48,7 @@ from vllm_mamba_align.tools.sim.engine import model_dir
 C, B, H = 816, 1648, 16
 MODES = [STOCK, *(m.value for m in Mode)]
 """Stock vLLM, then every plugin mode (``off`` measures the wrappers alone)."""
-SCHEDULING_MODES = simulated_modes()
+SCHEDULING_MODES = simulated_modes(every=True)
 
 
 def log(message: str) -> None:
@@ -907,5 +908,203 @@ def measure_alternatives(count: int) -> dict[str, dict[str, AlternativeTally]]:
         log(f"what users do instead, {case.label}: {count} prompts x {len(rows)}")
         results[case.label] = {
             row.label: alternative_run(row, items, case) for row in rows
+        }
+    return results
+
+
+# -- concurrent load ---------------------------------------------------------------
+
+LOAD_REQUESTS = 48
+LOAD_SEEDS = (1, 2, 3)
+LOAD_BUDGET = 8192
+LOAD_PROMPTS = (1_000, 20_000)
+"""Prompt lengths, uniform in this range (tokens), per seed."""
+LOAD_OUTPUTS = (16, 256)
+"""Output lengths, uniform in this range (tokens): decodes share every step."""
+LOAD_GAPS = (0, 4)
+"""Steps between two arrivals, uniform in this range (mean 2)."""
+FAMILIES = 4
+FAMILY_SHARE = 0.7
+"""Prefix families: this share of requests extends one of :data:`FAMILIES`
+shared prefixes (each 4k-12k tokens) by a suffix of its own."""
+CHECKPOINT_BACKEND = "gdn-flashinfer"
+"""The backend whose in-chunk prefill checkpoint the loaded runs model
+(``num_prefill_checkpoint_blocks`` = 1, alignment lcm(hash block, 64), as
+Qwen3-Next's GDN declares on FlashInfer; vLLM's own
+``compute_mamba_prefill_checkpoints`` places the write)."""
+
+
+@dataclass(frozen=True)
+class LoadCase:
+    """One concurrent workload: its requests, pool and backend."""
+
+    label: str
+    families: bool = False
+    num_blocks: int = 8000
+    reserve_full_input: bool = True
+    """False admits more than the pool can finish: running requests preempted."""
+    checkpoint: str | None = None
+
+
+def load_cases() -> list[LoadCase]:
+    """Unique prompts, prefix families, KV pressure and preemption; with and
+    without the backend's in-chunk checkpoint where the installed vLLM has it."""
+    backends: list[str | None] = [None]
+    if CHECKPOINT_BACKEND in available_checkpoint_backends():
+        backends.append(CHECKPOINT_BACKEND)
+    cases = []
+    for backend in backends:
+        tag = "backend checkpoints" if backend else "no backend checkpoints"
+        cases += [
+            LoadCase(f"unique prompts, {tag}", checkpoint=backend),
+            LoadCase(f"prefix families, {tag}", families=True, checkpoint=backend),
+            LoadCase(
+                f"prefix families, KV pressure, {tag}",
+                families=True,
+                num_blocks=LOAD_PRESSURE_BLOCKS,
+                checkpoint=backend,
+            ),
+            LoadCase(
+                f"prefix families, preemption, {tag}",
+                families=True,
+                num_blocks=LOAD_PREEMPTION_BLOCKS,
+                reserve_full_input=False,
+                checkpoint=backend,
+            ),
+        ]
+    return cases
+
+
+LOAD_PRESSURE_BLOCKS = 450
+"""A pool of 450 blocks (C tokens of attention each), with vLLM reserving a
+request's whole input before admitting it: cached prefixes are evicted while
+requests run, and admission waits for room."""
+LOAD_PREEMPTION_BLOCKS = 300
+"""A pool of 300 blocks, requests admitted without reserving their input
+(``scheduler_reserve_full_isl`` off): running requests are preempted."""
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    name: str
+    arrival: int
+    """The step before which it arrives."""
+    tokens: tuple[int, ...]
+    max_tokens: int
+
+
+def load_workload(seed: int, families: bool) -> list[LoadRequest]:
+    """:data:`LOAD_REQUESTS` requests arriving over time (the mix above)."""
+    rng = random.Random(seed)
+    prefixes = [
+        prompt(rng.randrange(4_000, 12_000), seed=90_000 + 100 * seed + f)
+        for f in range(FAMILIES)
+    ]
+    requests, arrival = [], 0
+    for i in range(LOAD_REQUESTS):
+        arrival += rng.randint(*LOAD_GAPS)
+        length = rng.randint(*LOAD_PROMPTS)
+        own = prompt(length, seed=10_000 * seed + i)
+        if families and rng.random() < FAMILY_SHARE:
+            prefix = prefixes[rng.randrange(FAMILIES)]
+            tokens = prefix + own[: max(length - len(prefix), 500)]
+        else:
+            tokens = own
+        requests.append(
+            LoadRequest(f"q{i}", arrival, tuple(tokens), rng.randint(*LOAD_OUTPUTS))
+        )
+    return requests
+
+
+@dataclass
+class LoadTally:
+    """What one mode did with one concurrent workload."""
+
+    steps: int = 0
+    """Steps until every request finished (drained)."""
+    ttft: int = 0
+    """Steps from each request's arrival to its first token, summed."""
+    prefill_chunks: int = 0
+    prefill_tokens: int = 0
+    """Prompt tokens computed in prefill chunks (a preempted request's again)."""
+    reused: int = 0
+    requests: int = 0
+    preemptions: int = 0
+    published: int = 0
+    poisoned: int = 0
+    wrong_reads: int = 0
+    lost_kept: int = 0
+    """Kept boundaries whose state was never written (the oracle's count)."""
+
+    @property
+    def chunks_per_request(self) -> float:
+        return self.prefill_chunks / max(self.requests, 1)
+
+    @property
+    def prefill_tokens_per_step(self) -> float:
+        return self.prefill_tokens / max(self.steps, 1)
+
+
+def load_run(mode: str, case: LoadCase, seed: int) -> LoadTally:
+    """One mode serving one workload on the real scheduler, requests added
+    at their arrival step, one output token per step per decoding request."""
+    items = load_workload(seed, case.families)
+    geometry = Geometry(
+        cache_block=C,
+        state_block=B,
+        hash_block=H,
+        budget=LOAD_BUDGET,
+        num_blocks=case.num_blocks,
+        reserve_full_input=case.reserve_full_input,
+        prefill_checkpoint=case.checkpoint,
+    )
+    tally = LoadTally(requests=len(items))
+    with scheduler_mode(mode):
+        sim = Simulation(geometry)
+        scheduler = sim.scheduler
+        preempt = scheduler._preempt_request
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            tally.preemptions += 1
+            return preempt(*args, **kwargs)
+
+        scheduler._preempt_request = counted
+        pending, offset, arrived = list(items), 0, {}
+        while pending or sim.busy():
+            if not sim.busy() and pending[0].arrival - offset > sim.steps:
+                # Nothing to run until the next arrival: the engine waits
+                # without stepping, so the later arrivals move up.
+                offset = pending[0].arrival - sim.steps
+            while pending and pending[0].arrival - offset <= sim.steps:
+                request = pending.pop(0)
+                arrived[request.name] = sim.steps
+                sim.add(request.name, request.tokens, max_tokens=request.max_tokens)
+            if sim.steps > 20_000:
+                raise AssertionError(f"{mode}, {case.label}: not drained")
+            sim.step()
+        for name, record in sim.records.items():
+            assert record.prefilled_at_step is not None, name
+            tally.ttft += record.prefilled_at_step - arrived[name]
+            tally.prefill_chunks += len(record.chunks)
+            tally.prefill_tokens += sum(c.end - c.start for c in record.chunks)
+            tally.reused += sim.reused(name)
+        tally.steps = sim.steps
+        tally.published = len(sim.published)
+        tally.poisoned = len(sim.poisoned)
+        tally.wrong_reads = len(sim.wrong_reuse)
+        tally.lost_kept = len(sim.missing_kept)
+    return tally
+
+
+def measure_load(
+    seeds: tuple[int, ...] = LOAD_SEEDS,
+) -> dict[str, dict[str, list[LoadTally]]]:
+    """Per workload (its label), per scheduling mode: one tally per seed."""
+    results: dict[str, dict[str, list[LoadTally]]] = {}
+    for case in load_cases():
+        log(f"concurrent load, {case.label}: {len(seeds)} seeds x modes")
+        results[case.label] = {
+            mode: [load_run(mode, case, seed) for seed in seeds]
+            for mode in SCHEDULING_MODES
         }
     return results

@@ -12,6 +12,15 @@ from collections.abc import Callable
 from measure import (
     BUDGET_ONE_BLOCK,
     CACHING_OFF,
+    FAMILIES,
+    FAMILY_SHARE,
+    LOAD_BUDGET,
+    LOAD_GAPS,
+    LOAD_OUTPUTS,
+    LOAD_PREEMPTION_BLOCKS,
+    LOAD_PRESSURE_BLOCKS,
+    LOAD_PROMPTS,
+    LOAD_REQUESTS,
     MODES,
     PREFILLING,
     SCHEDULING_MODES,
@@ -20,6 +29,7 @@ from measure import (
     B,
     C,
     H,
+    LoadTally,
     Overhead,
     Pairs,
     Scaling,
@@ -399,4 +409,77 @@ def alternatives_section(
     ]
     for label, rows in results.items():
         lines += [f"Retention {label}:", "", *alternatives_table(rows), ""]
+    return lines
+
+
+def _ratio(value: float, stock: float) -> str:
+    return f"{value / stock:.3f}x" if stock else "-"
+
+
+def load_table(rows: dict[str, list[LoadTally]]) -> list[str]:
+    """One concurrent workload: each mode's counts summed over the seeds, its
+    TTFT against stock's, and its correctness counts."""
+    stock_ttft = sum(t.ttft for t in rows[STOCK])
+    lines = [
+        "| mode | steps to drain | TTFT, steps (summed) | vs stock | per seed "
+        "| prefill chunks / request | prefill tokens / step | reused tokens "
+        "| preemptions | wrong publications | wrong reads | kept states lost |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, tallies in rows.items():
+        ttft = sum(t.ttft for t in tallies)
+        per_seed = " / ".join(
+            _ratio(t.ttft, s.ttft) for t, s in zip(tallies, rows[STOCK], strict=True)
+        )
+        requests = sum(t.requests for t in tallies)
+        chunks = sum(t.prefill_chunks for t in tallies)
+        steps = sum(t.steps for t in tallies)
+        lines.append(
+            f"| {mode} | {steps:,} | {ttft:,} | {_ratio(ttft, stock_ttft)} "
+            f"| {per_seed} | {chunks / requests:.2f} "
+            f"| {sum(t.prefill_tokens for t in tallies) / steps:,.0f} "
+            f"| {sum(t.reused for t in tallies):,} "
+            f"| {sum(t.preemptions for t in tallies):,} "
+            f"| {sum(t.poisoned for t in tallies)} of "
+            f"{sum(t.published for t in tallies):,} "
+            f"| {sum(t.wrong_reads for t in tallies)} "
+            f"| {sum(t.lost_kept for t in tallies)} |"
+        )
+    return lines
+
+
+def load_section(
+    seeds: tuple[int, ...], results: dict[str, dict[str, list[LoadTally]]]
+) -> list[str]:
+    """Every concurrent workload's table, after what was run."""
+    lines = [
+        "### Concurrent load, counted on the scheduler",
+        "",
+        f"{LOAD_REQUESTS} requests per workload arriving over time (a new one "
+        f"every {LOAD_GAPS[0]}-{LOAD_GAPS[1]} steps, uniform; the engine waits "
+        "without stepping when nothing is queued), prompts of "
+        f"{LOAD_PROMPTS[0]:,}-{LOAD_PROMPTS[1]:,} tokens (uniform), "
+        f"{LOAD_OUTPUTS[0]}-{LOAD_OUTPUTS[1]} output tokens each (uniform), so "
+        "decodes share every step's budget; C = "
+        f"{C}, B = {B}, hash block {H}, budget {LOAD_BUDGET:,}, vLLM's default "
+        f"state retention (0); seeds {', '.join(map(str, seeds))}, each mode "
+        "serving the same requests in the same order. *Prefix families*: "
+        f"{FAMILY_SHARE:.0%} of the requests extend one of {FAMILIES} shared "
+        "prefixes of 4,000-12,000 tokens. *KV pressure*: a pool of "
+        f"{LOAD_PRESSURE_BLOCKS} blocks; *preemption*: {LOAD_PREEMPTION_BLOCKS} "
+        "blocks with requests admitted without reserving their input. *Backend "
+        "checkpoints*: `num_prefill_checkpoint_blocks` = 1, alignment "
+        "lcm(hash block, 64), as Qwen3-Next's GDN declares on FlashInfer, "
+        "vLLM's `compute_mamba_prefill_checkpoints` placing the backend's "
+        "in-chunk write (else none, as on the CPU engine). *TTFT*: steps from a "
+        "request's arrival to its first token, summed over requests and seeds "
+        "(*per seed*: each seed's ratio to stock). *Wrong publications*: Mamba "
+        "hashes naming a state their block does not hold; *wrong reads*: "
+        "requests that resumed from such a state; *kept states lost*: "
+        "boundaries vLLM keeps whose state was never written. Counts, not "
+        "times: they do not depend on the machine's load.",
+        "",
+    ]
+    for label, rows in results.items():
+        lines += [f"{label[0].upper()}{label[1:]}:", "", *load_table(rows), ""]
     return lines

@@ -509,8 +509,8 @@ def _drive(sim: Simulation, workload: Workload) -> None:
 
 def check_mode(mode: str, workload: Workload, sim: Simulation) -> None:
     """What every fixed mode holds on its own: no wrong publication, no wrong
-    reuse, no wrong state handed to a store, every prefill finished; ``full``
-    and ``kept`` materialize every boundary vLLM keeps (as vLLM decided it,
+    reuse, no wrong state handed to a store, every prefill finished; ``full``,
+    ``kept`` and ``lean`` materialize every boundary vLLM keeps (as vLLM decided it,
     slot by slot); ``full``'s kept states are canonical where one step can
     prefill a whole state block. And the plugin's retention model predicted
     every one of vLLM's keep-or-drop decisions."""
@@ -528,7 +528,7 @@ def check_mode(mode: str, workload: Workload, sim: Simulation) -> None:
         assert record.prefilled_at_step is not None
     if mode == DEFAULT:  # the plugin with VLLM_MAMBA_ALIGN_MODE unset
         mode = DEFAULT_MODE.value
-    if mode in ("full", "kept"):
+    if mode in ("full", "kept", "lean"):
         assert sim.missing_kept == [], f"{mode} lost states vLLM keeps"
     if mode == "full" and one_block_per_step(workload.geometry):
         assert sim.noncanonical_kept == [], "full kept a non-canonical state"

@@ -40,7 +40,7 @@ def test_a_bad_mode_is_a_clear_error(
     monkeypatch.setenv("VLLM_MAMBA_ALIGN_MODE", mode)
     with pytest.raises(MambaAlignError, match="VLLM_MAMBA_ALIGN_MODE") as error:
         register()
-    assert "full, kept, grid, off" in str(error.value)
+    assert "full, kept, grid, lean, off" in str(error.value)
     # A scheduler started with the bad value in place refuses too.
     with pytest.raises(MambaAlignError, match="not a valid mode"):
         build_scheduler(Geometry(cache_block=1648, state_block=1648))

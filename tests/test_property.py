@@ -1,17 +1,18 @@
 """Property-based: random geometries and workloads on the real scheduler.
 
 For every drawn case (vLLM's default state retention, dense, or a segment
-interval R), with the plugin in ``full``, ``kept`` and ``grid`` mode: no Mamba
-hash is published over a state its slot does not hold, no request resumes from a
-wrong state, nothing stalls, every request finishes its prefill; ``full`` and
-``kept`` materialize every boundary state vLLM keeps, ``full``'s kept states are
-canonical (one B block per chunk from token 0; states continued from vLLM's
-partial-tail checkpoint, which lies off the grid, are counted apart); at
-retention 0 ``kept`` schedules exactly like ``grid`` wherever ``grid`` already
-materializes every kept state, under dense retention exactly like ``full``. In equal
-geometry ``grid`` mode schedules exactly like stock vLLM, except where stock
-publishes a wrong state (0.30.0+ drops its stop after a mid-block start for a
-chunk it checkpoints internally; ``grid`` keeps it).
+interval R), with the plugin in ``full``, ``kept``, ``grid`` and ``lean`` mode:
+no Mamba hash is published over a state its slot does not hold, no request
+resumes from a wrong state, nothing stalls, every request finishes its prefill;
+``full``, ``kept`` and ``lean`` materialize every boundary state vLLM keeps,
+``full``'s kept states are canonical (one B block per chunk from token 0;
+states continued from vLLM's partial-tail checkpoint, which lies off the grid,
+are counted apart); at retention 0 ``kept`` schedules exactly like ``grid``
+wherever ``grid`` already materializes every kept state, under dense retention
+exactly like ``full`` (and ``lean`` like both). In equal geometry ``grid`` mode
+schedules exactly like stock vLLM, except where stock publishes a wrong state
+(0.30.0+ drops its stop after a mid-block start for a chunk it checkpoints
+internally; ``grid`` keeps it).
 
 Profiles: ``ci`` (default, quick) and ``long`` (HYPOTHESIS_PROFILE=long, 2,000
 cases per test). The 10^5-workload sweep is ``test_sweep.py``.
@@ -79,7 +80,7 @@ def check(mode: str, workload: Workload, sim: Simulation) -> None:
 @given(workloads())
 def test_fixed_scheduler_never_poisons_and_always_finishes(workload: Workload) -> None:
     runs = {}
-    for mode in ("full", "kept", "grid"):
+    for mode in ("full", "kept", "grid", "lean"):
         sim = runs[mode] = simulate(mode, workload)
         check(mode, workload, sim)
     for label in dimensions(workload, runs["full"]):
@@ -98,6 +99,7 @@ def test_fixed_scheduler_never_poisons_and_always_finishes(workload: Workload) -
     if keeps_every_boundary(workload, runs["kept"]):
         for req_id, record in runs["full"].records.items():
             assert runs["kept"].chunk_ends(req_id) == [c.end for c in record.chunks]
+            assert runs["lean"].chunk_ends(req_id) == [c.end for c in record.chunks]
 
 
 @settings(max_examples=30)

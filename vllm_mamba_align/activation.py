@@ -526,6 +526,12 @@ def mode_summary(mode: Mode, retention: Retention) -> str:
             "chunks end on the B grid (no wrong state published; boundaries inside "
             f"a chunk are not materialized); {kept}"
         )
+    if mode is Mode.LEAN and not retention.dense:
+        return (
+            "chunks end where vLLM's own split ends them, and on every B boundary "
+            "vLLM keeps (every kept state materialized, no wrong state published, "
+            f"stock's steps elsewhere); {kept}"
+        )
     if retention.dense:  # every boundary kept: kept and full stop alike
         return (
             "chunks end on the B grid and stop at every B boundary, all of which "

@@ -215,7 +215,7 @@ def _parser(json_errors: bool = False) -> argparse.ArgumentParser:
         action="append",
         choices=choices,
         help="a mode to run; repeat for several (default: stock and every plugin "
-        "mode that changes scheduling)",
+        "mode that changes scheduling, lean only when named)",
     )
     _add_probe(commands)
     return parser

@@ -28,7 +28,7 @@ from .releases import PrefillRule, SplitBody
 from .retention import Retention, mamba_manager
 from .settings import Mode
 
-FIXING_MODES = (Mode.FULL, Mode.KEPT, Mode.GRID)
+FIXING_MODES = (Mode.FULL, Mode.KEPT, Mode.GRID, Mode.LEAN)
 """The modes that bind the fix (``off`` and ``audit`` leave vLLM's split as it is)."""
 
 
@@ -186,6 +186,19 @@ backend_off_manager_grid`, 0.30.0-0.31.0) a longer chunk gets a wrongly
     end unaligned anywhere once the scheduler has checkpoint blocks. Releases:
     0.29.0 (:attr:`InternalCheckpoint.ALIGNED_START`). Delete when: 0.29.0 is
     no longer supported."""
+    stock_chunk_ends: bool
+    """lean mode: run vLLM's split on its own grid (C, as stock does) for a
+    chunk that starts on that grid, and on B for one that starts off it (after
+    a stop at a kept boundary, so vLLM does not add its stop after a mid-block
+    start). Why: under sparse retention vLLM publishes a Mamba block only for
+    a boundary it keeps; a chunk that runs across any other boundary, or ends
+    between two, leaves a block nobody hashes, so only the stops at kept
+    boundaries (:attr:`stop_at_boundaries`) are needed and flooring every
+    chunk end to B costs steps for nothing. Off where every boundary is kept
+    (dense), where the backend's state lands off the manager's grid, and
+    where the scheduler reserves checkpoint blocks (its in-chunk write is
+    placed by the grid vLLM's split runs on): lean is ``kept`` there.
+    Releases: all. Delete when: as :attr:`stop_at_boundaries`."""
 
     @property
     def any_stop(self) -> bool:
@@ -224,7 +237,7 @@ backend_off_manager_grid`, 0.30.0-0.31.0) a longer chunk gets a wrongly
             raise ValueError(f"mode {mode.value} binds no fix")
         rule = body.internal_checkpoint
         observed = rule is InternalCheckpoint.OBSERVED
-        stop_at_boundaries = mode in (Mode.FULL, Mode.KEPT)
+        stop_at_boundaries = mode in (Mode.FULL, Mode.KEPT, Mode.LEAN)
         stop_anywhere = (
             mode is Mode.FULL or retention.dense or facts.backend_off_manager_grid
         )
@@ -252,6 +265,7 @@ backend_off_manager_grid`, 0.30.0-0.31.0) a longer chunk gets a wrongly
             and stop_anywhere
             and 0 < grid <= facts.step_budget,
             checkpoint_blocks_unalign=rule is InternalCheckpoint.ALIGNED_START,
+            stock_chunk_ends=mode is Mode.LEAN and not stop_anywhere,
         )
         if observed and policy.any_stop:
             return replace(policy, watch_decisions=True)

@@ -328,6 +328,12 @@ def mode_meaning(mode: str, interval: int | None) -> str:
         + "; no wrong state published",
         "grid": "ends chunks on the B grid only: no wrong state published; kept "
         "states inside a chunk are not materialized",
+        "lean": (
+            "the same as kept (dense)"
+            if dense
+            else "ends chunks where stock vLLM does and on every B boundary vLLM "
+            f"keeps ({sparse}); no wrong state published"
+        ),
         "audit": "stock scheduling, counting the wrong publications and lost states "
         "this retention would keep",
         "off": "stock vLLM",

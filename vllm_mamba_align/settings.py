@@ -26,6 +26,11 @@ class Mode(str, enum.Enum):
     kept state materialized, no step spent on a state vLLM throws away."""
     GRID = "grid"
     """Chunks end on the Mamba state grid only: no poisoning, fewer extra stops."""
+    LEAN = "lean"
+    """Chunks end where stock vLLM ends them, except at a boundary whose state
+    vLLM's retention keeps: no poisoning, every kept state materialized, stock's
+    step count elsewhere. Where retention keeps every boundary (dense), or the
+    scheduler's facts leave a case undecided, the same as ``kept``."""
     OFF = "off"
     """Loaded and logging, changes nothing: for A/B runs against stock vLLM."""
     AUDIT = "audit"

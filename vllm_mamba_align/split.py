@@ -260,11 +260,87 @@ def state_grid_split(
     checkpoint_at = backend_checkpoint_rule(scheduler, stock, body, policy.grid)
     boundary_stop = boundary_stops(scheduler, policy, retention, checkpoint_at)
     return bind_route(
-        lambda call: _route(scheduler, call, policy, boundary_stop),
+        lambda call: _routed(scheduler, call, policy, retention, boundary_stop),
         stock,
         body.extra_parameter,
         body.past_prefill_shortcut,
     )
+
+
+def _routed(
+    scheduler: Scheduler,
+    call: StockCall,
+    policy: StopPolicy,
+    retention: Retention,
+    boundary_stop: BoundaryStop,
+) -> Route:
+    """The route, with lean's layer on top where the policy says so."""
+    route = _route(scheduler, call, policy, boundary_stop)
+    if policy.stock_chunk_ends:
+        return _lean(scheduler, call, policy, retention, route)
+    return route
+
+
+def _lean(
+    scheduler: Scheduler,
+    call: StockCall,
+    policy: StopPolicy,
+    retention: Retention,
+    kept_route: Route,
+) -> Route:
+    """:attr:`StopPolicy.stock_chunk_ends` (lean): a prefill chunk whose step
+    allowance reaches no boundary vLLM keeps gets vLLM's own answer on vLLM's
+    own grid, as on stock vLLM; from a start off that grid (after a stop at a
+    kept boundary, where vLLM would add its stop after a mid-block start),
+    vLLM's answer on B stretched back onto vLLM's grid as far as the
+    allowance goes (nothing up to there is kept, so no chunk needs to end on
+    a boundary). A chunk whose allowance reaches a kept boundary gets
+    ``kept_route``'s answer (vLLM on B, the policy's stops, the backend's
+    in-chunk checkpoint standing in where it writes that state) and, where
+    that ends before the boundary, ends on it. Every other call (decodes
+    included) is ``kept_route``'s."""
+    grid, prefill_rule = policy.grid, policy.prefill
+    first_kept_after = retention.first_kept_after
+
+    def on_vllms_grid(request: Request, start: int, counts: tuple[int, ...]) -> int:
+        shared = scheduler.cache_config
+        own = shared.block_size
+        if start % own == 0:
+            return int(call(scheduler, request, *counts))  # type: ignore[arg-type]
+        scheduler.cache_config = _StateGridCacheConfig(shared, grid)
+        try:
+            num_tokens = int(call(scheduler, request, *counts))  # type: ignore[arg-type]
+        finally:
+            scheduler.cache_config = shared
+        return max(num_tokens, (start + counts[0]) // own * own - start)
+
+    def lean(
+        request: Request,
+        num_new_tokens: int,
+        num_new_local_computed_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+    ) -> int:
+        counts = (
+            num_new_tokens,
+            num_new_local_computed_tokens,
+            num_external_computed_tokens,
+        )
+        if num_new_tokens <= 1:
+            return kept_route(request, *counts)
+        start = (
+            request.num_computed_tokens
+            + num_new_local_computed_tokens
+            + num_external_computed_tokens
+        )
+        if not in_prefill(prefill_rule, request, start):
+            return kept_route(request, *counts)
+        kept = first_kept_after(request, start)
+        if kept is None or kept > start + num_new_tokens:
+            return on_vllms_grid(request, start, counts)
+        num_tokens = kept_route(request, *counts)
+        return num_tokens if start + num_tokens > kept else kept - start
+
+    return lean
 
 
 def _route(

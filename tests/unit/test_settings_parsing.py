@@ -16,6 +16,7 @@ from vllm_mamba_align.settings import Mode
         ("  ", Mode.KEPT),
         (" full", Mode.FULL),
         ("grid", Mode.GRID),
+        ("Lean", Mode.LEAN),
         (" KEPT ", Mode.KEPT),
         ("Audit", Mode.AUDIT),
         ("off", Mode.OFF),
@@ -39,7 +40,7 @@ def test_a_bad_mode_names_the_variable_and_the_valid_values(
         settings.read_mode()
     message = str(error.value)
     assert "VLLM_MAMBA_ALIGN_MODE='sideways' is not a valid mode" in message
-    assert "full, kept, grid, off, audit" in message
+    assert "full, kept, grid, lean, off, audit" in message
 
 
 @pytest.mark.parametrize(
