@@ -245,7 +245,8 @@ PLATFORM_PLUGIN = REPO / "tests" / "support" / "cpu_platform_plugin"
 # MAMBA_ALIGN_TEST_FOREIGN_SPLIT.
 FOREIGN_SPLIT_PLUGIN = REPO / "tests" / "support" / "foreign_split_plugin"
 # A fault for the witness (tests/witness): breaks the plugin's retention model;
-# loads only when VLLM_PLUGINS names it (mamba_align_retention_fault).
+# inert unless MAMBA_ALIGN_WITNESS_FAULT=retention (vLLM loads every installed
+# general plugin when VLLM_PLUGINS is unset).
 WITNESS_FAULT_PLUGIN = REPO / "tests" / "support" / "witness_fault_plugin"
 # End to end: vLLM's CPU build with its model runner, and a test-only plugin
 # that bridges three gaps of its CPU backend (tests/support/cpu_e2e_workarounds).

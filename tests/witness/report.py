@@ -18,6 +18,9 @@ from typing import Any
 PLUGIN = "mamba_align"
 RETENTION_FAULT = "mamba_align_retention_fault"
 """tests/support/witness_fault_plugin: breaks the plugin's retention model."""
+FAULT_SWITCH = "MAMBA_ALIGN_WITNESS_FAULT"
+"""The fault acts only where this is ``retention`` (it is installed in every
+suite's environment, where vLLM may load every general plugin)."""
 
 MODES: dict[str, tuple[tuple[str, ...], str | None]] = {
     "stock": ((), None),
@@ -45,6 +48,9 @@ def run_mode(mode: str) -> dict[str, dict[str, Any]]:
     env = dict(os.environ)
     env["VLLM_PLUGINS"] = ",".join(p for p in (*plugins, *platform.split(",")) if p)
     env.pop("VLLM_MAMBA_ALIGN_MODE", None)
+    env.pop(FAULT_SWITCH, None)
+    if RETENTION_FAULT in plugins:
+        env[FAULT_SWITCH] = "retention"
     if chosen is not None:
         env["VLLM_MAMBA_ALIGN_MODE"] = chosen
     env["PYTHONPATH"] = os.pathsep.join(
