@@ -744,23 +744,25 @@ def demo(session: nox.Session, vllm: str) -> None:
     session.run("vllm-mamba-align", "simulate", *session.posargs, env=env)
 
 
+def run_benchmarks(session: nox.Session, vllm: str, report: str, *options: str) -> None:
+    """benchmarks/bench.py on ``vllm``, writing benchmarks/``report``."""
+    install_vllm(session, vllm)
+    install_plugin_wheel(session)
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    output = str(REPO / "benchmarks" / report)
+    bench_py = str(REPO / "benchmarks" / "bench.py")
+    session.run(
+        "python", bench_py, *options, "--output", output, *session.posargs, env=env
+    )
+
+
 @nox.session
 @nox.parametrize("vllm", VLLM_RELEASES[-1:])
 @timed
 def bench(session: nox.Session, vllm: str) -> None:
     """The benchmarks; writes benchmarks/RESULTS.md (its header gives the time)
     and the tables generated from it."""
-    install_vllm(session, vllm)
-    install_plugin_wheel(session)
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
-    session.run(
-        "python",
-        str(REPO / "benchmarks" / "bench.py"),
-        "--output",
-        str(REPO / "benchmarks" / "RESULTS.md"),
-        *session.posargs,
-        env=env,
-    )
+    run_benchmarks(session, vllm, "RESULTS.md")
     # docs/benchmarks.md shows the report: keep it in step.
     session.run("python", str(REPO / "tools" / "matrix.py"), "table")
 
@@ -773,15 +775,4 @@ def bench_load(session: nox.Session, vllm: str) -> None:
     requests arriving over time, three seeds; writes benchmarks/LOAD.md.
     Counts only, so the machine's load does not matter (one process: 24-29
     minutes measured on 2 shared cores, 1-minute load 3-22)."""
-    install_vllm(session, vllm)
-    install_plugin_wheel(session)
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
-    session.run(
-        "python",
-        str(REPO / "benchmarks" / "bench.py"),
-        "--load",
-        "--output",
-        str(REPO / "benchmarks" / "LOAD.md"),
-        *session.posargs,
-        env=env,
-    )
+    run_benchmarks(session, vllm, "LOAD.md", "--load")
