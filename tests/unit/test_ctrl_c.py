@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -21,6 +21,21 @@ from vllm_mamba_align import cli
 from vllm_mamba_align.cli import EXIT_INTERRUPTED, EXIT_OK, main
 
 INTERRUPTED = "vllm-mamba-align simulate: interrupted"
+
+
+@pytest.fixture
+def python_s_own_sigint() -> Iterator[None]:
+    """SIGINT handled by Python's own handler, as in a terminal.
+
+    A suite started as a shell's background job (``nohup python3 -m nox &``)
+    inherits SIGINT ignored, and the command rightly leaves that alone
+    (test_an_ignored_sigint_stays_ignored); the cases that send a Ctrl-C need
+    the handler an interactive run has."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def swallowed_then_finished() -> int:
@@ -49,6 +64,7 @@ def reported_as_a_failure() -> int:
     return EXIT_OK
 
 
+@pytest.mark.usefixtures("python_s_own_sigint")
 @pytest.mark.parametrize(
     "command",
     [swallowed_then_finished, swallowed_into_an_import_error, reported_as_a_failure],
@@ -66,6 +82,7 @@ def test_a_swallowed_ctrl_c_exits_130(
     assert "a library swallowed it" in err.splitlines()[-2]
 
 
+@pytest.mark.usefixtures("python_s_own_sigint")
 def test_without_ctrl_c_the_command_answers_and_sigint_is_python_s_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
