@@ -175,8 +175,10 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, *args: Any) -> None:
         pass
 
-    def _answer(self, body: bytes, kind: str = "application/json") -> None:
-        self.send_response(self.server.status)
+    def _answer(
+        self, body: bytes, kind: str = "application/json", status: int | None = None
+    ) -> None:
+        self.send_response(self.server.status if status is None else status)
         self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -212,9 +214,10 @@ class Handler(BaseHTTPRequestHandler):
         size = self.server.data_parallel_size
         if rank is not None and size is not None and int(rank) >= size:
             message = f"data_parallel_rank {rank} is out of range [0, {size})."
-            self.server.status = 400
-            self._answer(json.dumps({"error": {"message": message}}).encode())
-            self.server.status = 200
+            # The refusal's status goes with this answer alone: the client's
+            # next request can be handled before this thread returns.
+            error = json.dumps({"error": {"message": message}}).encode()
+            self._answer(error, status=400)
             return
         self.server.ranks.append(rank)
         recorded = self.server.recorded["completions"]
