@@ -98,10 +98,7 @@ def _boundary_stop(
     guard_unwritten, observed = policy.guard_unwritten, policy.watch_decisions
     stop_at_boundaries, stop_anywhere = policy.stop_at_boundaries, policy.stop_anywhere
     mid_block_stop_missing = policy.mid_block_stop_missing
-    first_kept_after = retention.first_kept_after
-    # lean: the backend's state may stand in for the first kept boundary of a
-    # chunk that crosses others vLLM drops (their columns stay null).
-    stand_in_first_kept = policy.stock_chunk_ends
+    first_kept_after, lean = retention.first_kept_after, policy.stock_chunk_ends
 
     def stop(request: Request, start: int, num_tokens: int, taken_before: int) -> int:
         next_boundary = (start // grid + 1) * grid
@@ -125,9 +122,7 @@ def _boundary_stop(
             if mid_block_stop_missing and start % grid:
                 return next_boundary - start
             return num_tokens
-        stand_in = (
-            first_kept_after(request, start) if stand_in_first_kept else next_boundary
-        )
+        stand_in = first_kept_after(request, start) if lean else next_boundary
         if (
             checkpoint_at is not None
             and stand_in is not None
@@ -140,12 +135,10 @@ def _boundary_stop(
             and end < stand_in + grid  # no state at a later boundary
             and checkpoint_at(start, end) == stand_in
         ):
-            # vLLM checkpoints inside this chunk, which really ends the
-            # prefill, and the one state its backend writes (the prompt's
-            # partial tail, into column cdiv(end, B) - 2) is the chunk's only
-            # boundary that needs one: its first (lean: its first kept; the
-            # others vLLM drops). Its end is not one: that state would come
-            # from a chunk two blocks long.
+            # vLLM checkpoints inside this chunk, which ends the prefill, and
+            # the one state its backend writes (the prompt's partial tail) is
+            # the first boundary (lean: the first kept) and the last before
+            # the end (which is none: that state would need a 2-block chunk).
             return num_tokens
         if stop_anywhere:
             return next_boundary - start
@@ -302,21 +295,17 @@ def _lean(
     checkpoint_at: CheckpointRule | None,
 ) -> Route:
     """:attr:`StopPolicy.stock_chunk_ends` (lean): a prefill chunk whose step
-    allowance reaches no boundary vLLM keeps gets vLLM's own answer on vLLM's
-    own grid, as on stock vLLM; from a start off that grid (after a stop at a
-    kept boundary, where vLLM would add its stop after a mid-block start),
-    vLLM's answer on B stretched back onto vLLM's grid as far as the
-    allowance goes (nothing up to there is kept, so no chunk needs to end on
-    a boundary). A chunk whose allowance reaches a kept boundary gets
-    ``kept_route``'s answer (vLLM on B, the policy's stops, the backend's
-    in-chunk checkpoint standing in where it writes that state) and, where
-    that ends before the boundary, ends on it. Every other call (decodes
-    included) is ``kept_route``'s. :attr:`StopPolicy.without` (benchmark
-    only) leaves out the stops of its kinds."""
-    grid, prefill_rule, without = policy.grid, policy.prefill, policy.without
-    first_kept_after = _first_kept_without(retention, without)
-    over_checkpoint = LeanStop.REPLAY_OVER_CHECKPOINT in without
-    past_tail = LeanStop.TAIL in without
+    allowance reaches no kept boundary gets vLLM's own answer on vLLM's own
+    grid; from a start off that grid (after a stop at a kept boundary, where
+    vLLM would add its stop after a mid-block start), vLLM's answer on B
+    stretched back onto vLLM's grid as far as the allowance goes (nothing up
+    to there is kept). One whose allowance reaches a kept boundary gets
+    ``kept_route``'s answer (the backend's checkpoint standing in where it
+    writes that state), ending on the boundary at the latest. Every other
+    call (decodes included) is ``kept_route``'s."""
+    grid, prefill_rule = policy.grid, policy.prefill
+    first_kept_after = _first_kept_without(retention, policy.without)
+    ablation = _LeanAblation(policy, retention, checkpoint_at)
 
     def on_vllms_grid(request: Request, start: int, counts: tuple[int, ...]) -> int:
         shared = scheduler.cache_config
@@ -353,44 +342,64 @@ def _lean(
         kept = first_kept_after(request, start)
         if kept is None or kept > start + num_new_tokens:
             num_tokens = on_vllms_grid(request, start, counts)
-            if past_tail:
-                return without_tail_stop(request, start, num_new_tokens, num_tokens)
-            return num_tokens
-        if over_checkpoint:
+            return ablation.past_tail(request, start, num_new_tokens, num_tokens)
+        if ablation.over_checkpoint:
             num_tokens = on_vllms_grid(request, start, counts)
-            if tail_over(request, start, start + num_tokens, kept):
+            if ablation.tail_over(request, start, start + num_tokens, kept):
                 return num_tokens
         num_tokens = kept_route(request, *counts)
         return num_tokens if start + num_tokens > kept else kept - start
 
-    def tail_over(request: Request, start: int, end: int, kept: int) -> bool:
+    return lean
+
+
+class _LeanAblation:
+    """:attr:`StopPolicy.without` (benchmark only; empty when serving, where
+    both checks cost one attribute test): lean's stops that are not about
+    which boundary is kept (those: :func:`_first_kept_without`)."""
+
+    def __init__(
+        self,
+        policy: StopPolicy,
+        retention: Retention,
+        checkpoint_at: CheckpointRule | None,
+    ) -> None:
+        self.grid, self.retention, self.checkpoint_at = (
+            policy.grid,
+            retention,
+            checkpoint_at,
+        )
+        self.over_checkpoint = LeanStop.REPLAY_OVER_CHECKPOINT in policy.without
+        self.tail = LeanStop.TAIL in policy.without
+
+    def tail_over(self, request: Request, start: int, end: int, kept: int) -> bool:
         """Whether the chunk ``[start, end)`` ends the prefill and the backend
         writes the prompt's partial tail into the column of ``kept``, a replay
-        boundary."""
+        boundary (then lean's stop there is left out)."""
         prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
         return (
-            checkpoint_at is not None
-            and kept in retention.replay_boundaries(request)
+            self.checkpoint_at is not None
+            and kept in self.retention.replay_boundaries(request)
             and end >= prefill_end
-            and kept < end <= kept + grid
-            and checkpoint_at(start, end) > 0
+            and kept < end <= kept + self.grid
+            and self.checkpoint_at(start, end) > 0
         )
 
-    def without_tail_stop(
-        request: Request, start: int, num_new_tokens: int, num_tokens: int
+    def past_tail(
+        self, request: Request, start: int, num_new_tokens: int, num_tokens: int
     ) -> int:
         """vLLM's answer, run on to the prefill end where it stops at the
-        prompt's partial tail after a stop at a kept boundary."""
+        prompt's partial tail after a stop at a kept boundary (when the tail
+        stop is left out)."""
         prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
         if (
-            start % grid == 0
-            and retention.keeps(request, start)
+            self.tail
+            and start % self.grid == 0
+            and self.retention.keeps(request, start)
             and start + num_tokens < prefill_end <= start + num_new_tokens
         ):
             return prefill_end - start
         return num_tokens
-
-    return lean
 
 
 def _first_kept_without(
