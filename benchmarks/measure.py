@@ -1165,7 +1165,7 @@ def measure_load(
         for stop in LEAN_ABLATION:
             if stop is LeanStop.JUNCTION and not case.families:
                 continue
-            rows[f"lean without its {stop.value}s"] = [
+            rows[f"lean without its {stop.value}"] = [
                 load_run("lean", case, seed, without=stop) for seed in seeds
             ]
         ablations[case.label] = rows

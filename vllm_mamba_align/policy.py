@@ -37,16 +37,16 @@ class LeanStop(enum.Enum):
     what ``benchmarks/bench.py --load`` drops one at a time to show what each
     costs and what goes wrong without it (:attr:`StopPolicy.without`)."""
 
-    REPLAY = "replay-boundary stop"
+    REPLAY = "replay-boundary stops"
     """At the replay boundary (where a re-ask or a longer sibling resumes)."""
-    REPLAY_OVER_CHECKPOINT = "replay-boundary stop where the backend checkpoints"
+    REPLAY_OVER_CHECKPOINT = "replay-boundary stops where the backend checkpoints"
     """At the replay boundary, in a chunk that would otherwise end the prefill
     with the backend's in-chunk checkpoint in that boundary's column: it writes
     the prompt's partial-tail state there, which vLLM then publishes under the
     tail's hash in place of the boundary's."""
-    JUNCTION = "junction stop"
+    JUNCTION = "junction stops"
     """At a detected shared-prefix junction."""
-    TAIL = "tail stop after a kept stop"
+    TAIL = "tail stops after a kept stop"
     """vLLM's own stop at the prompt's partial tail, in the chunk after a stop
     at a kept boundary (no backend can checkpoint that chunk: the tail's column
     is the boundary's own)."""
