@@ -773,6 +773,7 @@ def bench(session: nox.Session, vllm: str) -> None:
 def bench_load(session: nox.Session, vllm: str) -> None:
     """The concurrent-load counts (benchmarks/bench.py --load): every mode on
     requests arriving over time, three seeds; writes benchmarks/LOAD.md.
-    Counts only, so the machine's load does not matter (one process: 24-29
-    minutes measured on 2 shared cores, 1-minute load 3-22)."""
+    Counts only, so the machine's load does not matter (one process, with
+    the ablation of lean's stops: 25-29 minutes measured on 2 shared cores,
+    1-minute load 5-9)."""
     run_benchmarks(session, vllm, "LOAD.md", "--load")

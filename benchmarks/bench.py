@@ -159,7 +159,7 @@ def load_report(output: str | None) -> int:
     revision = commit()
     began = time.monotonic()
     load_before = os.getloadavg()[0]
-    results = measure.measure_load()
+    results, ablations = measure.measure_load()
     elapsed = time.monotonic() - began
     text = report.render(
         (
@@ -170,7 +170,10 @@ def load_report(output: str | None) -> int:
             f"on {os.cpu_count()} CPUs (1-minute load average {load_before:.2f} "
             f"before, {os.getloadavg()[0]:.2f} after: counts do not depend on it)."
         ),
-        [report.load_section(measure.LOAD_SEEDS, results)],
+        [
+            report.load_section(measure.LOAD_SEEDS, results),
+            report.ablation_section(ablations),
+        ],
     )
     print(text)
     if output:

@@ -18,7 +18,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,6 +28,7 @@ os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
 from vllm_mamba_align import settings
 from vllm_mamba_align.plugin import SPLIT_METHOD
+from vllm_mamba_align.policy import LeanStop, StopPolicy
 from vllm_mamba_align.releases import requests_need_eos_token_id
 from vllm_mamba_align.settings import Mode
 from vllm_mamba_align.tools.modes import (
@@ -44,6 +46,7 @@ from vllm_mamba_align.tools.sim import (
     prompt,
 )
 from vllm_mamba_align.tools.sim.engine import model_dir
+from vllm_mamba_align.tools.sim.states import state_id
 
 C, B, H = 816, 1648, 16
 MODES = [STOCK, *(m.value for m in Mode)]
@@ -1035,6 +1038,9 @@ class LoadTally:
     wrong_reads: int = 0
     lost_kept: int = 0
     """Kept boundaries whose state was never written (the oracle's count)."""
+    prompt_checkpoints: int = 0
+    """Requests whose prompt checkpoint (vLLM's partial-tail state, where a
+    re-ask of the same prompt resumes) a Mamba hash published."""
 
     @property
     def chunks_per_request(self) -> float:
@@ -1045,9 +1051,35 @@ class LoadTally:
         return self.prefill_tokens / max(self.steps, 1)
 
 
-def load_run(mode: str, case: LoadCase, seed: int) -> LoadTally:
+@contextmanager
+def lean_without(stop: LeanStop | None) -> Iterator[None]:
+    """Lean schedulers built inside leave out the stops of kind ``stop``
+    (:attr:`StopPolicy.without`, which no setting reaches): the ablation of
+    the concurrent-load report. None: lean as it ships."""
+    if stop is None:
+        yield
+        return
+    shipped = StopPolicy.__dict__["for_scheduler"]
+
+    def for_scheduler(cls: type[StopPolicy], *args: Any, **kwargs: Any) -> Any:
+        policy = shipped.__func__(cls, *args, **kwargs)
+        if not policy.stock_chunk_ends:
+            return policy
+        return replace(policy, without=frozenset({stop}))
+
+    StopPolicy.for_scheduler = classmethod(for_scheduler)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        StopPolicy.for_scheduler = shipped  # type: ignore[method-assign]
+
+
+def load_run(
+    mode: str, case: LoadCase, seed: int, without: LeanStop | None = None
+) -> LoadTally:
     """One mode serving one workload on the real scheduler, requests added
-    at their arrival step, one output token per step per decoding request."""
+    at their arrival step, one output token per step per decoding request;
+    lean's stops of kind ``without`` left out (:func:`lean_without`)."""
     items = load_workload(seed, case.families)
     geometry = Geometry(
         cache_block=C,
@@ -1059,7 +1091,7 @@ def load_run(mode: str, case: LoadCase, seed: int) -> LoadTally:
         prefill_checkpoint=case.checkpoint,
     )
     tally = LoadTally(requests=len(items))
-    with scheduler_mode(mode):
+    with scheduler_mode(mode), lean_without(without):
         sim = Simulation(geometry)
         scheduler = sim.scheduler
         preempt = scheduler._preempt_request
@@ -1088,6 +1120,9 @@ def load_run(mode: str, case: LoadCase, seed: int) -> LoadTally:
             tally.prefill_chunks += len(record.chunks)
             tally.prefill_tokens += sum(c.end - c.start for c in record.chunks)
             tally.reused += sim.reused(name)
+            tokens = record.request.prompt_token_ids
+            tail = (len(tokens) - 1) // H * H
+            tally.prompt_checkpoints += state_id(tokens, tail) in sim.published_states
         tally.steps = sim.steps
         tally.published = len(sim.published)
         tally.poisoned = len(sim.poisoned)
@@ -1096,15 +1131,42 @@ def load_run(mode: str, case: LoadCase, seed: int) -> LoadTally:
     return tally
 
 
+LEAN_ABLATION = (
+    LeanStop.REPLAY_OVER_CHECKPOINT,
+    LeanStop.REPLAY,
+    LeanStop.TAIL,
+    LeanStop.JUNCTION,
+)
+"""The kinds of lean's stops the ablation leaves out, one at a time."""
+
+
+LoadRows = dict[str, dict[str, list[LoadTally]]]
+"""Per workload (its label), per run (a mode): one tally per seed."""
+
+
 def measure_load(
     seeds: tuple[int, ...] = LOAD_SEEDS,
-) -> dict[str, dict[str, list[LoadTally]]]:
-    """Per workload (its label), per scheduling mode: one tally per seed."""
-    results: dict[str, dict[str, list[LoadTally]]] = {}
+) -> tuple[LoadRows, LoadRows]:
+    """Per workload (its label), per scheduling mode: one tally per seed; and
+    for the workloads with backend checkpoints, stock, lean, and lean without
+    each kind of its stops (:data:`LEAN_ABLATION`)."""
+    results: LoadRows = {}
+    ablations: LoadRows = {}
     for case in load_cases():
         log(f"concurrent load, {case.label}: {len(seeds)} seeds x modes")
         results[case.label] = {
             mode: [load_run(mode, case, seed) for seed in seeds]
             for mode in SCHEDULING_MODES
         }
-    return results
+        if case.checkpoint is None or case.num_blocks != LoadCase.num_blocks:
+            continue
+        log(f"concurrent load, {case.label}: lean without each kind of stop")
+        rows = {STOCK: results[case.label][STOCK], "lean": results[case.label]["lean"]}
+        for stop in LEAN_ABLATION:
+            if stop is LeanStop.JUNCTION and not case.families:
+                continue
+            rows[f"lean without its {stop.value}"] = [
+                load_run("lean", case, seed, without=stop) for seed in seeds
+            ]
+        ablations[case.label] = rows
+    return results, ablations

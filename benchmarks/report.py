@@ -448,6 +448,66 @@ def load_table(rows: dict[str, list[LoadTally]]) -> list[str]:
     return lines
 
 
+def ablation_table(rows: dict[str, list[LoadTally]]) -> list[str]:
+    """Lean, and lean without each kind of its stops: what each costs in time
+    to first token, and what goes wrong without it."""
+    stock = rows[STOCK]
+    stock_ttft = sum(t.ttft for t in stock)
+    lines = [
+        "| run | TTFT, steps (summed) | vs stock | per seed "
+        "| prefill chunks / request | reused tokens | wrong publications "
+        "| wrong reads | kept states lost | prompt checkpoints published |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run, tallies in rows.items():
+        ttft = sum(t.ttft for t in tallies)
+        per_seed = " / ".join(
+            _ratio(t.ttft, s.ttft) for t, s in zip(tallies, stock, strict=True)
+        )
+        requests = sum(t.requests for t in tallies)
+        lines.append(
+            f"| {run} | {ttft:,} | {_ratio(ttft, stock_ttft)} | {per_seed} "
+            f"| {sum(t.prefill_chunks for t in tallies) / requests:.2f} "
+            f"| {sum(t.reused for t in tallies):,} "
+            f"| {sum(t.poisoned for t in tallies)} of "
+            f"{sum(t.published for t in tallies):,} "
+            f"| {sum(t.wrong_reads for t in tallies)} "
+            f"| {sum(t.lost_kept for t in tallies)} "
+            f"| {sum(t.prompt_checkpoints for t in tallies)} of {requests} |"
+        )
+    return lines
+
+
+def ablation_section(ablations: dict[str, dict[str, list[LoadTally]]]) -> list[str]:
+    """What each of lean's stops costs where the backend checkpoints."""
+    lines = [
+        "### What each of lean's stops costs, with backend checkpoints",
+        "",
+        "The same workloads and seeds, lean run again with one kind of its stops "
+        "left out (a benchmark-only switch, `StopPolicy.without`; no setting "
+        "reaches it). The backend's in-chunk write is the prompt's checkpoint "
+        "(vLLM's partial tail, the prompt length minus one floored to the hash "
+        "block), into the column of the replay boundary (the same length "
+        "floored to B); vLLM then publishes that column under the tail's hash "
+        "instead of the boundary's. So it stands in for the replay boundary "
+        "only where the two coincide, and lean keeps a state at the replay "
+        "boundary by ending a chunk there; from that boundary no backend can "
+        "checkpoint the tail (its column is the boundary's own), so vLLM stops "
+        "at the tail too: two chunks where stock, checkpointing, takes one. "
+        "*Replay-boundary stops where the backend checkpoints*: only the stops "
+        "in a chunk that would otherwise end the prefill with the backend's "
+        "write in that boundary's column. *Tail stops after a kept stop*: "
+        "vLLM's own stop at the partial tail in the chunk that starts on a kept "
+        "boundary. *Prompt checkpoints published*: requests whose partial-tail "
+        "state a Mamba hash published (what a re-ask of the same prompt "
+        "resumes from).",
+        "",
+    ]
+    for label, rows in ablations.items():
+        lines += [f"{label[0].upper()}{label[1:]}:", "", *ablation_table(rows), ""]
+    return lines
+
+
 def load_section(
     seeds: tuple[int, ...], results: dict[str, dict[str, list[LoadTally]]]
 ) -> list[str]:

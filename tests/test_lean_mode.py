@@ -17,7 +17,12 @@ import pytest
 from helpers import cache_block_for, scheduler_mode
 
 from vllm_mamba_align.tools.modes import STOCK
-from vllm_mamba_align.tools.sim import Geometry, Simulation, prompt
+from vllm_mamba_align.tools.sim import (
+    Geometry,
+    Simulation,
+    available_checkpoint_backends,
+    prompt,
+)
 
 B = 1648
 REQUESTS = 16
@@ -100,3 +105,42 @@ def test_lean_is_kept_under_dense_retention() -> None:
     kept, _ = served("kept", True, None)
     for name, record in kept.records.items():
         assert lean.chunk_ends(name) == [c.end for c in record.chunks]
+
+
+@pytest.mark.parametrize(
+    ("length", "lean_ends"),
+    [(4 * B + 5, [4 * B + 5]), (4 * B + 105, [4 * B, 4 * B + 96, 4 * B + 105])],
+    ids=["tail-is-the-boundary", "tail-past-the-boundary"],
+)
+def test_lean_lets_the_backend_write_the_replay_boundary_only_where_it_does(
+    length: int, lean_ends: list[int]
+) -> None:
+    """With backend prefill checkpoints (GDN on FlashInfer, alignment
+    lcm(16, 64)) the backend writes the prompt's partial tail (P - 1 floored
+    to the hash block) into the replay boundary's column (P - 1 floored to
+    B). Where the tail is that boundary, lean takes the prompt in one chunk,
+    as stock does, and the backend's write is the boundary's state; where it
+    is not, lean ends a chunk on the boundary (and vLLM stops at the tail
+    after it: no backend can checkpoint a chunk into its start's column).
+    Either way the boundary is published holding its own state."""
+    if "gdn-flashinfer" not in available_checkpoint_backends():
+        pytest.skip("this vLLM's GDN declares no checkpoint blocks (0.33.0+)")
+    geometry = Geometry(
+        cache_block=cache_block_for(B),
+        state_block=B,
+        hash_block=16,
+        budget=8192,
+        num_blocks=8000,
+        retention="default",
+        prefill_checkpoint="gdn-flashinfer",
+    )
+    with scheduler_mode("lean"):
+        sim = Simulation(geometry)
+        if sim.retention_interval != 0:
+            pytest.skip("vLLM's default retention keeps every boundary here")
+        sim.add("p", prompt(length, seed=9))
+        sim.run()
+    assert sim.chunk_ends("p") == lean_ends
+    assert 4 * B in sim.materialized_boundaries("p")
+    assert not sim.poisoned, [str(p) for p in sim.poisoned.values()]
+    assert sim.missing_kept == []

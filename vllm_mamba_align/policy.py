@@ -14,6 +14,7 @@ Importing this module needs neither vLLM nor torch.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, fields, replace
 
 from .checkpoints import (
@@ -29,6 +30,28 @@ from .retention import Retention, mamba_manager
 from .settings import Mode
 
 FIXING_MODES = (Mode.FULL, Mode.KEPT, Mode.GRID, Mode.LEAN)
+
+
+class LeanStop(enum.Enum):
+    """The kinds of stop lean adds to, or keeps from, vLLM's own chunk ends:
+    what ``benchmarks/bench.py --load`` drops one at a time to show what each
+    costs and what goes wrong without it (:attr:`StopPolicy.without`)."""
+
+    REPLAY = "replay-boundary stops"
+    """At the replay boundary (where a re-ask or a longer sibling resumes)."""
+    REPLAY_OVER_CHECKPOINT = "replay-boundary stops where the backend checkpoints"
+    """At the replay boundary, in a chunk that would otherwise end the prefill
+    with the backend's in-chunk checkpoint in that boundary's column: it writes
+    the prompt's partial-tail state there, which vLLM then publishes under the
+    tail's hash in place of the boundary's."""
+    JUNCTION = "junction stops"
+    """At a detected shared-prefix junction."""
+    TAIL = "tail stops after a kept stop"
+    """vLLM's own stop at the prompt's partial tail, in the chunk after a stop
+    at a kept boundary (no backend can checkpoint that chunk: the tail's column
+    is the boundary's own)."""
+
+
 """The modes that bind the fix (``off`` and ``audit`` leave vLLM's split as it is)."""
 
 
@@ -195,10 +218,17 @@ backend_off_manager_grid`, 0.30.0-0.31.0) a longer chunk gets a wrongly
     between two, leaves a block nobody hashes, so only the stops at kept
     boundaries (:attr:`stop_at_boundaries`) are needed and flooring every
     chunk end to B costs steps for nothing. Off where every boundary is kept
-    (dense), where the backend's state lands off the manager's grid, and
-    where the scheduler reserves checkpoint blocks (its in-chunk write is
-    placed by the grid vLLM's split runs on): lean is ``kept`` there.
+    (dense) and where the backend's state lands off the manager's grid: lean
+    is ``kept`` there. With backend prefill checkpoints the backend writes
+    only the prompt's partial-tail state, into the replay boundary's column
+    (``compute_mamba_prefill_checkpoints``), so lean still stops at that
+    boundary, except where the tail is the boundary itself.
     Releases: all. Delete when: as :attr:`stop_at_boundaries`."""
+    without: frozenset[LeanStop] = frozenset()
+    """Benchmark only: lean's stops of these kinds are left out, to count what
+    each one buys (``benchmarks/measure.py``, the concurrent-load ablation).
+    :meth:`decide` never sets it, and no setting reaches it: a scheduler
+    serving users always has it empty."""
 
     @property
     def any_stop(self) -> bool:

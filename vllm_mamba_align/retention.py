@@ -93,6 +93,17 @@ class Retention:
             positions.append(junction)
             if self.eagle_junction:
                 positions.append(junction - grid)
+        return self._boundaries(positions)
+
+    def replay_boundaries(self, request: Request) -> tuple[int, ...]:
+        """The B boundaries of :meth:`reachable` that stand for the replay
+        positions (the others are junctions)."""
+        return self._boundaries(self.replay(request))
+
+    def _boundaries(self, positions: Sequence[int]) -> tuple[int, ...]:
+        """Positions floored to the alignment, then to B, as vLLM's mask does
+        (``reachable_block_mask``); those below one block dropped."""
+        grid = self.state_block
         kept = set()
         for position in positions:
             aligned = position // self.alignment * self.alignment

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .checkpoints import CheckpointRule, backend_checkpoint_rule, checkpoint_decisions
-from .policy import StopPolicy
+from .policy import LeanStop, StopPolicy
 from .protocols import CacheConfig, Request, Scheduler
 from .releases import SplitBody, in_prefill
 from .retention import Retention
@@ -98,7 +98,7 @@ def _boundary_stop(
     guard_unwritten, observed = policy.guard_unwritten, policy.watch_decisions
     stop_at_boundaries, stop_anywhere = policy.stop_at_boundaries, policy.stop_anywhere
     mid_block_stop_missing = policy.mid_block_stop_missing
-    first_kept_after = retention.first_kept_after
+    first_kept_after, lean = retention.first_kept_after, policy.stock_chunk_ends
 
     def stop(request: Request, start: int, num_tokens: int, taken_before: int) -> int:
         next_boundary = (start // grid + 1) * grid
@@ -122,21 +122,23 @@ def _boundary_stop(
             if mid_block_stop_missing and start % grid:
                 return next_boundary - start
             return num_tokens
+        stand_in = first_kept_after(request, start) if lean else next_boundary
         if (
             checkpoint_at is not None
+            and stand_in is not None
             and (
                 decisions.taken != taken_before
                 if observed
                 else scheduler.mamba_has_prefill_checkpoint_blocks and start % grid == 0
             )
             and end >= max(request.num_prompt_tokens, request.num_tokens - 1)
-            and end < next_boundary + grid  # no state at a later boundary
-            and checkpoint_at(start, end) == next_boundary
+            and end < stand_in + grid  # no state at a later boundary
+            and checkpoint_at(start, end) == stand_in
         ):
-            # vLLM checkpoints inside this chunk, which really ends the
-            # prefill, and the one state its backend writes is the chunk's
-            # only boundary (its end is not one: that state would come from
-            # a chunk two blocks long).
+            # vLLM checkpoints inside this chunk, which ends the prefill, and
+            # the one state its backend writes (the prompt's partial tail) is
+            # the first boundary (lean: the first kept) and the last before
+            # the end (which is none: that state would need a 2-block chunk).
             return num_tokens
         if stop_anywhere:
             return next_boundary - start
@@ -260,7 +262,9 @@ def state_grid_split(
     checkpoint_at = backend_checkpoint_rule(scheduler, stock, body, policy.grid)
     boundary_stop = boundary_stops(scheduler, policy, retention, checkpoint_at)
     return bind_route(
-        lambda call: _routed(scheduler, call, policy, retention, boundary_stop),
+        lambda call: _routed(
+            scheduler, call, policy, retention, boundary_stop, checkpoint_at
+        ),
         stock,
         body.extra_parameter,
         body.past_prefill_shortcut,
@@ -273,11 +277,12 @@ def _routed(
     policy: StopPolicy,
     retention: Retention,
     boundary_stop: BoundaryStop,
+    checkpoint_at: CheckpointRule | None,
 ) -> Route:
     """The route, with lean's layer on top where the policy says so."""
     route = _route(scheduler, call, policy, boundary_stop)
     if policy.stock_chunk_ends:
-        return _lean(scheduler, call, policy, retention, route)
+        return _lean(scheduler, call, policy, retention, route, checkpoint_at)
     return route
 
 
@@ -287,20 +292,20 @@ def _lean(
     policy: StopPolicy,
     retention: Retention,
     kept_route: Route,
+    checkpoint_at: CheckpointRule | None,
 ) -> Route:
     """:attr:`StopPolicy.stock_chunk_ends` (lean): a prefill chunk whose step
-    allowance reaches no boundary vLLM keeps gets vLLM's own answer on vLLM's
-    own grid, as on stock vLLM; from a start off that grid (after a stop at a
-    kept boundary, where vLLM would add its stop after a mid-block start),
-    vLLM's answer on B stretched back onto vLLM's grid as far as the
-    allowance goes (nothing up to there is kept, so no chunk needs to end on
-    a boundary). A chunk whose allowance reaches a kept boundary gets
-    ``kept_route``'s answer (vLLM on B, the policy's stops, the backend's
-    in-chunk checkpoint standing in where it writes that state) and, where
-    that ends before the boundary, ends on it. Every other call (decodes
-    included) is ``kept_route``'s."""
+    allowance reaches no kept boundary gets vLLM's own answer on vLLM's own
+    grid; from a start off that grid (after a stop at a kept boundary, where
+    vLLM would add its stop after a mid-block start), vLLM's answer on B
+    stretched back onto vLLM's grid as far as the allowance goes (nothing up
+    to there is kept). One whose allowance reaches a kept boundary gets
+    ``kept_route``'s answer (the backend's checkpoint standing in where it
+    writes that state), ending on the boundary at the latest. Every other
+    call (decodes included) is ``kept_route``'s."""
     grid, prefill_rule = policy.grid, policy.prefill
-    first_kept_after = retention.first_kept_after
+    first_kept_after = _first_kept_without(retention, policy.without)
+    ablation = _LeanAblation(policy, retention, checkpoint_at)
 
     def on_vllms_grid(request: Request, start: int, counts: tuple[int, ...]) -> int:
         shared = scheduler.cache_config
@@ -336,11 +341,91 @@ def _lean(
             return kept_route(request, *counts)
         kept = first_kept_after(request, start)
         if kept is None or kept > start + num_new_tokens:
-            return on_vllms_grid(request, start, counts)
+            num_tokens = on_vllms_grid(request, start, counts)
+            return ablation.past_tail(request, start, num_new_tokens, num_tokens)
+        if ablation.over_checkpoint:
+            num_tokens = on_vllms_grid(request, start, counts)
+            if ablation.tail_over(request, start, start + num_tokens, kept):
+                return num_tokens
         num_tokens = kept_route(request, *counts)
         return num_tokens if start + num_tokens > kept else kept - start
 
     return lean
+
+
+class _LeanAblation:
+    """:attr:`StopPolicy.without` (benchmark only; empty when serving, where
+    both checks cost one attribute test): lean's stops that are not about
+    which boundary is kept (those: :func:`_first_kept_without`)."""
+
+    def __init__(
+        self,
+        policy: StopPolicy,
+        retention: Retention,
+        checkpoint_at: CheckpointRule | None,
+    ) -> None:
+        self.grid, self.retention, self.checkpoint_at = (
+            policy.grid,
+            retention,
+            checkpoint_at,
+        )
+        self.over_checkpoint = LeanStop.REPLAY_OVER_CHECKPOINT in policy.without
+        self.tail = LeanStop.TAIL in policy.without
+
+    def tail_over(self, request: Request, start: int, end: int, kept: int) -> bool:
+        """Whether the chunk ``[start, end)`` ends the prefill and the backend
+        writes the prompt's partial tail into the column of ``kept``, a replay
+        boundary (then lean's stop there is left out)."""
+        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+        return (
+            self.checkpoint_at is not None
+            and kept in self.retention.replay_boundaries(request)
+            and end >= prefill_end
+            and kept < end <= kept + self.grid
+            and self.checkpoint_at(start, end) > 0
+        )
+
+    def past_tail(
+        self, request: Request, start: int, num_new_tokens: int, num_tokens: int
+    ) -> int:
+        """vLLM's answer, run on to the prefill end where it stops at the
+        prompt's partial tail after a stop at a kept boundary (when the tail
+        stop is left out)."""
+        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+        if (
+            self.tail
+            and start % self.grid == 0
+            and self.retention.keeps(request, start)
+            and start + num_tokens < prefill_end <= start + num_new_tokens
+        ):
+            return prefill_end - start
+        return num_tokens
+
+
+def _first_kept_without(
+    retention: Retention, without: frozenset[LeanStop]
+) -> Callable[[Request, int], int | None]:
+    """:meth:`Retention.first_kept_after`, blind to the replay boundaries or
+    the junctions when :attr:`StopPolicy.without` (benchmark only) says so."""
+    blind_replay = LeanStop.REPLAY in without
+    blind_junction = LeanStop.JUNCTION in without
+    if not (blind_replay or blind_junction) or retention.dense:
+        return retention.first_kept_after
+    interval = retention.interval
+
+    def first_kept_after(request: Request, start: int) -> int | None:
+        replay = set(retention.replay_boundaries(request))
+        candidates = [
+            boundary
+            for boundary in retention.reachable(request)
+            if boundary > start
+            and not (blind_replay if boundary in replay else blind_junction)
+        ]
+        if interval:
+            candidates.append((start // interval + 1) * interval)
+        return min(candidates, default=None)
+
+    return first_kept_after
 
 
 def _route(

@@ -232,3 +232,14 @@ def test_a_policy_is_one_frozen_value() -> None:
         Mode.FULL, BODIES[-1], RETENTIONS["dense"], FACTS["plain"], B
     )
     assert found == same and hash(found) == hash(same)
+
+
+def test_no_decision_leaves_out_any_of_leans_stops() -> None:
+    """``StopPolicy.without`` is the benchmark's ablation switch: no mode,
+    body, retention or scheduler fact turns it on for a scheduler."""
+    for body in BODIES:
+        for facts in FACTS.values():
+            for retention in RETENTIONS.values():
+                for mode in FIXING_MODES:
+                    policy = StopPolicy.decide(mode, body, retention, facts, B)
+                    assert policy.without == frozenset(), (body.name, mode)

@@ -74,6 +74,9 @@ class Oracle(SchedulerView):
         self.poisoned: dict[tuple[int, bytes], Poisoned] = {}
         self.published: set[tuple[int, bytes]] = set()
         """Every (block, hash) the Mamba group published while we watched."""
+        self.published_states: set[StateId] = set()
+        """Every state a published Mamba hash named while we watched (held or
+        not: :attr:`poisoned` says which were wrong)."""
         self.wrong_reuse: list[str] = []
         self.same_step_reuse: list[str] = []
         """Hits on a state written in the same step: vLLM's own, not the grid's."""
@@ -443,6 +446,7 @@ class Oracle(SchedulerView):
     def _check_published_hashes(self) -> None:
         for block, key, claimed in self.published_mamba_blocks():
             self.published.add((block.block_id, key))
+            self.published_states.add(claimed)
             held = self.holds.get(block.block_id)
             if held != claimed:
                 wrong = Poisoned(block.block_id, claimed, held)
