@@ -91,7 +91,6 @@ def test_every_package_is_in_the_wheel() -> None:
     assert found <= listed
 
 
-
 def package_module(dotted: str, root: Path = PACKAGE.parent) -> Path | None:
     """The file of module ``dotted`` under ``root``, or None if it names none."""
     relative = Path(*dotted.split("."))
@@ -135,9 +134,7 @@ def import_graph(package: Path) -> dict[str, set[str]]:
     root = package.parent
     return {
         module_name(path, root): {
-            m
-            for m in package_imports(path, root)
-            if m.split(".")[0] == package.name
+            m for m in package_imports(path, root) if m.split(".")[0] == package.name
         }
         for path in sorted(package.rglob("*.py"))
     }
