@@ -51,7 +51,9 @@ import report
 
 sys.path.insert(
     0,
-    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"),
+    os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "maintainers"
+    ),
 )
 import vllm_mamba_align
 from matrix import commit

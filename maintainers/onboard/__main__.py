@@ -14,6 +14,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
+import maintainers.onboard as onboard_package
 from maintainers import drafting, interpreters
 from maintainers.onboard import REPO, OnboardError
 from maintainers.onboard.environment import (
@@ -351,7 +352,8 @@ def _environment(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=(__doc__ or "").split("\n\n")[0],
+        prog="python3 -m maintainers.onboard",
+        description=(onboard_package.__doc__ or "").split("\n\n")[0],
         epilog="The procedure around it: docs/maintaining/new-release.md",
     )
     parser.add_argument(

@@ -30,7 +30,7 @@ def find_wheel(
     release: str, folders: list[Path], download_to: Path, offline: bool = False
 ) -> Path:
     """The release's wheel from a folder, else downloaded from the registry; a
-    nightly build's wheel the same way (:mod:`vllm_mamba_align.tools.nightlies`)."""
+    nightly build's wheel the same way (:mod:`maintainers.nightlies`)."""
     for folder in [*folders, download_to]:
         wheel = next(iter(sorted(folder.glob(f"vllm-{release}-*.whl"))), None)
         if wheel is None and is_nightly(release):

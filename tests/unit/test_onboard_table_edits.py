@@ -1,4 +1,4 @@
-"""``maintainers/onboard/``'s edits of the release table and its drafted entries
+"""``maintainers/onboard/table.py``'s edits of the release table and its drafted entries
 (no vLLM needed): what it writes parses, says what the table means, and
 changes nothing else."""
 
