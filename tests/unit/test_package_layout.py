@@ -172,6 +172,19 @@ def test_the_package_imports_in_one_direction() -> None:
     assert [" -> ".join(loop) for loop in loops(import_graph(PACKAGE))] == []
 
 
+def test_the_maintainers_code_imports_in_one_direction() -> None:
+    """The same for maintainers/: each part of onboarding imports the parts
+    below it, and the package never imports maintainers/ (no wheel has it)."""
+    maintainers = PACKAGE.parent / "maintainers"
+    assert [" -> ".join(loop) for loop in loops(import_graph(maintainers))] == []
+    importing = sorted(
+        name(path)
+        for path in PACKAGE.rglob("*.py")
+        if any(m.split(".")[0] == "maintainers" for m in imported_modules(path))
+    )
+    assert importing == []
+
+
 def test_the_loop_finder_sees_a_loop_closed_under_type_checking(
     tmp_path: Path,
 ) -> None:
