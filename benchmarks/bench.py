@@ -26,7 +26,7 @@ How it measures (CPU only, no weights; see ``vllm_mamba_align/tools/sim/``):
 - what users do instead: the same varied workload, served concurrently, by
   stock vLLM, with prefix caching off, with a one-state-block step budget, and
   by the plugin's fixing modes (and with the mode unset), at vLLM's default
-  retention and dense (``tools/matrix.py`` copies that section into
+  retention and dense (``maintainers/matrix.py`` copies that section into
   docs/modes.md).
 - concurrent load (``--load``, counts only, its own report): requests arriving
   over time with decodes sharing each step's budget, unique prompts, prefix
@@ -51,7 +51,9 @@ import report
 
 sys.path.insert(
     0,
-    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"),
+    os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "maintainers"
+    ),
 )
 import vllm_mamba_align
 from matrix import commit

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -44,6 +45,30 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _maintainers_from_the_checkout() -> None:
+    """Make ``maintainers`` (the repository's maintainer code, which no wheel
+    holds) importable from the checkout, for the tests of onboarding, the
+    nightly scan, the interpreter matrix and the generated tables.
+
+    Registered by its path, not by putting the checkout on ``sys.path``: there
+    the checkout's ``vllm_mamba_align`` would shadow the installed wheel the
+    suites judge (tests/unit/test_installed_package.py). Its own imports of
+    the package resolve to the wheel too."""
+    folder = os.path.join(os.path.dirname(TESTS_DIR), "maintainers")
+    spec = importlib.util.spec_from_file_location(
+        "maintainers",
+        os.path.join(folder, "__init__.py"),
+        submodule_search_locations=[folder],
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["maintainers"] = module
+    spec.loader.exec_module(module)
+
+
+_maintainers_from_the_checkout()
 WITHOUT_VLLM = ("unit",)
 """Folders of tests that run without vLLM (``e2e`` decides for itself)."""
 

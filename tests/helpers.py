@@ -25,7 +25,6 @@ __all__ = [
     "cache_block_for",
     "geometry_rule",
     "installed_body",
-    "load_onboard_tool",
     "plugins",
     "run_python",
     "scheduler_mode",
@@ -42,27 +41,6 @@ PLATFORM_PLUGINS = os.environ.get("MAMBA_ALIGN_TEST_PLATFORM_PLUGINS", "")
 def plugins(*names: str) -> str:
     """A VLLM_PLUGINS value naming these plugins plus the test platform plugin."""
     return ",".join(n for n in (*names, *PLATFORM_PLUGINS.split(",")) if n)
-
-
-def load_onboard_tool() -> Any:
-    """``tools/onboard.py`` (a script beside the package) as module ``onboard``.
-
-    The tool puts its own checkout first on ``sys.path``; the tests keep theirs.
-    """
-    import importlib.util
-    import sys
-
-    script = os.path.join(os.path.dirname(TESTS_DIR), "tools", "onboard.py")
-    spec = importlib.util.spec_from_file_location("onboard", script)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["onboard"] = module
-    path = list(sys.path)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path[:] = path
-    return module
 
 
 def run_python(code: str, **env: str) -> Any:

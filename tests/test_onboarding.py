@@ -1,7 +1,7 @@
 """Onboarding a release drafts its real entry from the installed vLLM's code.
 
-``tools/onboard.py`` reads a release's code and drafts its release-table entry
-(``vllm_mamba_align.tools.drafting``). Run on the installed release as if the
+``maintainers/onboard/`` reads a release's code and drafts its release-table entry
+(``maintainers.drafting``). Run on the installed release as if the
 table did not know it, the draft must be the table's entry: the fingerprint,
 the prefill rule, the internal-checkpoint rule, the wide-block exemption, the
 extra parameter and the checkpoint grid, each read from the code alone.
@@ -17,11 +17,12 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from helpers import load_onboard_tool, run_python
+from helpers import run_python
 from packaging.version import Version
 
+from maintainers import drafting
+from maintainers.onboard import environment, wheels
 from vllm_mamba_align import releases
-from vllm_mamba_align.tools import drafting
 
 vllm = pytest.importorskip("vllm")  # the suite collects without vLLM
 
@@ -77,11 +78,12 @@ def test_onboarding_as_if_unknown_drafts_the_real_entry(tmp_path: Path) -> None:
     internal-checkpoint rule ALIGNED_START, the wide-block exemption) is drafted
     from the code; a shared body is recognized through its other releases."""
     assert REAL is not None
-    wheels = tmp_path / "wheels"
-    release_wheel(wheels)
-    options = ["--pretend-unknown", "--no-env", "--offline", "--wheels", str(wheels)]
+    folder = tmp_path / "wheels"
+    release_wheel(folder)
+    options = ["--pretend-unknown", "--no-env", "--offline", "--wheels", str(folder)]
     result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "onboard.py"), RELEASE, *options],
+        [sys.executable, "-m", "maintainers.onboard", RELEASE, *options],
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=600,
@@ -108,9 +110,8 @@ def test_a_wheel_relabelled_with_a_local_version_is_recognized_by_its_code(
     tmp_path: Path,
 ) -> None:
     """A vendor or dev rebuild (``<release>+<tag>``) of a release's code."""
-    onboard = load_onboard_tool()
     wheel = release_wheel(tmp_path / "release")
-    labelled = onboard.relabel_wheel(wheel, "vendor1", tmp_path / "vendor")
+    labelled = wheels.relabel_wheel(wheel, "vendor1", tmp_path / "vendor")
     version = f"{RELEASE}+vendor1"
     assert labelled.name.startswith(f"vllm-{version}-")
     with zipfile.ZipFile(labelled) as contents:
@@ -130,12 +131,11 @@ def test_the_smoke_check_passes_on_the_installed_release() -> None:
     environment: the default mode, at the retention the release applies by
     default, stops the smoke prompt at every boundary vLLM's own retention
     kept (its keep decisions, not the plugin's model), then at the end."""
-    onboard = load_onboard_tool()
-    result = run_python(onboard.SMOKE, VLLM_MAMBA_ALIGN_MODE="")
+    result = run_python(environment.SMOKE, VLLM_MAMBA_ALIGN_MODE="")
     lines = [line for line in result.stdout.splitlines() if line.startswith("SMOKE ")]
     assert lines, result.stderr[-2000:]
     answer = json.loads(lines[0].removeprefix("SMOKE "))
     assert answer["verified"] and answer["mode"] == "kept"
     assert answer["kept_by_vllm"], "vLLM keeps at least the replay boundary"
-    assert answer["chunk_ends"] == onboard.smoke_expectation(answer)
+    assert answer["chunk_ends"] == environment.smoke_expectation(answer)
     assert answer["poisoned"] == 0

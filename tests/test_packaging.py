@@ -91,7 +91,7 @@ def _tracked_files() -> list[str]:
 
 def test_the_sdist_holds_every_tracked_file(tmp_path: Path) -> None:
     """Unpacked, the source distribution runs the tests and checks a clone runs:
-    tests/ (conftest, unit, e2e, support), noxfile.py, envs/, tools/, docs/."""
+    tests/ (conftest, unit, e2e, support), noxfile.py, envs/, maintainers/, docs/."""
     setuptools = pytest.importorskip("setuptools")
     if int(setuptools.__version__.split(".")[0]) < 77:
         pytest.skip("setuptools before 77 does not read the SPDX license field")

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from maintainers.interpreters import available_pythons, check
 from vllm_mamba_align.releases import expected_body, installed_version
-from vllm_mamba_align.tools.interpreters import available_pythons, check
 
 
 def test_every_supported_python_recognizes_the_installed_release() -> None:

@@ -9,9 +9,8 @@ lets the error stop the start, instead of at import, which vLLM only logs (the
 fix would then be silently off).
 """
 
-__version__ = "0.1.0"
-
 from .errors import MambaAlignError
+from .version import __version__
 
 __all__ = ["MambaAlignError", "__version__", "register"]
 

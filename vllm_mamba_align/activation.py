@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import __version__, audit, metrics, settings
+from . import audit, metrics, settings
 from .errors import MambaAlignError
 from .fingerprint import CodeShape
 from .geometry import state_block_size
@@ -44,6 +44,7 @@ from .settings import Mode
 from .signature import SplitFunction
 from .split import state_grid_split
 from .subclasses import describe_class, foreign_classes, problems
+from .version import __version__
 
 # The attribute upstream's fix (PR #54076) adds; if vLLM set it itself, the fix landed.
 STATE_BLOCK_ATTRIBUTE = "mamba_state_block_size"

@@ -7,7 +7,7 @@ vLLM decides to checkpoint internally (``use_internal_checkpoint`` in
 into the request's Mamba block column ``cdiv(end, B) - 2``, skipped when that
 column holds the null block. Every vLLM rule about it is written here once and
 read by the fix (split.py, policy.py), the audit (audit/) and the simulation
-(tools/).
+(tools/sim/).
 
 Importing this module needs neither vLLM nor torch.
 """
@@ -23,11 +23,10 @@ import textwrap
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from .protocols import Request, Scheduler
-    from .releases import SplitBody
 
 
 class InternalCheckpoint(enum.Enum):
@@ -92,6 +91,19 @@ for the documentation and for the tests that hold
 main may have a backend's blocks before any release does."""
 
 _DECLARES_CHECKPOINT_BLOCKS = re.compile(r"\bnum_prefill_checkpoint_blocks\s*=")
+
+
+class CheckpointFacts(Protocol):
+    """What the rules below read of a split body (``releases.SplitBody``).
+
+    Named here, not imported: releases.py builds its bodies from this
+    module's types, and the facts go one way (releases -> checkpoints)."""
+
+    @property
+    def internal_checkpoint(self) -> InternalCheckpoint: ...
+
+    @property
+    def checkpoint_grid(self) -> CheckpointGrid | None: ...
 
 
 def checkpoint_backends_in(package_dir: Path | None) -> tuple[str, ...]:
@@ -320,7 +332,9 @@ def manager_rekeys_checkpoint_block(manager_class: type) -> bool:
         return False
 
 
-def backend_off_manager_grid(scheduler: Scheduler, body: SplitBody, grid: int) -> bool:
+def backend_off_manager_grid(
+    scheduler: Scheduler, body: CheckpointFacts, grid: int
+) -> bool:
     """Whether vLLM's backend puts its in-chunk state on another hash grid than
     its Mamba manager reserves and publishes the block for.
 
@@ -357,7 +371,7 @@ _VALID_PARAMETERS = {
 
 
 def backend_checkpoint_rule(
-    scheduler: Scheduler, stock: Callable[..., int], body: SplitBody, grid: int
+    scheduler: Scheduler, stock: Callable[..., int], body: CheckpointFacts, grid: int
 ) -> CheckpointRule | None:
     """Where vLLM's GPU backend writes its one in-chunk prefill state.
 
@@ -461,7 +475,7 @@ writes into that boundary's own slot inside the chunk (0: none)."""
 
 
 def own_slot_write(
-    scheduler: Scheduler, stock: Callable[..., int], body: SplitBody, grid: int
+    scheduler: Scheduler, stock: Callable[..., int], body: CheckpointFacts, grid: int
 ) -> OwnSlotWrite | None:
     """Which boundary inside a chunk the GPU backend writes into its own slot,
     read off vLLM's rule and the request's block table; None where the Mamba

@@ -28,8 +28,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
-from . import __version__
 from .errors import MambaAlignError
+from .version import __version__
 
 EXIT_OK = 0
 EXIT_REFUSE = 1

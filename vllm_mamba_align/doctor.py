@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-from . import __version__, settings, topology
+from . import settings, topology
 from .errors import MambaAlignError
 from .fingerprint import fingerprint_node, method_in_file
 from .metrics import export_status as metrics_export_status
@@ -48,6 +48,7 @@ from .releases import (
     seed_code,
     vllm_package_dir,
 )
+from .version import __version__
 
 PLUGIN_NAME = "mamba_align"
 PLUGIN_GROUP = "vllm.general_plugins"

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import __version__
+from .version import __version__
 
 PREFIX = "vllm_mamba_align_"
 LABELS = ("model_name", "engine")

@@ -17,14 +17,14 @@ import textwrap
 
 import pytest
 
-from vllm_mamba_align import fingerprint
-from vllm_mamba_align.fingerprint import canonical_form, fingerprint_source
-from vllm_mamba_align.tools import interpreters
-from vllm_mamba_align.tools.interpreters import (
+from maintainers import interpreters
+from maintainers.interpreters import (
     SUPPORTED_PYTHONS,
     available_pythons,
     fingerprints_with,
 )
+from vllm_mamba_align import fingerprint
+from vllm_mamba_align.fingerprint import canonical_form, fingerprint_source
 
 # Syntax whose tree, or whose ast.dump, differs between interpreters: f-strings
 # with nested format specs (3.12.0-3.12.1 add an empty piece), a None literal

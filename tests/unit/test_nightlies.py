@@ -1,4 +1,4 @@
-"""The nightly-build report (``vllm_mamba_align.tools.nightlies``) on wheels
+"""The nightly-build report (``maintainers.nightlies``) on wheels
 written here: a split body the table knows is recognized, an edited one is
 flagged unknown, and the exit status says which (no vLLM, no network)."""
 
@@ -11,12 +11,12 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from helpers import load_onboard_tool
 
+from maintainers import nightlies
+from maintainers.interpreters import SCHEDULER_FILE
+from maintainers.onboard import OnboardError, wheels
 from vllm_mamba_align import releases
 from vllm_mamba_align.fingerprint import fingerprint_source
-from vllm_mamba_align.tools import nightlies
-from vllm_mamba_align.tools.interpreters import SCHEDULER_FILE
 
 SPLIT = """
 def _mamba_block_aligned_split(
@@ -194,13 +194,13 @@ def test_a_downloaded_wheel_is_reused(
 
 
 def test_onboarding_finds_a_nightly_wheel_by_its_version(tmp_path: Path) -> None:
-    """``tools/onboard.py 0.29.1.dev202609171111 --wheels DIR`` drafts from the
-    nightly build's wheel; a release version still wants vLLM's own."""
-    onboard = load_onboard_tool()
+    """``python3 -m maintainers.onboard 0.29.1.dev202609171111 --wheels DIR``
+    drafts from the nightly build's wheel; a release version still wants
+    vLLM's own."""
     wheel = write_wheel(tmp_path, "0.29.1.dev202609171111")
-    found = onboard.find_wheel("0.29.1.dev202609171111", [tmp_path], tmp_path, True)
+    found = wheels.find_wheel("0.29.1.dev202609171111", [tmp_path], tmp_path, True)
     assert found == wheel
-    assert onboard.is_nightly("0.29.1.dev202609171111")
-    assert not onboard.is_nightly("0.29.0")
-    with pytest.raises(onboard.OnboardError, match="--offline"):
-        onboard.find_wheel("0.29.1", [tmp_path], tmp_path, True)
+    assert wheels.is_nightly("0.29.1.dev202609171111")
+    assert not wheels.is_nightly("0.29.0")
+    with pytest.raises(OnboardError, match="--offline"):
+        wheels.find_wheel("0.29.1", [tmp_path], tmp_path, True)

@@ -1,4 +1,4 @@
-"""``tools/onboard.py``'s edits of the release table and its drafted entries
+"""``maintainers/onboard/table.py``'s edits of the release table and its drafted entries
 (no vLLM needed): what it writes parses, says what the table means, and
 changes nothing else."""
 
@@ -9,8 +9,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from helpers import load_onboard_tool
 
+from maintainers import drafting
+from maintainers.onboard import __main__ as procedure
+from maintainers.onboard import environment, table, wheels
 from vllm_mamba_align import releases
 from vllm_mamba_align.releases import (
     BODIES,
@@ -19,9 +21,7 @@ from vllm_mamba_align.releases import (
     PrefillRule,
     SplitBody,
 )
-from vllm_mamba_align.tools import drafting
 
-onboard = load_onboard_tool()
 TABLE = Path(releases.__file__).read_text()
 
 
@@ -51,7 +51,7 @@ def test_the_table_text_reads_as_the_table() -> None:
 
 @pytest.mark.parametrize("body", BODIES, ids=lambda b: b.name)
 def test_a_rendered_entry_evaluates_to_the_entry(body: SplitBody) -> None:
-    text = onboard.insert_body(TABLE, drafting.render_entry(body))
+    text = table.insert_body(TABLE, drafting.render_entry(body))
     rendered = [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Call)]
     assert len(rendered) > len(
         [n for n in ast.walk(ast.parse(TABLE)) if isinstance(n, ast.Call)]
@@ -68,7 +68,7 @@ def test_a_rendered_entry_evaluates_to_the_entry(body: SplitBody) -> None:
 
 def test_a_release_joins_its_known_body_in_release_order() -> None:
     newest = BODIES[-1]
-    edited = onboard.add_release_to_body(TABLE, newest.fingerprint, "0.34.0")
+    edited = table.add_release_to_body(TABLE, newest.fingerprint, "0.34.0")
     after = _entries(edited)
     assert after[newest.fingerprint].releases == (*newest.releases, "0.34.0")
     assert {k: v for k, v in after.items() if k != newest.fingerprint} == {
@@ -76,14 +76,14 @@ def test_a_release_joins_its_known_body_in_release_order() -> None:
     }
     changed = [
         line
-        for line in onboard.text_diff(TABLE, edited, "r").splitlines()
+        for line in table.text_diff(TABLE, edited, "r").splitlines()
         if line[:1] in "+-" and line[:3] not in ("+++", "---")
     ]
     assert len(changed) == 2  # one line out, one line in
     # A release listed already: no change; an older one goes first.
-    assert onboard.add_release_to_body(edited, newest.fingerprint, "0.34.0") == edited
+    assert table.add_release_to_body(edited, newest.fingerprint, "0.34.0") == edited
     shared = BODIES[1]
-    older = onboard.add_release_to_body(TABLE, shared.fingerprint, "0.17.0")
+    older = table.add_release_to_body(TABLE, shared.fingerprint, "0.17.0")
     assert _entries(older)[shared.fingerprint].releases[0] == "0.17.0"
 
 
@@ -97,7 +97,7 @@ def test_a_drafted_body_is_appended_to_the_table() -> None:
         None,
         CheckpointGrid.CACHE_HIT_ALIGNMENT,
     )
-    edited = onboard.insert_body(TABLE, drafting.render_entry(draft))
+    edited = table.insert_body(TABLE, drafting.render_entry(draft))
     after = _entries(edited)
     assert list(after.values()) == [*BODIES, draft]
 
@@ -113,27 +113,27 @@ def test_a_releases_string_too_long_for_its_line_is_wrapped_as_ruff_formats_it()
     short = next(
         b
         for b in BODIES
-        if (call := onboard._body_call(tree, b.fingerprint)) is not None
+        if (call := table._body_call(tree, b.fingerprint)) is not None
         and call.lineno == call.end_lineno  # a body written on one line
     )
     text = TABLE
     added = [f"0.{minor}.{patch}" for minor in (40, 41, 42) for patch in range(4)]
     for release in added:
-        text = onboard.add_release_to_body(text, short.fingerprint, release)
-    assert max(len(line) for line in text.splitlines()) <= onboard.LINE_LENGTH
+        text = table.add_release_to_body(text, short.fingerprint, release)
+    assert max(len(line) for line in text.splitlines()) <= table.LINE_LENGTH
     entries = _entries(text)
     assert entries[short.fingerprint].releases == (*short.releases, *added)
     assert {f: b for f, b in entries.items() if f != short.fingerprint} == {
         b.fingerprint: b for b in BODIES if b is not short
     }
-    call = onboard._body_call(ast.parse(text), short.fingerprint)
+    call = table._body_call(ast.parse(text), short.fingerprint)
     assert call is not None and call.args[0].lineno > call.lineno  # one per line
     string = call.args[0]
     assert string.end_lineno is not None and string.end_lineno > string.lineno
     for release in added:
-        text = onboard.remove_release(text, release)
+        text = table.remove_release(text, release)
     assert _entries(text) == {b.fingerprint: b for b in BODIES}
-    string = onboard._body_string_node(ast.parse(text), short.fingerprint)
+    string = table._body_string_node(ast.parse(text), short.fingerprint)
     assert string is not None and string.lineno == string.end_lineno
 
 
@@ -142,7 +142,7 @@ def test_seed_ranges_stretch_to_a_new_release() -> None:
     seed = drafting.SeedReading(
         newest.site, newest.fingerprint, "ab92c2fce7e1af45", True, ""
     )
-    edited = onboard.extend_seed_ranges(TABLE, seed, "0.34.0")
+    edited = table.extend_seed_ranges(TABLE, seed, "0.34.0")
     assert f'"{newest.releases.split("-")[0]}-0.34.0"' in edited
     assert '"0.29.0-0.34.0"' in edited  # _get_mamba_group_info's range
 
@@ -152,7 +152,7 @@ def test_a_one_release_seed_range_is_found_by_its_fingerprint() -> None:
     body's releases string (earlier in the file): only the seed range moves."""
     single = next(code for code in releases.SEED_BODIES if code.releases == "0.26.0")
     seed = drafting.SeedReading(single.site, single.fingerprint, None, True, "")
-    edited = onboard.extend_seed_ranges(TABLE, seed, "0.26.1")
+    edited = table.extend_seed_ranges(TABLE, seed, "0.26.1")
     after = _entries(edited)
     assert list(after.values()) == list(BODIES)  # the split table is unchanged
     assert f'SeedCode("0.26.0-0.26.1", "{single.fingerprint}"' in edited
@@ -171,7 +171,7 @@ def test_the_table_without_a_release() -> None:
 def test_a_bad_release_name_is_a_clear_error(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert onboard.main(["zero.thirty", "--no-env"]) == 2
+    assert procedure.main(["zero.thirty", "--no-env"]) == 2
     assert "'zero.thirty' is not a release version" in capsys.readouterr().err
 
 
@@ -182,14 +182,14 @@ def test_forgetting_a_release_and_adding_it_back_restores_the_table(
     """``--pretend-unknown``'s starting point, then what onboarding writes."""
     body = releases.expected_body(release)
     assert body is not None
-    without = onboard.remove_release(TABLE, release)
+    without = table.remove_release(TABLE, release)
     entries = _entries(without)
     assert all(release not in b.releases for b in entries.values())
     if len(body.releases) == 1:
         assert body.fingerprint not in entries
-        restored = onboard.insert_body(without, drafting.render_entry(body))
+        restored = table.insert_body(without, drafting.render_entry(body))
     else:
-        restored = onboard.add_release_to_body(without, body.fingerprint, release)
+        restored = table.add_release_to_body(without, body.fingerprint, release)
     assert list(_entries(restored).values()) == list(BODIES)
 
 
@@ -202,12 +202,12 @@ def test_a_new_release_starts_from_the_nearest_pinned_file(
     releases need)."""
     for release in ("0.15.1", "0.20.2", "0.33.0"):
         (tmp_path / f"vllm-{release}.txt").write_text(f"# vllm=={release}\n")
-    monkeypatch.setattr(onboard, "ENVS", tmp_path)
-    assert onboard.newest_pinned("0.34.0").name == "vllm-0.33.0.txt"
-    assert onboard.newest_pinned("0.22.0").name == "vllm-0.20.2.txt"
-    assert onboard.newest_pinned("0.20.2").name == "vllm-0.15.1.txt"
-    assert onboard.newest_pinned("0.15.0").name == "vllm-0.15.1.txt"
-    assert onboard.newest_pinned().name == "vllm-0.33.0.txt"
+    monkeypatch.setattr(environment, "ENVS", tmp_path)
+    assert environment.newest_pinned("0.34.0").name == "vllm-0.33.0.txt"
+    assert environment.newest_pinned("0.22.0").name == "vllm-0.20.2.txt"
+    assert environment.newest_pinned("0.20.2").name == "vllm-0.15.1.txt"
+    assert environment.newest_pinned("0.15.0").name == "vllm-0.15.1.txt"
+    assert environment.newest_pinned().name == "vllm-0.33.0.txt"
 
 
 def test_a_new_release_starts_from_the_nearest_file_meeting_its_requirements(
@@ -227,7 +227,7 @@ def test_a_new_release_starts_from_the_nearest_file_meeting_its_requirements(
         (envs / f"vllm-{release}.txt").write_text(
             f"# vLLM {release}\n# NODEPS: xgrammar==0.2.5\napache_tvm_ffi=={tvm}\n"
         )
-    monkeypatch.setattr(onboard, "ENVS", envs)
+    monkeypatch.setattr(environment, "ENVS", envs)
 
     def wheel(release: str, requirements: str) -> Path:
         path = tmp_path / f"vllm-{release}-cp38-abi3-linux_x86_64.whl"
@@ -244,13 +244,13 @@ def test_a_new_release_starts_from_the_nearest_file_meeting_its_requirements(
         "apache-tvm-ffi==0.1.9|xgrammar<1.0.0,>=0.1.32; platform_machine != 'none'"
         '|pytest; extra == "dev"',
     )
-    template, passed_over = onboard.template_for("0.20.0", strict)
+    template, passed_over = environment.template_for("0.20.0", strict)
     assert template.name == "vllm-0.20.2.txt"
     assert passed_over == ["`vllm-0.19.1.txt`: apache-tvm-ffi==0.1.11 (==0.1.9)"]
     loose = wheel("0.19.0", "apache-tvm-ffi>=0.1.9|xgrammar==0.2.5")
-    assert onboard.template_for("0.19.0", loose) == (envs / "vllm-0.18.1.txt", [])
+    assert environment.template_for("0.19.0", loose) == (envs / "vllm-0.18.1.txt", [])
     none_fits = wheel("0.21.0", "xgrammar==0.3.0")
-    template, passed_over = onboard.template_for("0.21.0", none_fits)
+    template, passed_over = environment.template_for("0.21.0", none_fits)
     assert template.name == "vllm-0.20.2.txt" and len(passed_over) == 1
 
 
@@ -276,12 +276,12 @@ def test_a_new_pinned_file_meets_the_releases_requirements() -> None:
         "vllm 0.18.0 has requirement apache-tvm-ffi==0.1.11, but you have "
         "apache-tvm-ffi 0.1.10.\n"
     )
-    assert onboard.vllm_conflicts(check, template) == [
+    assert environment.vllm_conflicts(check, template) == [
         ("xgrammar<1.0.0,>=0.1.32", "xgrammar", "0.1.29"),
         ("apache-tvm-ffi==0.1.11", "apache-tvm-ffi", "0.1.10"),
     ]
     frozen = ["apache_tvm_ffi==0.1.11", "xgrammar==0.2.9", "vllm==0.18.0"]
-    text = onboard.pinned_text_for("0.18.0", template, frozen, "torch==2.13.0")
+    text = environment.pinned_text_for("0.18.0", template, frozen, "torch==2.13.0")
     assert text.splitlines()[1:] == [
         "# Installed with --no-deps after: vllm==0.18.0 and the NODEPS line.",
         "# NODEPS: xgrammar==0.2.9",
@@ -292,7 +292,7 @@ def test_a_new_pinned_file_meets_the_releases_requirements() -> None:
 def test_the_version_is_read_where_vllm_writes_it(tmp_path: Path) -> None:
     """vLLM's build backend writes ``vllm/_version.py``; ``version.py`` only
     imports it."""
-    from vllm_mamba_align.tools import interpreters
+    from maintainers import interpreters
 
     package = tmp_path / "vllm"
     scheduler = package / drafting.SCHEDULER_FILE
@@ -331,7 +331,7 @@ def test_a_relabelled_wheel_is_a_valid_wheel_of_the_local_version(
             out.writestr(name, data)
         out.writestr("vllm-0.33.0.dist-info/RECORD", record.getvalue())
 
-    labelled = onboard.relabel_wheel(wheel, "vendor1", tmp_path / "out")
+    labelled = wheels.relabel_wheel(wheel, "vendor1", tmp_path / "out")
     assert labelled.name == "vllm-0.33.0+vendor1-cp38-abi3-linux_x86_64.whl"
     info = "vllm-0.33.0+vendor1.dist-info"
     with zipfile.ZipFile(labelled) as contents:

@@ -1,4 +1,4 @@
-"""tools/vllm_suite.py's judgement of vLLM's own tests (`nox -s vllm_suite`): an
+"""maintainers/vllm_suite.py's judgement of vLLM's own tests (`nox -s vllm_suite`): an
 outcome the plugin changes fails the run unless the exceptions table names the
 test; failures shared by stock and every mode are the environment's."""
 
@@ -12,9 +12,8 @@ import pytest
 
 
 @pytest.fixture
-def suite(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "tools"))
-    return importlib.import_module("vllm_suite")
+def suite() -> ModuleType:
+    return importlib.import_module("maintainers.vllm_suite")
 
 
 def junit(folder: Path, mode: str, cases: dict[str, str]) -> str:

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from .. import __version__
+from ..version import __version__
 from .judge import (
     NOISE_MARGIN,
     ROUNDING_MARGIN,

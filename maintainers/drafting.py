@@ -6,7 +6,7 @@ alone (a release wheel or an installed ``vllm`` package directory; nothing is
 imported): it fingerprints the split body, infers every fact of a
 :class:`~vllm_mamba_align.releases.SplitBody` the code shows, classifies the
 worker-seed site, and diffs every other piece of vLLM the fix relies on against
-another release. ``tools/onboard.py`` builds the environment, runs the tests
+another release. ``maintainers/onboard/`` builds the environment, runs the tests
 and writes the report on top of it.
 
 The inference rules, one per field of the entry:
@@ -46,13 +46,18 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from .. import releases
-from ..checkpoints import (
+from vllm_mamba_align import releases
+from vllm_mamba_align.checkpoints import (
     RELOCATE_SCRATCH,
     skips_scratch_move_in_checkpoint_steps,
 )
-from ..fingerprint import SPLIT_PARAMETERS, CodeShape, analyse_source, fingerprint_node
-from ..releases import (
+from vllm_mamba_align.fingerprint import (
+    SPLIT_PARAMETERS,
+    CodeShape,
+    analyse_source,
+    fingerprint_node,
+)
+from vllm_mamba_align.releases import (
     BODIES,
     GROUP_INFO_BODIES,
     CheckpointGrid,

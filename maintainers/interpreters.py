@@ -9,8 +9,8 @@ from a released wheel or an installed vLLM, has each interpreter fingerprint
 them with the plugin's own ``fingerprint.py``, and compares the answers with the
 release table.
 
-    python -m vllm_mamba_align.tools.interpreters vllm-0.33.0-*.whl [...]
-    python -m vllm_mamba_align.tools.interpreters --installed
+    python -m maintainers.interpreters vllm-0.33.0-*.whl [...]
+    python -m maintainers.interpreters --installed
 
 Each interpreter runs ``fingerprint.py`` alone (loaded by path, standard library
 only), so it needs neither vLLM nor the plugin's dependencies installed.
@@ -29,8 +29,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import fingerprint
-from ..releases import (
+from vllm_mamba_align import fingerprint
+from vllm_mamba_align.releases import (
     GROUP_INFO_BODIES,
     GROUP_INFO_METHOD,
     MODEL_STATE,

