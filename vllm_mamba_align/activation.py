@@ -203,7 +203,24 @@ def _geometry(scheduler: Scheduler, state_grid: int | None) -> str:
     return (
         f"cache block C={cache_block}, Mamba state block B={grid}, "
         f"hash block {hash_block}"
+        f"{_data_parallel_rank(scheduler)}"
     )
+
+
+def _data_parallel_rank(scheduler: Any) -> str:
+    """``; data-parallel rank R of N`` where vLLM runs N > 1 engine cores.
+
+    Why: under the Ray backend every engine core logs under its actor's class
+    and process id, with no rank, and Ray folds identical lines of several
+    actors into one ("repeated 1x across cluster"): without the rank an
+    operator sees one start line for two engines.
+    """
+    config = getattr(scheduler, "vllm_config", None)
+    size = getattr(getattr(config, "parallel_config", None), "data_parallel_size", 1)
+    if not isinstance(size, int) or size <= 1:
+        return ""
+    rank = metrics.scheduler_labels(scheduler)["engine"]
+    return f"; data-parallel rank {rank} of {size}"
 
 
 def _log(
