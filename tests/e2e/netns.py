@@ -165,7 +165,9 @@ class _Connection:
         self.left = 2
         self.lock = threading.Lock()
         for source, sink in ((a, b), (b, a)):
-            threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+            threading.Thread(
+                target=self._pump, args=(source, sink), daemon=True
+            ).start()
 
     def _pump(self, source: socket.socket, sink: socket.socket) -> None:
         try:
