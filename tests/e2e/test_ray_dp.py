@@ -34,12 +34,16 @@ copies ``VLLM_*`` variables into the actors' runtime environment, over the
 node's); the scenario on rank 0, then rank 1, each reusing what a fresh run
 computes; the probe with ``--ranks 2``. ``audit``: each rank's counts appear in
 its audit lines, forwarded by Ray to the launching process's output, and not on
-the API server's ``/metrics``: Ray actors do not receive
-``PROMETHEUS_MULTIPROC_DIR``. ``refused``: no mode in the launching process, so
+the API server's ``/metrics``: the launching process has
+``PROMETHEUS_MULTIPROC_DIR`` (an empty directory the API server reads, as the
+docs advise), and Ray actors do not receive it. ``refused``: no mode in the launching process, so
 each actor reads the node's ``bogus`` and the plugin refuses inside the actor;
-``vllm serve`` exits with the plugin's message. Then every process in the
-namespace (Ray's daemons and workers) is ended by process id and the namespace
-deleted, and the tests check that nothing was left.
+``vllm serve`` exits with the plugin's message. After each deployment no
+engine-core actor may be left in the namespace. Then every process in the
+namespace (Ray's daemons and idle workers) is ended by process id, SIGTERM and
+SIGKILL after 10 s, as ``ray stop`` does (which is not used: it finds Ray's
+processes by name on the whole machine), the namespace is deleted, and the tests
+check that nothing was left.
 """
 
 from __future__ import annotations
@@ -80,6 +84,9 @@ RAY_OPTIONS: dict[str, Any] = {
     "data_parallel_backend": "ray",
     "data_parallel_address": "127.0.0.1",
     "distributed_executor_backend": "uni",
+    # One API server (vLLM's default here is one per rank): a process less to
+    # start; the scenario pins each request to its rank anyway.
+    "api_server_count": 1,
 }
 RAY_PORT = 6379  # Ray's default: the namespace is the test's alone
 NODE_MODE = "bogus"  # in the Ray node's environment only
@@ -150,7 +157,8 @@ class RayCluster:
     start_seconds: float = 0.0
     runs: dict[str, RayRun] = field(default_factory=dict)
     killed: list[str] = field(default_factory=list)
-    """Processes that did not exit on SIGTERM within the bound."""
+    """Processes that did not exit within 10 s of SIGTERM, then SIGKILLed (as
+    ``ray stop`` does after its grace period)."""
     left: list[int] = field(default_factory=list)
     namespace_left: bool = True
     failure: str = ""
@@ -175,9 +183,11 @@ def _node_environment() -> dict[str, str]:
 
 
 def _launch_environment(mode: str | None, root: Path) -> dict[str, str]:
+    """The launching process's: the plugin's settings, and multiprocess
+    Prometheus set up as the docs advise (an empty directory), which the API
+    server reads and the actors never receive."""
+    (root / "prometheus").mkdir()
     env = _environment(mode, root / "prometheus")
-    # `vllm serve` with two API servers sets up multiprocess Prometheus itself.
-    del env["PROMETHEUS_MULTIPROC_DIR"]
     env.update(
         {
             "RAY_ADDRESS": f"127.0.0.1:{RAY_PORT}",
@@ -313,7 +323,7 @@ def _run_all(root: Path) -> RayCluster:
     except BaseException as problem:
         cluster.failure = f"{type(problem).__name__}: {problem}"[:3000]
     finally:
-        cluster.killed = namespace.end_processes()
+        cluster.killed = namespace.end_processes(bound=10.0)
         cluster.left = namespace.pids()
         namespace.delete()
         cluster.namespace_left = namespace.exists()
@@ -435,8 +445,8 @@ def summary_lines() -> list[str]:
     lines = []
     for cluster in _cluster:
         lines.append(
-            f"ray cluster: started in {cluster.start_seconds:.1f} s; killed after "
-            f"SIGTERM: {cluster.killed or 'none'}"
+            f"ray cluster: started in {cluster.start_seconds:.1f} s; "
+            f"{len(cluster.killed)} of its processes SIGKILLed 10 s after SIGTERM"
         )
         for key, found in cluster.runs.items():
             lines.append(
