@@ -36,8 +36,8 @@ computes; the probe with ``--ranks 2``. ``audit``: each rank's counts appear in
 its audit lines, forwarded by Ray to the launching process's output, and not on
 the API server's ``/metrics``: the launching process has
 ``PROMETHEUS_MULTIPROC_DIR`` (an empty directory the API server reads, as the
-docs advise), and Ray actors do not receive it. ``refused``: no mode in the launching process, so
-each actor reads the node's ``bogus`` and the plugin refuses inside the actor;
+docs advise), and Ray actors do not receive it. ``refused``: no mode in the
+launching process, so each actor reads the node's ``bogus`` and the plugin refuses inside the actor;
 ``vllm serve`` exits with the plugin's message. After each deployment no
 engine-core actor may be left in the namespace. Then every process in the
 namespace (Ray's daemons and idle workers) is ended by process id, SIGTERM and
