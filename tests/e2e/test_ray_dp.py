@@ -37,8 +37,8 @@ its audit lines, forwarded by Ray to the launching process's output, and not on
 the API server's ``/metrics``: the launching process has
 ``PROMETHEUS_MULTIPROC_DIR`` (an empty directory the API server reads, as the
 docs advise), and Ray actors do not receive it. ``refused``: no mode in the
-launching process, so each actor reads the node's ``bogus`` and the plugin refuses inside the actor;
-``vllm serve`` exits with the plugin's message. After each deployment no
+launching process, so each actor reads the node's ``bogus`` and the plugin
+refuses inside the actor; ``vllm serve`` exits with the plugin's message. After each deployment no
 engine-core actor may be left in the namespace. Then every process in the
 namespace (Ray's daemons and idle workers) is ended by process id, SIGTERM and
 SIGKILL after 10 s, as ``ray stop`` does (which is not used: it finds Ray's
