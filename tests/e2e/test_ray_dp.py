@@ -28,22 +28,21 @@ What this machine needs that a GPU cluster does not, each test-only:
   ranks' start lines among them.
 
 The Ray node (``ray start``) is given ``VLLM_MAMBA_ALIGN_MODE=bogus`` in its
-environment. Three deployments, in turn, on that one cluster:
-``full``: the mode set only in the launching process reaches each actor (vLLM
-copies ``VLLM_*`` variables into the actors' runtime environment, over the
-node's); the scenario on rank 0, then rank 1, each reusing what a fresh run
-computes; the probe with ``--ranks 2``. ``audit``: each rank's counts appear in
-its audit lines, forwarded by Ray to the launching process's output, and not on
-the API server's ``/metrics``: the launching process has
-``PROMETHEUS_MULTIPROC_DIR`` (an empty directory the API server reads, as the
-docs advise), and Ray actors do not receive it. ``refused``: no mode in the
-launching process, so each actor reads the node's ``bogus`` and the plugin
-refuses inside the actor; ``vllm serve`` exits with the plugin's message. After each deployment no
-engine-core actor may be left in the namespace. Then every process in the
-namespace (Ray's daemons and idle workers) is ended by process id, SIGTERM and
-SIGKILL after 10 s, as ``ray stop`` does (which is not used: it finds Ray's
-processes by name on the whole machine), the namespace is deleted, and the tests
-check that nothing was left.
+environment. Three deployments, in turn, on that one cluster: ``full``: the mode
+set only in the launching process reaches each actor (vLLM copies ``VLLM_*``
+variables into the actors' runtime environment, over the node's); the scenario
+on rank 0, then rank 1, each reusing what a fresh run computes; the probe with
+``--ranks 2``. ``audit``: each rank's counts appear in its audit lines,
+forwarded by Ray to the launching process's output, and not on the API server's
+``/metrics``: the launching process has ``PROMETHEUS_MULTIPROC_DIR`` (an empty
+directory the API server reads, as the docs advise), and Ray actors do not
+receive it. ``refused``: no mode in the launching process, so each actor reads
+the node's ``bogus`` and the plugin refuses inside the actor; ``vllm serve``
+exits with the plugin's message. After each deployment no engine-core actor may
+be left in the namespace. Then every process in the namespace (Ray's daemons and
+idle workers) is ended by process id, SIGTERM and SIGKILL after 10 s, as ``ray
+stop`` does (which is not used: it finds Ray's processes by name on the whole
+machine), the namespace is deleted, and the tests check that nothing was left.
 """
 
 from __future__ import annotations
