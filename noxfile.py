@@ -452,13 +452,14 @@ def e2e(session: nox.Session) -> None:
     session.install(str(E2E_WORKAROUNDS), str(WITNESS_ENGINE_PLUGIN))
     install_plugin_wheel(session)
     env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
-    # Two workers for four groups (xdist_group marks), each handed to a worker
+    # Two workers for the groups (xdist_group marks), each handed to a worker
     # as one comes free: "serve", the `vllm serve` servers of test_serve.py and
     # test_probe.py with the default-retention engines, "engines",
     # test_engine.py's engines with the image recipe and the headless refusal's
     # handshake, "distributed", test_distributed.py's two-node and
     # two-API-server deployments, "moe", test_moe_dp.py's hybrid MoE model, and
-    # "witness", test_witness_served.py's server (its long version: e2e_witness).
+    # "witness", test_witness_served.py's server (its long version: e2e_witness),
+    # and "ray", test_ray_dp.py's Ray cluster and its three deployments.
     # Each spends much of its time waiting on engine processes.
     # What each costs: docs/maintaining (the measured runs of .ci/run).
     pytest(
