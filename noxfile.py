@@ -457,7 +457,7 @@ def e2e(session: nox.Session) -> None:
     # test_probe.py with the default-retention engines, "engines",
     # test_engine.py's engines with the image recipe and the headless refusal's
     # handshake, "distributed", test_distributed.py's two-node and
-    # two-API-server deployments, "moe", test_moe_dp.py's hybrid MoE model, and
+    # two-API-server deployments, "moe", test_moe_dp.py's hybrid MoE model,
     # "witness", test_witness_served.py's server (its long version: e2e_witness),
     # and "ray", test_ray_dp.py's Ray cluster and its three deployments.
     # Each spends much of its time waiting on engine processes.
