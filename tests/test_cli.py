@@ -450,6 +450,7 @@ def test_doctor_under_ray_names_what_vllm_copies_into_the_engine_actors(
             "environment; the plugin must be installed" in lines[0]
         )
         assert lines[1].startswith("PROMETHEUS_MULTIPROC_DIR is not copied")
+        assert "set RAY_DEDUP_LOGS=0 here" in lines[2]
     from vllm.platforms import current_platform
 
     if getattr(current_platform, "ray_device_key", None) == "":

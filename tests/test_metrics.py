@@ -96,3 +96,30 @@ def test_export_status_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) ->
     assert metrics.export_status().exported
     missing = metrics.ExportStatus(available=False, multiprocess="/tmp/x")
     assert not missing.exported and "not importable" in missing.describe()
+
+
+def test_in_a_ray_actor_the_status_says_ray_withholds_the_directory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's Ray backend copies VLLM_* variables into an engine-core actor,
+    not PROMETHEUS_MULTIPROC_DIR: the advice to set the variable before
+    `vllm serve` would not help there, so the line says where the figures are."""
+    import sys
+    import types
+
+    for name in metrics.MULTIPROC_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    context = types.SimpleNamespace(get_actor_id=lambda: "a1b2")
+    ray = types.SimpleNamespace(
+        is_initialized=lambda: True, get_runtime_context=lambda: context
+    )
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    status = metrics.export_status()
+    assert status.ray_actor and not status.exported
+    assert "Ray actor" in status.describe()
+    assert "audit lines" in status.describe()
+    context.get_actor_id = lambda: None  # the driver: the launching process
+    assert not metrics.in_ray_actor()
+    assert "PROMETHEUS_MULTIPROC_DIR is not set" in metrics.export_status().describe()
+    monkeypatch.delitem(sys.modules, "ray")
+    assert not metrics.in_ray_actor()

@@ -50,6 +50,7 @@ def test_vllm_plugins_naming_mamba_align_activates_it() -> None:
     assert f"vllm-mamba-align {__version__} on vLLM {vllm.__version__}" in lines[0]
     assert "ACTIVE, mode=full" in lines[0]
     assert "C=1648, Mamba state block B=1648, hash block" in lines[0]
+    assert "data-parallel rank" not in lines[0]  # one engine, not a Ray actor
     assert "Unknown vLLM environment variable" not in out
 
 
@@ -173,3 +174,38 @@ def test_split_calls_through_the_class_take_the_instance_route(mode: str) -> Non
     internal = getattr(scheduler, "mamba_has_prefill_checkpoint_blocks", False)
     if mode == "full" and not internal:  # the fix really ran on both routes
         assert through_class == 1648 != stock(scheduler, request, 8192)
+
+
+def test_the_start_line_names_the_rank_of_lockstep_engines_and_of_ray_actors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM tags an engine core's lines with its rank (``EngineCore_DP1``) except
+    under the Ray backend, where the tag is the actor's class and process id;
+    a rank vLLM runs independently has its data-parallel size reset to 1."""
+    import sys
+    import types
+
+    from vllm_mamba_align.activation import _data_parallel_rank
+
+    def scheduler(size: int, index: int) -> types.SimpleNamespace:
+        parallel = types.SimpleNamespace(
+            data_parallel_size=size, data_parallel_index=index
+        )
+        model = types.SimpleNamespace(served_model_name="m")
+        return types.SimpleNamespace(
+            vllm_config=types.SimpleNamespace(
+                parallel_config=parallel, model_config=model
+            )
+        )
+
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    assert _data_parallel_rank(scheduler(2, 1)) == "; data-parallel rank 1 of 2"
+    assert _data_parallel_rank(scheduler(1, 1)) == ""
+    actor = types.SimpleNamespace(get_actor_id=lambda: "a1b2")
+    ray = types.SimpleNamespace(
+        is_initialized=lambda: True, get_runtime_context=lambda: actor
+    )
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    assert _data_parallel_rank(scheduler(1, 1)) == "; data-parallel rank 1"
+    assert _data_parallel_rank(scheduler(1, 0)) == "; data-parallel rank 0"
+    assert _data_parallel_rank(scheduler(2, 0)) == "; data-parallel rank 0 of 2"

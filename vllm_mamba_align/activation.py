@@ -204,7 +204,27 @@ def _geometry(scheduler: Scheduler, state_grid: int | None) -> str:
     return (
         f"cache block C={cache_block}, Mamba state block B={grid}, "
         f"hash block {hash_block}"
+        f"{_data_parallel_rank(scheduler)}"
     )
+
+
+def _data_parallel_rank(scheduler: Any) -> str:
+    """``; data-parallel rank R of N`` where vLLM runs N > 1 lockstep engine
+    cores, ``; data-parallel rank R`` in any Ray actor.
+
+    Why: under the Ray backend every engine core logs under its actor's class
+    and process id, with no rank (vLLM's own process tag, ``EngineCore_DP<R>``,
+    names it in its other launch modes). A rank that vLLM runs independently
+    (a model it does not count as MoE) has its data-parallel size set to 1
+    before the scheduler is built; its index still names the rank.
+    """
+    config = getattr(scheduler, "vllm_config", None)
+    size = getattr(getattr(config, "parallel_config", None), "data_parallel_size", 1)
+    lockstep = isinstance(size, int) and size > 1
+    if not lockstep and not metrics.in_ray_actor():
+        return ""
+    rank = metrics.scheduler_labels(scheduler)["engine"]
+    return f"; data-parallel rank {rank}" + (f" of {size}" if lockstep else "")
 
 
 def _log(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -113,6 +114,8 @@ class ExportStatus:
     """``prometheus_client`` is importable."""
     multiprocess: str | None
     """``PROMETHEUS_MULTIPROC_DIR``, when set."""
+    ray_actor: bool = False
+    """This process is a Ray actor (vLLM's Ray backend runs engine cores so)."""
 
     @property
     def exported(self) -> bool:
@@ -123,6 +126,14 @@ class ExportStatus:
             return (
                 "off: prometheus_client is not importable in this Python (vLLM "
                 "depends on it; the audit still logs its figures)"
+            )
+        if self.multiprocess is None and self.ray_actor:
+            return (
+                "engine-core only: this engine core is a Ray actor, and vLLM "
+                "copies VLLM_* variables into it but not PROMETHEUS_MULTIPROC_DIR, "
+                "so its values stay in the actor and the API server's /metrics "
+                "does not show them; read this engine's audit lines, which Ray "
+                "forwards to the output of the process that launched `vllm serve`"
             )
         if self.multiprocess is None:
             return (
@@ -138,7 +149,20 @@ class ExportStatus:
 
 
 def export_status() -> ExportStatus:
-    return ExportStatus(prometheus_available(), multiprocess_directory())
+    return ExportStatus(
+        prometheus_available(), multiprocess_directory(), in_ray_actor()
+    )
+
+
+def in_ray_actor() -> bool:
+    """Whether this process runs a Ray actor (never imports Ray: an actor has)."""
+    ray = sys.modules.get("ray")
+    if ray is None:
+        return False
+    try:
+        return bool(ray.is_initialized() and ray.get_runtime_context().get_actor_id())
+    except Exception:  # any Ray of any version: no answer is "not an actor"
+        return False
 
 
 class Metrics:

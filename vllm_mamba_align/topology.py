@@ -12,7 +12,8 @@ them, so the operator names it (``doctor --headless``, ``doctor --ray``):
   actors, whose environment is what vLLM copies from the launching process
   (``vllm.ray.ray_env.get_env_vars_to_copy``, asked here as vLLM asks it), and
   which vLLM places on the platform's Ray device (``ray_device_key``): a
-  platform that names none cannot place them at all (vLLM's CPU platform).
+  platform that names none cannot place them at all (vLLM's CPU platform;
+  tests/e2e/test_ray_dp.py runs the backend with a test-only key).
 """
 
 from __future__ import annotations
@@ -111,7 +112,12 @@ def ray_lines(platform: str | None) -> list[str]:
             f"{PROMETHEUS_DIRECTORY} is "
             + ("copied" if PROMETHEUS_DIRECTORY in copied else "not copied")
             + " to the actors: the audit's series written there reach no "
-            "/metrics; the actors log their figures",
+            "/metrics; each engine core logs its figures (the plugin's summary "
+            "lines), which Ray forwards to this process's output",
+            "Ray folds lines that differ only in numbers across actors "
+            '("[repeated 1x across cluster]"), the plugin\'s start and audit '
+            "lines of the ranks among them: set RAY_DEDUP_LOGS=0 here to see "
+            "each rank's (each start line ends with its data-parallel rank)",
         ]
     key = _ray_device_key()
     if key == "":

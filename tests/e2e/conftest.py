@@ -72,6 +72,7 @@ def _summary_lines() -> list[str]:
         test_engine,
         test_moe_dp,
         test_probe,
+        test_ray_dp,
         test_serve,
     )
 
@@ -79,6 +80,7 @@ def _summary_lines() -> list[str]:
         *test_engine.summary_lines(),
         *test_distributed.summary_lines(),
         *test_moe_dp.summary_lines(),
+        *test_ray_dp.summary_lines(),
         *test_default_retention.retention_summary_lines(),
         *test_serve.summary_lines(),
         *test_probe.probe_summary_lines(test_serve._runs),

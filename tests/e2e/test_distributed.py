@@ -35,7 +35,8 @@ round-robin balancer (``round_robin.py``): the probe through the balancer says
 its requests reached more than one server (exit 5, cannot tell) and names the way
 out, and the probe at one replica's own address passes it.
 
-vLLM's Ray data-parallel backend does not run on the CPU build (see
+vLLM's Ray data-parallel backend runs in test_ray_dp.py, with a test-only Ray
+device for the CPU platform (see
 ``test_ray_data_parallel_places_engines_on_devices_the_cpu_platform_lacks``).
 """
 
@@ -532,26 +533,24 @@ def summary_lines() -> list[str]:
 def test_ray_data_parallel_places_engines_on_devices_the_cpu_platform_lacks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Why ``--data-parallel-backend ray`` is not run here: vLLM's
-    ``CoreEngineActorManager.create_dp_placement_groups`` puts each rank in a
-    Ray placement group of ``current_platform.ray_device_key`` devices, and the
-    CPU platform declares none (the empty key), so a Ray cluster of CPU nodes
-    has no node it can use. vLLM's real function runs here against a stand-in
-    of Ray's resource listing (one node, CPUs only: what ``ray start --head``
-    on this machine reports); Ray itself is not installed, since nothing else
-    here could use it.
-    If a later CPU build gains a device key, this fails: then the Ray topology
-    can run in this suite.
+    """Why the Ray backend needs a test-only device key here (test_ray_dp.py):
+    vLLM's ``CoreEngineActorManager.create_dp_placement_groups`` puts each rank
+    in a Ray placement group of ``current_platform.ray_device_key`` devices,
+    and the real CPU platform declares none (the empty key), so a Ray cluster
+    of CPU nodes has no node it can use. vLLM's real function runs here against
+    Ray's resource listing of one node, CPUs only (what ``ray start --head`` on
+    this machine reports), given in place of a running cluster's.
+    If a later CPU build gains a device key, this fails: then test_ray_dp.py
+    can drop its workaround (gap 4 of tests/support/cpu_e2e_workarounds).
     """
-    import sys
     import types
 
+    import ray._private.state
     from vllm.config import ParallelConfig
     from vllm.platforms import current_platform
     from vllm.v1.engine.utils import CoreEngineActorManager
 
     assert current_platform.is_cpu() and current_platform.ray_device_key == ""
-    state = types.ModuleType("ray._private.state")
     # The shape Ray 2.60.0 lists for `ray start --head --num-cpus 2` here.
     one_node = {
         "node-0": {
@@ -562,11 +561,10 @@ def test_ray_data_parallel_places_engines_on_devices_the_cpu_platform_lacks(
             "object_store_memory": 4.7e9,
         }
     }
-    setattr(state, "available_resources_per_node", lambda: one_node)  # noqa: B010
-    monkeypatch.setitem(sys.modules, "ray", types.ModuleType("ray"))
-    monkeypatch.setitem(sys.modules, "ray._private", types.ModuleType("ray._private"))
-    monkeypatch.setitem(sys.modules, "ray._private.state", state)
-    # The backend is left at "mp": with "ray" ParallelConfig imports Ray.
+    monkeypatch.setattr(
+        ray._private.state, "available_resources_per_node", lambda: one_node
+    )
+    # The backend is left at "mp": the function reads only the sizes and address.
     parallel = ParallelConfig(
         data_parallel_size=2,
         data_parallel_size_local=1,

@@ -1,4 +1,4 @@
-"""Test-only vLLM general plugin: three gaps of the CPU backend, bridged for e2e.
+"""Test-only vLLM general plugin: four gaps of the CPU backend, bridged for e2e.
 
 Installed only into the e2e test environment (``nox -s e2e``) and enabled by
 listing ``cpu_e2e_workarounds`` in ``VLLM_PLUGINS``. It is a plugin (not a
@@ -40,6 +40,18 @@ stand-ins do the same exchange with the communicator's own collectives
 (``all_gather`` of tensors padded to the largest rank's size, then trimmed;
 ``all_reduce``, then this rank's rows).
 
+Gap 4 (the Ray backend's device), only where ``MAMBA_ALIGN_E2E_RAY_DEVICE_KEY``
+is set (to the Ray resource to use, ``CPU``). vLLM's Ray data-parallel backend
+places each rank in a placement group of ``current_platform.ray_device_key``
+bundles (``CoreEngineActorManager.create_dp_placement_groups``,
+``vllm/v1/engine/utils.py``); the CPU platform names no Ray device (the empty
+key), so the launch stops at "No  found in Ray cluster" before any engine actor
+exists. The stand-in gives the CPU platform class the key, so each rank takes
+Ray's ``CPU`` resources. Only the launching process reads the key; the variable
+is not copied into Ray actors (vLLM copies ``VLLM_*`` variables only), and
+without it the CPU platform keeps its empty key (tests/e2e/test_distributed.py
+checks that key on the real platform).
+
 Also (not a workaround): with ``MAMBA_ALIGN_E2E_TRACE`` set to a file path, every
 prefill chunk the scheduler hands out is appended to that file as one JSON line
 (request id, the chunk's end, the prompt length, and the cache block C the
@@ -67,6 +79,8 @@ SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
 CPU_COMMUNICATOR_MODULE = "vllm.distributed.device_communicators.cpu_communicator"
 TRACE_VARIABLE = "MAMBA_ALIGN_E2E_TRACE"
 BF16_STATES_VARIABLE = "MAMBA_ALIGN_E2E_BF16_STATES"
+CPU_PLATFORM_MODULE = "vllm.platforms.cpu"
+RAY_DEVICE_VARIABLE = "MAMBA_ALIGN_E2E_RAY_DEVICE_KEY"
 _registered = False
 
 
@@ -298,6 +312,12 @@ def _patch_cpu_communicator(module: ModuleType) -> None:
     module.CpuCommunicator.reduce_scatterv = _reduce_scatterv  # type: ignore[attr-defined]
 
 
+def _patch_cpu_platform(module: ModuleType) -> None:
+    key = os.environ.get(RAY_DEVICE_VARIABLE)
+    if key:
+        module.CpuPlatform.ray_device_key = key  # type: ignore[attr-defined]
+
+
 def register() -> None:
     """Entry point (group ``vllm.general_plugins``); idempotent."""
     global _registered
@@ -308,3 +328,4 @@ def register() -> None:
     wrapt.register_post_import_hook(_patch_worker_mamba, WORKER_MAMBA_MODULE)
     wrapt.register_post_import_hook(_patch_scheduler, SCHEDULER_MODULE)
     wrapt.register_post_import_hook(_patch_cpu_communicator, CPU_COMMUNICATOR_MODULE)
+    wrapt.register_post_import_hook(_patch_cpu_platform, CPU_PLATFORM_MODULE)
