@@ -17,9 +17,9 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -1049,6 +1049,16 @@ class LoadTally:
     @property
     def prefill_tokens_per_step(self) -> float:
         return self.prefill_tokens / max(self.steps, 1)
+
+
+def summed(tallies: Iterable[LoadTally]) -> LoadTally:
+    """One mode's counts over every seed of a workload: what each row of the
+    concurrent-load tables reports."""
+    total = LoadTally()
+    for tally in tallies:
+        for name in (f.name for f in fields(LoadTally)):
+            setattr(total, name, getattr(total, name) + getattr(tally, name))
+    return total
 
 
 @contextmanager

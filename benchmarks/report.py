@@ -34,6 +34,7 @@ from measure import (
     Pairs,
     Scaling,
     Tally,
+    summed,
 )
 
 from vllm_mamba_align.settings import DEFAULT_MODE
@@ -419,7 +420,7 @@ def _ratio(value: float, stock: float) -> str:
 def load_table(rows: dict[str, list[LoadTally]]) -> list[str]:
     """One concurrent workload: each mode's counts summed over the seeds, its
     TTFT against stock's, and its correctness counts."""
-    stock_ttft = sum(t.ttft for t in rows[STOCK])
+    stock = summed(rows[STOCK])
     lines = [
         "| mode | steps to drain | TTFT, steps (summed) | vs stock | per seed "
         "| prefill chunks / request | prefill tokens / step | reused tokens "
@@ -427,23 +428,14 @@ def load_table(rows: dict[str, list[LoadTally]]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, tallies in rows.items():
-        ttft = sum(t.ttft for t in tallies)
-        per_seed = " / ".join(
-            _ratio(t.ttft, s.ttft) for t, s in zip(tallies, rows[STOCK], strict=True)
-        )
-        requests = sum(t.requests for t in tallies)
-        chunks = sum(t.prefill_chunks for t in tallies)
-        steps = sum(t.steps for t in tallies)
+        total = summed(tallies)
         lines.append(
-            f"| {mode} | {steps:,} | {ttft:,} | {_ratio(ttft, stock_ttft)} "
-            f"| {per_seed} | {chunks / requests:.2f} "
-            f"| {sum(t.prefill_tokens for t in tallies) / steps:,.0f} "
-            f"| {sum(t.reused for t in tallies):,} "
-            f"| {sum(t.preemptions for t in tallies):,} "
-            f"| {sum(t.poisoned for t in tallies)} of "
-            f"{sum(t.published for t in tallies):,} "
-            f"| {sum(t.wrong_reads for t in tallies)} "
-            f"| {sum(t.lost_kept for t in tallies)} |"
+            f"| {mode} | {total.steps:,} | {total.ttft:,} "
+            f"| {_ratio(total.ttft, stock.ttft)} "
+            f"| {_per_seed(tallies, rows[STOCK])} | {total.chunks_per_request:.2f} "
+            f"| {total.prefill_tokens_per_step:,.0f} | {total.reused:,} "
+            f"| {total.preemptions:,} | {total.poisoned} of {total.published:,} "
+            f"| {total.wrong_reads} | {total.lost_kept} |"
         )
     return lines
 
@@ -451,8 +443,7 @@ def load_table(rows: dict[str, list[LoadTally]]) -> list[str]:
 def ablation_table(rows: dict[str, list[LoadTally]]) -> list[str]:
     """Lean, and lean without each kind of its stops: what each costs in time
     to first token, and what goes wrong without it."""
-    stock = rows[STOCK]
-    stock_ttft = sum(t.ttft for t in stock)
+    stock = summed(rows[STOCK])
     lines = [
         "| run | TTFT, steps (summed) | vs stock | per seed "
         "| prefill chunks / request | reused tokens | wrong publications "
@@ -460,22 +451,22 @@ def ablation_table(rows: dict[str, list[LoadTally]]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run, tallies in rows.items():
-        ttft = sum(t.ttft for t in tallies)
-        per_seed = " / ".join(
-            _ratio(t.ttft, s.ttft) for t, s in zip(tallies, stock, strict=True)
-        )
-        requests = sum(t.requests for t in tallies)
+        total = summed(tallies)
         lines.append(
-            f"| {run} | {ttft:,} | {_ratio(ttft, stock_ttft)} | {per_seed} "
-            f"| {sum(t.prefill_chunks for t in tallies) / requests:.2f} "
-            f"| {sum(t.reused for t in tallies):,} "
-            f"| {sum(t.poisoned for t in tallies)} of "
-            f"{sum(t.published for t in tallies):,} "
-            f"| {sum(t.wrong_reads for t in tallies)} "
-            f"| {sum(t.lost_kept for t in tallies)} "
-            f"| {sum(t.prompt_checkpoints for t in tallies)} of {requests} |"
+            f"| {run} | {total.ttft:,} | {_ratio(total.ttft, stock.ttft)} "
+            f"| {_per_seed(tallies, rows[STOCK])} | {total.chunks_per_request:.2f} "
+            f"| {total.reused:,} | {total.poisoned} of {total.published:,} "
+            f"| {total.wrong_reads} | {total.lost_kept} "
+            f"| {total.prompt_checkpoints} of {total.requests} |"
         )
     return lines
+
+
+def _per_seed(tallies: list[LoadTally], stock: list[LoadTally]) -> str:
+    """Each seed's TTFT against stock's on the same seed."""
+    return " / ".join(
+        _ratio(t.ttft, s.ttft) for t, s in zip(tallies, stock, strict=True)
+    )
 
 
 def ablation_section(ablations: dict[str, dict[str, list[LoadTally]]]) -> list[str]:
