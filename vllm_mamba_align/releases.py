@@ -64,7 +64,14 @@ def in_prefill(rule: PrefillRule, request: Request, start: int) -> bool:
     """
     if rule is PrefillRule.NO_OUTPUT_YET:
         return not request.num_output_tokens
-    return bool(start < max(request.num_prompt_tokens, request.num_tokens - 1))
+    return bool(start < prefill_end(request))
+
+
+def prefill_end(request: Request) -> int:
+    """Where ``request``'s prefill ends for vLLM's split and its backends: the
+    prompt, or after a preemption everything but the last token (which the
+    next step samples from)."""
+    return max(request.num_prompt_tokens, request.num_tokens - 1)
 
 
 UNVERIFIED = "unverified"

@@ -32,7 +32,7 @@ from typing import Any
 from .checkpoints import CheckpointRule, backend_checkpoint_rule, checkpoint_decisions
 from .policy import LeanStop, StopPolicy
 from .protocols import CacheConfig, Request, Scheduler
-from .releases import SplitBody, in_prefill
+from .releases import SplitBody, in_prefill, prefill_end
 from .retention import Retention
 from .signature import Route, SplitFunction, StockCall, bind_route
 
@@ -76,10 +76,10 @@ def _falls_short(
         end = start + num_new_tokens
         if start % grid or end >= start + grid:
             return False
-        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
-        if end >= prefill_end or not in_prefill(prefill_rule, request, start):
+        ends_at = prefill_end(request)
+        if end >= ends_at or not in_prefill(prefill_rule, request, start):
             return False
-        return start + grid <= prefill_end or (
+        return start + grid <= ends_at or (
             unalign and scheduler.mamba_has_prefill_checkpoint_blocks
         )
 
@@ -98,7 +98,7 @@ def _boundary_stop(
     guard_unwritten, observed = policy.guard_unwritten, policy.watch_decisions
     stop_at_boundaries, stop_anywhere = policy.stop_at_boundaries, policy.stop_anywhere
     mid_block_stop_missing = policy.mid_block_stop_missing
-    first_kept_after, lean = retention.first_kept_after, policy.stock_chunk_ends
+    kept_after, lean = retention.first_kept_after, policy.stock_chunk_ends
 
     def stop(request: Request, start: int, num_tokens: int, taken_before: int) -> int:
         next_boundary = (start // grid + 1) * grid
@@ -122,16 +122,17 @@ def _boundary_stop(
             if mid_block_stop_missing and start % grid:
                 return next_boundary - start
             return num_tokens
-        stand_in = first_kept_after(request, start) if lean else next_boundary
         if (
             checkpoint_at is not None
-            and stand_in is not None
             and (
                 decisions.taken != taken_before
                 if observed
                 else scheduler.mamba_has_prefill_checkpoint_blocks and start % grid == 0
             )
-            and end >= max(request.num_prompt_tokens, request.num_tokens - 1)
+            and end >= prefill_end(request)
+            # asked last: lean's first kept boundary costs a walk of them all
+            and (stand_in := kept_after(request, start) if lean else next_boundary)
+            is not None
             and end < stand_in + grid  # no state at a later boundary
             and checkpoint_at(start, end) == stand_in
         ):
@@ -144,7 +145,7 @@ def _boundary_stop(
             return next_boundary - start
         # kept: stop only at a boundary whose state vLLM keeps; a step spent on
         # a boundary it drops would buy nothing.
-        kept = first_kept_after(request, start)
+        kept = kept_after(request, start)
         if kept is None or kept >= end:
             return num_tokens
         return kept - start
@@ -183,7 +184,7 @@ def _keep_mid_block_stop(
             return num_tokens
         if (
             checkpoint_at is not None
-            and end >= max(request.num_prompt_tokens, request.num_tokens - 1)
+            and end >= prefill_end(request)
             and end <= next_boundary + grid  # the checkpoint's column is the start's
             and checkpoint_at(start, end) == next_boundary
         ):
@@ -376,11 +377,10 @@ class _LeanAblation:
         """Whether the chunk ``[start, end)`` ends the prefill and the backend
         writes the prompt's partial tail into the column of ``kept``, a replay
         boundary (then lean's stop there is left out)."""
-        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
         return (
             self.checkpoint_at is not None
             and kept in self.retention.replay_boundaries(request)
-            and end >= prefill_end
+            and end >= prefill_end(request)
             and kept < end <= kept + self.grid
             and self.checkpoint_at(start, end) > 0
         )
@@ -391,14 +391,14 @@ class _LeanAblation:
         """vLLM's answer, run on to the prefill end where it stops at the
         prompt's partial tail after a stop at a kept boundary (when the tail
         stop is left out)."""
-        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+        ends_at = prefill_end(request)
         if (
             self.tail
             and start % self.grid == 0
             and self.retention.keeps(request, start)
-            and start + num_tokens < prefill_end <= start + num_new_tokens
+            and start + num_tokens < ends_at <= start + num_new_tokens
         ):
-            return prefill_end - start
+            return ends_at - start
         return num_tokens
 
 
