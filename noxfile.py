@@ -539,7 +539,8 @@ VLLM_SUITE = REPO / "maintainers" / "vllm_suite.py"
 VLLM_SUITE_RELEASES = ["0.33.0", "0.29.0"]
 """The releases whose own scheduler tests judge the plugin (``vllm_suite``):
 the newest, and the internal-checkpoint rule's first body."""
-PLUGIN_MODES = ("kept", "full", "grid", "audit", "off")
+PLUGIN_MODES = ("lean", "kept", "full", "grid", "audit", "off")
+"""Every mode, the default first (``vllm_suite_ci`` runs only that one)."""
 HYBRID_TESTS = ("-k", "mamba or hybrid or align")
 """The tests whose module, class or name says Mamba, hybrid or align, where vLLM
 tests the schedulers and cache managers the plugin acts on (251 of 0.33.0's 1,215

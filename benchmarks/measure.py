@@ -51,7 +51,7 @@ from vllm_mamba_align.tools.sim.states import state_id
 C, B, H = 816, 1648, 16
 MODES = [STOCK, *(m.value for m in Mode)]
 """Stock vLLM, then every plugin mode (``off`` measures the wrappers alone)."""
-SCHEDULING_MODES = simulated_modes(every=True)
+SCHEDULING_MODES = simulated_modes()
 
 
 def log(message: str) -> None:
@@ -1061,12 +1061,17 @@ def summed(tallies: Iterable[LoadTally]) -> LoadTally:
     return total
 
 
+PolicyChange = Callable[[StopPolicy], StopPolicy]
+"""A change to lean's shipped policy, for the ablation (benchmark only)."""
+
+
 @contextmanager
-def lean_without(stop: LeanStop | None) -> Iterator[None]:
-    """Lean schedulers built inside leave out the stops of kind ``stop``
-    (:attr:`StopPolicy.without`, which no setting reaches): the ablation of
-    the concurrent-load report. None: lean as it ships."""
-    if stop is None:
+def lean_changed(change: PolicyChange | None) -> Iterator[None]:
+    """Lean schedulers built inside run ``change`` of their shipped policy
+    (:attr:`StopPolicy.without`, which no setting reaches, or a decision
+    turned off): the ablation of the concurrent-load report. None: lean as
+    it ships."""
+    if change is None:
         yield
         return
     shipped = StopPolicy.__dict__["for_scheduler"]
@@ -1075,7 +1080,7 @@ def lean_without(stop: LeanStop | None) -> Iterator[None]:
         policy = shipped.__func__(cls, *args, **kwargs)
         if not policy.stock_chunk_ends:
             return policy
-        return replace(policy, without=frozenset({stop}))
+        return change(policy)
 
     StopPolicy.for_scheduler = classmethod(for_scheduler)  # type: ignore[method-assign,assignment]
     try:
@@ -1084,12 +1089,24 @@ def lean_without(stop: LeanStop | None) -> Iterator[None]:
         StopPolicy.for_scheduler = shipped  # type: ignore[method-assign]
 
 
+def without(stop: LeanStop) -> PolicyChange:
+    """Lean leaving out its stops of kind ``stop``."""
+    return lambda policy: replace(policy, without=frozenset({stop}))
+
+
+def keeping_replay_over_checkpoint(policy: StopPolicy) -> StopPolicy:
+    """Lean stopping at the replay boundary also where vLLM gives its column
+    to the prompt checkpoint (:attr:`StopPolicy.yield_replay_to_checkpoint`
+    off): the boundary's state kept as well, as ``kept`` keeps it."""
+    return replace(policy, yield_replay_to_checkpoint=False)
+
+
 def load_run(
-    mode: str, case: LoadCase, seed: int, without: LeanStop | None = None
+    mode: str, case: LoadCase, seed: int, change: PolicyChange | None = None
 ) -> LoadTally:
     """One mode serving one workload on the real scheduler, requests added
     at their arrival step, one output token per step per decoding request;
-    lean's stops of kind ``without`` left out (:func:`lean_without`)."""
+    lean's policy changed by ``change`` (:func:`lean_changed`)."""
     items = load_workload(seed, case.families)
     geometry = Geometry(
         cache_block=C,
@@ -1101,7 +1118,7 @@ def load_run(
         prefill_checkpoint=case.checkpoint,
     )
     tally = LoadTally(requests=len(items))
-    with scheduler_mode(mode), lean_without(without):
+    with scheduler_mode(mode), lean_changed(change):
         sim = Simulation(geometry)
         scheduler = sim.scheduler
         preempt = scheduler._preempt_request
@@ -1141,13 +1158,18 @@ def load_run(
     return tally
 
 
-LEAN_ABLATION = (
-    LeanStop.REPLAY_OVER_CHECKPOINT,
-    LeanStop.REPLAY,
-    LeanStop.TAIL,
-    LeanStop.JUNCTION,
+LEAN_ABLATION: tuple[tuple[str, PolicyChange, bool], ...] = (
+    (
+        "lean with a replay-boundary stop where the backend checkpoints",
+        keeping_replay_over_checkpoint,
+        False,
+    ),
+    (f"lean without its {LeanStop.REPLAY.value}", without(LeanStop.REPLAY), False),
+    (f"lean without its {LeanStop.TAIL.value}", without(LeanStop.TAIL), False),
+    (f"lean without its {LeanStop.JUNCTION.value}", without(LeanStop.JUNCTION), True),
 )
-"""The kinds of lean's stops the ablation leaves out, one at a time."""
+"""The ablation's runs, one change to lean each: label, change, and whether
+it applies only to workloads with prefix families."""
 
 
 LoadRows = dict[str, dict[str, list[LoadTally]]]
@@ -1158,8 +1180,8 @@ def measure_load(
     seeds: tuple[int, ...] = LOAD_SEEDS,
 ) -> tuple[LoadRows, LoadRows]:
     """Per workload (its label), per scheduling mode: one tally per seed; and
-    for the workloads with backend checkpoints, stock, lean, and lean without
-    each kind of its stops (:data:`LEAN_ABLATION`)."""
+    for the workloads with backend checkpoints, stock, lean, and lean with
+    each change of :data:`LEAN_ABLATION`."""
     results: LoadRows = {}
     ablations: LoadRows = {}
     for case in load_cases():
@@ -1170,13 +1192,11 @@ def measure_load(
         }
         if case.checkpoint is None or case.num_blocks != LoadCase.num_blocks:
             continue
-        log(f"concurrent load, {case.label}: lean without each kind of stop")
+        log(f"concurrent load, {case.label}: lean with one change at a time")
         rows = {STOCK: results[case.label][STOCK], "lean": results[case.label]["lean"]}
-        for stop in LEAN_ABLATION:
-            if stop is LeanStop.JUNCTION and not case.families:
+        for label, change, families_only in LEAN_ABLATION:
+            if families_only and not case.families:
                 continue
-            rows[f"lean without its {stop.value}"] = [
-                load_run("lean", case, seed, without=stop) for seed in seeds
-            ]
+            rows[label] = [load_run("lean", case, seed, change) for seed in seeds]
         ablations[case.label] = rows
     return results, ablations

@@ -441,8 +441,8 @@ def load_table(rows: dict[str, list[LoadTally]]) -> list[str]:
 
 
 def ablation_table(rows: dict[str, list[LoadTally]]) -> list[str]:
-    """Lean, and lean without each kind of its stops: what each costs in time
-    to first token, and what goes wrong without it."""
+    """Lean, and lean with one change each: what each of its stops costs in
+    time to first token, and what goes wrong without it."""
     stock = summed(rows[STOCK])
     lines = [
         "| run | TTFT, steps (summed) | vs stock | per seed "
@@ -474,24 +474,24 @@ def ablation_section(ablations: dict[str, dict[str, list[LoadTally]]]) -> list[s
     lines = [
         "### What each of lean's stops costs, with backend checkpoints",
         "",
-        "The same workloads and seeds, lean run again with one kind of its stops "
-        "left out (a benchmark-only switch, `StopPolicy.without`; no setting "
-        "reaches it). The backend's in-chunk write is the prompt's checkpoint "
-        "(vLLM's partial tail, the prompt length minus one floored to the hash "
-        "block), into the column of the replay boundary (the same length "
-        "floored to B); vLLM then publishes that column under the tail's hash "
-        "instead of the boundary's. So it stands in for the replay boundary "
-        "only where the two coincide, and lean keeps a state at the replay "
-        "boundary by ending a chunk there; from that boundary no backend can "
-        "checkpoint the tail (its column is the boundary's own), so vLLM stops "
-        "at the tail too: two chunks where stock, checkpointing, takes one. "
-        "*Replay-boundary stops where the backend checkpoints*: only the stops "
-        "in a chunk that would otherwise end the prefill with the backend's "
-        "write in that boundary's column. *Tail stops after a kept stop*: "
-        "vLLM's own stop at the partial tail in the chunk that starts on a kept "
-        "boundary. *Prompt checkpoints published*: requests whose partial-tail "
-        "state a Mamba hash published (what a re-ask of the same prompt "
-        "resumes from).",
+        "The same workloads and seeds, lean run again with one change each "
+        "(benchmark-only: `StopPolicy.without`, which no setting reaches, or "
+        "one decision of the policy turned off). The backend's in-chunk write "
+        "is the prompt checkpoint (vLLM's partial tail, the prompt length "
+        "minus one floored to the hash block), into the slot of the replay "
+        "boundary (the same length floored to B); vLLM then publishes that "
+        "slot under the checkpoint's hash instead of the boundary's. Lean "
+        "leaves that boundary to the checkpoint, as stock does "
+        "(`StopPolicy.yield_replay_to_checkpoint`); *with a replay-boundary "
+        "stop where the backend checkpoints* ends a chunk on the boundary "
+        "there too, as `kept` does: from that boundary no backend can "
+        "checkpoint the tail (its slot is the boundary's own), so vLLM stops "
+        "at the tail as well, two more chunks to keep the boundary's state "
+        "beside the checkpoint's. Its *kept states lost* are exactly those "
+        "boundaries in lean's row. *Tail stops after a kept stop*: vLLM's own "
+        "stop at the partial tail in the chunk that starts on a kept boundary. "
+        "*Prompt checkpoints published*: requests whose partial-tail state a "
+        "Mamba hash published (what a re-ask of the same prompt resumes from).",
         "",
     ]
     for label, rows in ablations.items():

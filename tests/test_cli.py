@@ -104,7 +104,7 @@ def test_doctor_recognizes_the_installed_release(
     ) in out
     assert "visible -> vllm_mamba_align:register" in out
     assert "VLLM_PLUGINS is unset" in out
-    assert "mode            kept (the default: VLLM_MAMBA_ALIGN_MODE unset)" in out
+    assert "mode            lean (the default: VLLM_MAMBA_ALIGN_MODE unset)" in out
     assert "batch-invariant vLLM 0.33.0 refuses batch-invariant mode" in out
     assert "worker seed     not needed (0.32.0+" in out
     assert "upstream fix    not present" in out
@@ -144,8 +144,12 @@ def test_doctor_json_names_the_default_mode(
     code, out = doctor(capsys, "--json")
     report = json.loads(out)
     assert code == EXIT_OK
-    assert report["mode"] == "kept"
+    assert report["mode"] == "lean"
     assert report["mode_is_default"] is True
+    assert report["retention_by_mode"]["lean"].startswith(
+        "ends chunks where stock vLLM does and on every B boundary vLLM keeps "
+        "(only replay boundaries"
+    )
     assert report["retention_by_mode"]["kept"].startswith(
         "stops at every B boundary vLLM keeps (only replay boundaries"
     )
@@ -497,22 +501,23 @@ def test_simulate_dense_retention_shows_the_defect_and_the_fix(
     lines = out.splitlines()
     assert "state retention dense" in out
     ends = chunk_ends_by_mode(lines)
-    assert list(ends) == ["stock", "full", "kept", "grid", "audit"]
+    assert list(ends) == ["stock", "full", "kept", "grid", "lean", "audit"]
     assert ends["stock"].endswith("8160, 16320, 16752, 16764")
     assert ends["grid"].endswith("6592, 13184, 16480, 16752, 16764")
     assert "1648, 3296, 4944" in ends["full"]
     assert ends["kept"].split()[1:] == ends["full"].split()[1:], "dense: kept = full"
-    # Columns: stock, full, kept, grid, audit (audit schedules as stock).
+    assert ends["lean"].split()[1:] == ends["kept"].split()[1:], "dense: lean = kept"
+    # Columns: stock, full, kept, grid, lean, audit (audit schedules as stock).
     assert table_row(lines, "B boundaries in the cache (of 10)") == [
-        "0", "10", "10", "3", "0",
+        "0", "10", "10", "3", "10", "0",
     ]  # fmt: skip
     wrong = table_row(lines, "  ... naming a wrong state")
-    assert wrong[1:4] == ["0", "0", "0"] and int(wrong[0]) > 0
+    assert wrong[1:5] == ["0", "0", "0", "0"] and int(wrong[0]) > 0
     assert table_row(lines, "sibling (shares 9000) reuses")[:6] == [
-        "8240", "WRONG", "STATE", "8240", "8240", "6592",
+        "8240", "WRONG", "8240", "8240", "6592", "8240",
     ]  # fmt: skip
     assert table_row(lines, "prefill steps, first prompt") == [
-        "4", "12", "12", "5", "4",
+        "4", "12", "12", "5", "12", "4",
     ]  # fmt: skip
     # The picture: one row per mode, stock never ends a chunk on the B grid.
     top = next(i for i, line in enumerate(lines) if line.startswith("B grid"))
@@ -557,19 +562,21 @@ def test_simulate_defaults_run_vllms_default_retention(
     assert f"state retention {interval} (prefix_cache_retention_interval=" in out
     ends = chunk_ends_by_mode(lines)
     assert ends["kept"].split()[1:] == ends["grid"].split()[1:], "0: kept = grid"
+    # lean: stock's chunk ends (C-aligned), then the replay boundary and the tail
+    assert ends["lean"].endswith("8160, 16320, 16480, 16752, 16764")
     wrong = table_row(lines, "  ... naming a wrong state")
-    assert wrong[1:4] == ["0", "0", "0"] and int(wrong[0]) > 0
+    assert wrong[1:5] == ["0", "0", "0", "0"] and int(wrong[0]) > 0
     # vLLM keeps the replay boundary 16,480 only: full writes 10, keeps 1.
     assert table_row(lines, "B boundaries in the cache (of 10)") == [
-        "0", "1", "1", "1", "0",
+        "0", "1", "1", "1", "1", "0",
     ]  # fmt: skip
     # The first sibling makes vLLM keep the junction (8,240); the second reads it:
     # on stock from a block holding another position's state.
     assert table_row(lines, "second sibling (same 9000) reuses") == [
-        "8240", "WRONG", "STATE", "8240", "8240", "8240", "8240", "WRONG", "STATE",
+        "8240", "WRONG", "8240", "8240", "8240", "8240", "8240", "WRONG",
     ]  # fmt: skip
     assert table_row(lines, "prefill steps, first prompt") == [
-        "4", "12", "5", "5", "4",
+        "4", "12", "5", "5", "5", "4",
     ]  # fmt: skip
 
 

@@ -1,7 +1,7 @@
-"""The default mode (``kept``) and how the plugin names the mode in force.
+"""The default mode (``lean``) and how the plugin names the mode in force.
 
-Without ``VLLM_MAMBA_ALIGN_MODE`` a scheduler runs ``kept``: the cheapest mode
-that publishes no wrong state and materializes every state vLLM keeps. The start
+Without ``VLLM_MAMBA_ALIGN_MODE`` a scheduler runs ``lean``: the cheapest mode
+that publishes no wrong state and materializes the states vLLM keeps. The start
 line, ``doctor`` and the info metric name it; vLLM's batch-invariant mode, which
 decides whether ``full``'s bit-exactness can hold for batched traffic, is
 recorded here as the installed vLLM answers it.
@@ -79,19 +79,21 @@ needs_c_below_b = pytest.mark.skipif(
 )
 
 
-def test_the_default_mode_is_kept(unset_mode: None) -> None:
-    assert settings.read_mode() is settings.Mode.KEPT
+def test_the_default_mode_is_lean(unset_mode: None) -> None:
+    assert settings.read_mode() is settings.Mode.LEAN
 
 
 @needs_c_below_b
 @pytest.mark.parametrize("retention", ["default", None])
-def test_unset_mode_schedules_the_seed_prompt_as_kept(
+def test_unset_mode_schedules_the_seed_prompt_as_lean(
     unset_mode: None, retention: int | str | None
 ) -> None:
-    """Same chunks, same reuse as an explicit ``kept``; nothing wrong published."""
+    """Same chunks as an explicit ``lean``, the same reuse as ``kept``; nothing
+    wrong published."""
     default = run_seed_prompt(None, retention)
+    lean = run_seed_prompt("lean", retention)
     kept = run_seed_prompt("kept", retention)
-    assert default.chunk_ends("prompt") == kept.chunk_ends("prompt")
+    assert default.chunk_ends("prompt") == lean.chunk_ends("prompt")
     assert len(default.poisoned) == 0 and len(default.wrong_reuse) == 0
     assert default.reused("sibling2") == kept.reused("sibling2") == 8240
 
@@ -101,15 +103,17 @@ def test_at_default_retention_the_default_spends_no_step_on_dropped_states(
     unset_mode: None,
 ) -> None:
     """vLLM's default retention (0 from 0.29.0) keeps the replay boundary and
-    junctions only: the default mode takes fewer prefill steps than ``full``
-    and as many as ``grid`` on the seed's prompt, and keeps the same states."""
+    junctions only: the default mode ends chunks where stock does (8,160 and
+    16,320: C-aligned, not B-aligned) but for the replay boundary 16,480 and
+    vLLM's own stop at the prompt's tail after it, so it takes fewer prefill
+    steps than ``full`` and keeps the same states."""
     from vllm_mamba_align.releases import retention_in_kv_config
 
     if not retention_in_kv_config():
         pytest.skip("this vLLM keeps every state by default (kept is full here)")
     default = run_seed_prompt(None, "default")
     full = run_seed_prompt("full", "default")
-    assert default.chunk_ends("prompt") == [6592, 13184, 16480, 16752, 16764]
+    assert default.chunk_ends("prompt") == [8160, 16320, 16480, 16752, 16764]
     assert len(default.records["prompt"].chunks) == 5
     assert len(full.records["prompt"].chunks) == 12
     assert default.kept_writes == full.kept_writes
@@ -124,18 +128,18 @@ def test_the_start_line_names_the_default_mode(
 
     Simulation(any_release_geometry())
     (line,) = start_lines.lines
-    assert "ACTIVE, mode=kept: " in line
+    assert "ACTIVE, mode=lean: " in line
     if retention_in_kv_config():  # vLLM's default retention is 0 (0.29.0+)
-        assert "stop at every B boundary vLLM keeps" in line
+        assert "and on every B boundary vLLM keeps" in line
 
 
-def test_under_dense_retention_the_start_line_says_kept_is_full(
+def test_under_dense_retention_the_start_line_says_lean_is_full(
     unset_mode: None, start_lines: StartLines
 ) -> None:
     Simulation(any_release_geometry(retention=None))
     (line,) = start_lines.lines
-    assert "ACTIVE, mode=kept: " in line
-    assert "kept and full are the same here" in line
+    assert "ACTIVE, mode=lean: " in line
+    assert "lean, kept and full are the same here" in line
 
 
 def test_the_info_metric_names_the_default_mode(unset_mode: None) -> None:
@@ -151,7 +155,7 @@ def test_the_info_metric_names_the_default_mode(unset_mode: None) -> None:
         for sample in family.samples
         if all(sample.labels[k] == v for k, v in labels.items())
     }
-    assert modes == {("kept", "ACTIVE")}
+    assert modes == {("lean", "ACTIVE")}
 
 
 # -- vLLM's batch-invariant mode ---------------------------------------------------
@@ -205,8 +209,8 @@ def test_the_start_line_says_what_batch_invariance_means_here(
     (line,) = start_lines.lines
     if refuses_for_mamba():
         assert "refuses batch-invariant mode for Mamba backends" in line
-    else:  # 0.15.1-0.19.1: dense retention, so kept stops as full does
-        assert "accepts it for hybrid models): with mode=kept a continuation" in line
+    else:  # 0.15.1-0.19.1: dense retention, so lean stops as full does
+        assert "accepts it for hybrid models): with mode=lean a continuation" in line
 
 
 def test_without_batch_invariance_the_start_line_is_silent_about_it(

@@ -22,6 +22,7 @@ from vllm_mamba_align.tools.sim import (
     Simulation,
     available_checkpoint_backends,
     prompt,
+    state_id,
 )
 
 B = 1648
@@ -108,21 +109,28 @@ def test_lean_is_kept_under_dense_retention() -> None:
 
 
 @pytest.mark.parametrize(
-    ("length", "lean_ends"),
-    [(4 * B + 5, [4 * B + 5]), (4 * B + 105, [4 * B, 4 * B + 96, 4 * B + 105])],
-    ids=["tail-is-the-boundary", "tail-past-the-boundary"],
+    ("length", "lean_ends", "boundary_kept"),
+    [
+        (4 * B + 5, [4 * B + 5], True),
+        (4 * B + 105, [4 * B, 4 * B + 96, 4 * B + 105], True),
+        (4 * B + 68, [4 * B + 68], False),
+    ],
+    ids=["tail-is-the-boundary", "backend-declines", "tail-takes-the-column"],
 )
-def test_lean_lets_the_backend_write_the_replay_boundary_only_where_it_does(
-    length: int, lean_ends: list[int]
+def test_lean_leaves_the_replay_boundary_to_the_backends_prompt_checkpoint(
+    length: int, lean_ends: list[int], boundary_kept: bool
 ) -> None:
     """With backend prefill checkpoints (GDN on FlashInfer, alignment
-    lcm(16, 64)) the backend writes the prompt's partial tail (P - 1 floored
-    to the hash block) into the replay boundary's column (P - 1 floored to
-    B). Where the tail is that boundary, lean takes the prompt in one chunk,
-    as stock does, and the backend's write is the boundary's state; where it
-    is not, lean ends a chunk on the boundary (and vLLM stops at the tail
-    after it: no backend can checkpoint a chunk into its start's column).
-    Either way the boundary is published holding its own state."""
+    lcm(16, 64) from the chunk's start) the backend writes the prompt
+    checkpoint (P - 1 floored to the hash block) into the replay boundary's
+    column (P - 1 floored to B), and vLLM publishes that column under the
+    checkpoint's hash. Where the checkpoint is the boundary, one chunk serves
+    both; where the backend declines (6,688 is 32 past the 64-token grid),
+    lean ends a chunk on the boundary and vLLM stops at the tail after it;
+    where it writes a checkpoint past the boundary, lean takes the prompt in
+    one chunk as stock does and the boundary's state is what vLLM gives up
+    for the checkpoint (``kept`` keeps both: two more chunks). Every time:
+    nothing wrong published, the prompt checkpoint published."""
     if "gdn-flashinfer" not in available_checkpoint_backends():
         pytest.skip("this vLLM's GDN declares no checkpoint blocks (0.33.0+)")
     geometry = Geometry(
@@ -134,13 +142,16 @@ def test_lean_lets_the_backend_write_the_replay_boundary_only_where_it_does(
         retention="default",
         prefill_checkpoint="gdn-flashinfer",
     )
+    tokens = prompt(length, seed=9)
     with scheduler_mode("lean"):
         sim = Simulation(geometry)
         if sim.retention_interval != 0:
             pytest.skip("vLLM's default retention keeps every boundary here")
-        sim.add("p", prompt(length, seed=9))
+        sim.add("p", tokens)
         sim.run()
     assert sim.chunk_ends("p") == lean_ends
-    assert 4 * B in sim.materialized_boundaries("p")
     assert not sim.poisoned, [str(p) for p in sim.poisoned.values()]
-    assert sim.missing_kept == []
+    tail = (length - 1) // 16 * 16
+    assert state_id(tokens, tail) in sim.published_states
+    assert (4 * B in sim.materialized_boundaries("p")) == boundary_kept
+    assert sim.missing_kept == ([] if boundary_kept else [f"p: {4 * B} inside a chunk"])

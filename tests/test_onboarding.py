@@ -135,7 +135,7 @@ def test_the_smoke_check_passes_on_the_installed_release() -> None:
     lines = [line for line in result.stdout.splitlines() if line.startswith("SMOKE ")]
     assert lines, result.stderr[-2000:]
     answer = json.loads(lines[0].removeprefix("SMOKE "))
-    assert answer["verified"] and answer["mode"] == "kept"
+    assert answer["verified"] and answer["mode"] == "lean"
     assert answer["kept_by_vllm"], "vLLM keeps at least the replay boundary"
     assert answer["chunk_ends"] == environment.smoke_expectation(answer)
     assert answer["poisoned"] == 0

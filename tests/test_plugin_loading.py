@@ -54,7 +54,7 @@ def test_vllm_plugins_naming_mamba_align_activates_it() -> None:
     assert "Unknown vLLM environment variable" not in out
 
 
-def test_without_a_mode_setting_the_plugin_starts_in_kept_mode() -> None:
+def test_without_a_mode_setting_the_plugin_starts_in_lean_mode() -> None:
     result = run_python(
         LOAD_AND_START, VLLM_PLUGINS=plugins("mamba_align"), VLLM_MAMBA_ALIGN_MODE=""
     )
@@ -62,7 +62,7 @@ def test_without_a_mode_setting_the_plugin_starts_in_kept_mode() -> None:
     out = result.stdout + result.stderr
     lines = [line for line in out.splitlines() if "vllm-mamba-align" in line]
     assert len(lines) == 1, lines
-    assert "ACTIVE, mode=kept: " in lines[0]
+    assert "ACTIVE, mode=lean: " in lines[0]
 
 
 def test_our_settings_are_known_to_vllm() -> None:

@@ -510,7 +510,7 @@ def _activate_fix(
     body = recognition.body
     assert body is not None
     policy = StopPolicy.for_scheduler(mode, body, retention, scheduler, state_grid)
-    summary = mode_summary(mode, retention)
+    summary = mode_summary(mode, retention, policy.yield_replay_to_checkpoint)
     if policy.schedules_as_vllm(scheduler.cache_config.block_size):
         # Nothing to change on this scheduler: vLLM's own function, no layer.
         _bind_split(scheduler, recognition.split.__get__(scheduler, type(scheduler)))
@@ -539,8 +539,9 @@ CANONICAL = (
 )
 
 
-def mode_summary(mode: Mode, retention: Retention) -> str:
-    """What a fixing mode does under this retention, for the start line."""
+def mode_summary(mode: Mode, retention: Retention, yields_replay: bool = False) -> str:
+    """What a fixing mode does under this retention, for the start line;
+    ``yields_replay``: :attr:`StopPolicy.yield_replay_to_checkpoint`."""
     kept = retention.describe()
     if mode is Mode.GRID:
         return (
@@ -548,15 +549,21 @@ def mode_summary(mode: Mode, retention: Retention) -> str:
             f"a chunk are not materialized); {kept}"
         )
     if mode is Mode.LEAN and not retention.dense:
+        given_up = (
+            ", except a replay boundary whose slot the backend's prompt checkpoint "
+            "takes (vLLM keeps the checkpoint there, as stock does)"
+            if yields_replay
+            else ""
+        )
         return (
             "chunks end where vLLM's own split ends them, and on every B boundary "
             "vLLM keeps (every kept state materialized, no wrong state published, "
-            f"stock's steps elsewhere); {kept}"
+            f"stock's steps elsewhere){given_up}; {kept}"
         )
     if retention.dense:  # every boundary kept: kept and full stop alike
         return (
             "chunks end on the B grid and stop at every B boundary, all of which "
-            f"vLLM keeps (kept and full are the same here): {CANONICAL}; {kept}"
+            f"vLLM keeps (lean, kept and full are the same here): {CANONICAL}; {kept}"
         )
     if mode is Mode.FULL:
         return (
@@ -598,7 +605,7 @@ def batch_invariance_note(
             "equals fresh for serial traffic only, in every mode; unset "
             f"{BATCH_INVARIANT_VARIABLE} to serve hybrid models"
         )
-    if mode is Mode.FULL or (mode is Mode.KEPT and retention_dense):
+    if mode is Mode.FULL or (mode in (Mode.KEPT, Mode.LEAN) and retention_dense):
         return (
             f"{BATCH_INVARIANT_VARIABLE}=1 (vLLM {release} accepts it for hybrid "
             f"models): with mode={mode.value} a continuation from the cache equals "
@@ -627,8 +634,9 @@ def describe_batch_invariance(version: str | None) -> str:
                 else ""
             )
             + ": a cached continuation equals a fresh run bit for bit only for "
-            "serial traffic, and only with full (or kept under dense retention); "
-            "kept keeps the same states with fewer prefill steps"
+            "serial traffic, and only with full (or lean and kept under dense "
+            "retention); lean and kept keep the states vLLM keeps with fewer "
+            "prefill steps"
         )
     return (
         f"vLLM {release} accepts batch-invariant mode for hybrid models "

@@ -268,7 +268,7 @@ def _retention() -> tuple[str, dict[str, str]]:
         text = f"0 ({source}): only replay boundaries and shared-prefix junctions kept"
     else:
         text = f"{interval} ({where}): multiples of it, replay boundaries, junctions"
-    modes = ("full", "kept", "grid", "audit")
+    modes = ("lean", "kept", "full", "grid", "audit")
     return text, {mode: mode_meaning(mode, interval) for mode in modes}
 
 

@@ -22,6 +22,7 @@ from .checkpoints import (
     InternalCheckpoint,
     backend_off_manager_grid,
     installed_manager_skips_scratch_move,
+    manager_rekeys_checkpoint_block,
     spec_reserves_checkpoints,
 )
 from .protocols import Scheduler
@@ -30,6 +31,7 @@ from .retention import Retention, mamba_manager
 from .settings import Mode
 
 FIXING_MODES = (Mode.FULL, Mode.KEPT, Mode.GRID, Mode.LEAN)
+"""The modes that bind the fix (``off`` and ``audit`` leave vLLM's split as it is)."""
 
 
 class LeanStop(enum.Enum):
@@ -39,20 +41,12 @@ class LeanStop(enum.Enum):
 
     REPLAY = "replay-boundary stops"
     """At the replay boundary (where a re-ask or a longer sibling resumes)."""
-    REPLAY_OVER_CHECKPOINT = "replay-boundary stops where the backend checkpoints"
-    """At the replay boundary, in a chunk that would otherwise end the prefill
-    with the backend's in-chunk checkpoint in that boundary's column: it writes
-    the prompt's partial-tail state there, which vLLM then publishes under the
-    tail's hash in place of the boundary's."""
     JUNCTION = "junction stops"
     """At a detected shared-prefix junction."""
     TAIL = "tail stops after a kept stop"
     """vLLM's own stop at the prompt's partial tail, in the chunk after a stop
     at a kept boundary (no backend can checkpoint that chunk: the tail's column
     is the boundary's own)."""
-
-
-"""The modes that bind the fix (``off`` and ``audit`` leave vLLM's split as it is)."""
 
 
 def step_budget(scheduler: Scheduler) -> tuple[int, str]:
@@ -100,6 +94,11 @@ class SchedulerFacts:
     vLLM never decides to checkpoint a chunk internally (every body with
     internal checkpointing tests this flag first), so nothing a stop guards
     against that decision can happen."""
+    rekeys_checkpoint: bool = False
+    """The scheduler's Mamba manager publishes the backend's in-chunk state
+    under its own position's hash, dropping the hash its column got as a full
+    block in the same step, read from its class's code
+    (:func:`checkpoints.manager_rekeys_checkpoint_block`, 0.30.0+)."""
 
     @classmethod
     def of(cls, scheduler: Scheduler, body: SplitBody, grid: int) -> SchedulerFacts:
@@ -114,7 +113,14 @@ class SchedulerFacts:
             skips_scratch_move=installed_manager_skips_scratch_move(
                 _mamba_manager_class(scheduler)
             ),
+            rekeys_checkpoint=_rekeys_checkpoint(scheduler),
         )
+
+
+def _rekeys_checkpoint(scheduler: Scheduler) -> bool:
+    """:attr:`SchedulerFacts.rekeys_checkpoint`; False without a Mamba manager."""
+    manager_class = _mamba_manager_class(scheduler)
+    return manager_class is not None and manager_rekeys_checkpoint_block(manager_class)
 
 
 def _mamba_manager_class(scheduler: Scheduler) -> type | None:
@@ -224,6 +230,23 @@ backend_off_manager_grid`, 0.30.0-0.31.0) a longer chunk gets a wrongly
     (``compute_mamba_prefill_checkpoints``), so lean still stops at that
     boundary, except where the tail is the boundary itself.
     Releases: all. Delete when: as :attr:`stop_at_boundaries`."""
+    yield_replay_to_checkpoint: bool
+    """lean mode: no stop at a replay boundary (kept for nothing else) in a
+    fresh prompt's final chunk that vLLM checkpoints internally with the
+    backend's write in that boundary's column. Why: the backend writes the
+    prompt checkpoint (the prompt's partial tail) there, and vLLM's manager
+    publishes that column under the checkpoint's hash, dropping the
+    boundary's (``_cache_partial_tail_block`` with
+    ``replace_existing_hashes=True``, single_type_kv_cache_manager.py:2028-2086
+    in 0.33.0): stock vLLM keeps the prompt checkpoint instead of the
+    boundary, which serves every re-ask and continuation of the prompt from
+    further on. A stop there would keep both at the cost of two more chunks
+    (the boundary's, then vLLM's own stop at the tail, which no backend can
+    checkpoint from the boundary); ``kept`` makes that trade. Releases:
+    0.30.0+ (:attr:`InternalCheckpoint.OBSERVED`), where the manager's code
+    re-keys the column (:attr:`SchedulerFacts.rekeys_checkpoint`) and the
+    scheduler decides internal checkpoints. Delete when: as
+    :attr:`stop_at_boundaries`."""
     without: frozenset[LeanStop] = frozenset()
     """Benchmark only: lean's stops of these kinds are left out, to count what
     each one buys (``benchmarks/measure.py``, the concurrent-load ablation).
@@ -296,6 +319,12 @@ backend_off_manager_grid`, 0.30.0-0.31.0) a longer chunk gets a wrongly
             and 0 < grid <= facts.step_budget,
             checkpoint_blocks_unalign=rule is InternalCheckpoint.ALIGNED_START,
             stock_chunk_ends=mode is Mode.LEAN and not stop_anywhere,
+            yield_replay_to_checkpoint=mode is Mode.LEAN
+            and not stop_anywhere
+            and observed
+            and facts.decides_checkpoints
+            and facts.reserves_checkpoints
+            and facts.rekeys_checkpoint,
         )
         if observed and policy.any_stop:
             return replace(policy, watch_decisions=True)

@@ -112,6 +112,22 @@ class Retention:
                 kept.add(boundary)
         return tuple(sorted(kept))
 
+    def kept_only_as_replay(self, request: Request, boundary: int) -> bool:
+        """Whether vLLM keeps ``request``'s state at ``boundary`` for one reason
+        only: it is a replay boundary (no junction, no multiple of the
+        retention interval, not dense)."""
+        if self.keeps_segment(boundary):
+            return False
+        if boundary not in self.replay_boundaries(request):
+            return False
+        junction = int(getattr(request, "shared_prefix_boundary", 0) or 0)
+        if not junction:
+            return True
+        positions = [junction]
+        if self.eagle_junction:
+            positions.append(junction - self.state_block)
+        return boundary not in self._boundaries(positions)
+
     def keeps(self, request: Request, boundary: int) -> bool:
         """Whether vLLM publishes ``request``'s state at ``boundary`` (a multiple
         of B) when a chunk ends there."""
@@ -343,7 +359,9 @@ def mode_meaning(mode: str, interval: int | None) -> str:
             "the same as kept (dense)"
             if dense
             else "ends chunks where stock vLLM does and on every B boundary vLLM "
-            f"keeps ({sparse}); no wrong state published"
+            f"keeps ({sparse}), except where a GPU backend checkpoints a prompt "
+            "in its final chunk: vLLM keeps that checkpoint in the replay "
+            "boundary's slot instead, as stock does; no wrong state published"
         ),
         "audit": "stock scheduling, counting the wrong publications and lost states "
         "this retention would keep",

@@ -21,16 +21,21 @@ class Mode(str, enum.Enum):
     change the numerics (serial traffic: vLLM refuses batch-invariant mode for
     Mamba backends through 0.33.0). Under dense retention the same as ``kept``."""
     KEPT = "kept"
-    """The default. Chunks end on the Mamba state grid and stop at a boundary only
-    where vLLM's state retention keeps that boundary's state: no poisoning, every
-    kept state materialized, no step spent on a state vLLM throws away."""
+    """Chunks end on the Mamba state grid and stop at a boundary only where
+    vLLM's state retention keeps that boundary's state: no poisoning, every
+    kept state materialized (also a replay boundary whose column vLLM gives to
+    the backend's prompt checkpoint), no step spent on a state vLLM throws
+    away."""
     GRID = "grid"
     """Chunks end on the Mamba state grid only: no poisoning, fewer extra stops."""
     LEAN = "lean"
-    """Chunks end where stock vLLM ends them, except at a boundary whose state
-    vLLM's retention keeps: no poisoning, every kept state materialized, stock's
-    step count elsewhere. Where retention keeps every boundary (dense), or the
-    scheduler's facts leave a case undecided, the same as ``kept``."""
+    """The default. Chunks end where stock vLLM ends them, except at a boundary
+    whose state vLLM's retention keeps: no poisoning, every kept state
+    materialized, stock's step count elsewhere. Where the backend checkpoints
+    a prompt's final chunk into its replay boundary's column, vLLM keeps the
+    prompt checkpoint instead of that boundary, as stock does. Where retention
+    keeps every boundary (dense), or the scheduler's facts leave a case
+    undecided, the same as ``kept``."""
     OFF = "off"
     """Loaded and logging, changes nothing: for A/B runs against stock vLLM."""
     AUDIT = "audit"
@@ -38,13 +43,14 @@ class Mode(str, enum.Enum):
     state boundaries it causes on live traffic, before you switch the fix on."""
 
 
-DEFAULT_MODE = Mode.KEPT
+DEFAULT_MODE = Mode.LEAN
 """What a run without ``VLLM_MAMBA_ALIGN_MODE`` gets: the cheapest mode that
-publishes no wrong state and materializes every state vLLM keeps."""
+publishes no wrong state and materializes the states vLLM keeps (counted under
+concurrent load in benchmarks/LOAD.md)."""
 
 
 def read_mode() -> Mode:
-    """The mode chosen by ``VLLM_MAMBA_ALIGN_MODE`` (default ``kept``)."""
+    """The mode chosen by ``VLLM_MAMBA_ALIGN_MODE`` (default ``lean``)."""
     raw = os.environ.get(MODE_VARIABLE)
     if raw is None or raw.strip() == "":
         return DEFAULT_MODE

@@ -302,23 +302,19 @@ def _lean(
     stretched back onto vLLM's grid as far as the allowance goes (nothing up
     to there is kept). One whose allowance reaches a kept boundary gets
     ``kept_route``'s answer (the backend's checkpoint standing in where it
-    writes that state), ending on the boundary at the latest. Every other
-    call (decodes included) is ``kept_route``'s."""
-    grid, prefill_rule = policy.grid, policy.prefill
+    writes that state), ending on the boundary at the latest, unless vLLM's
+    own chunk gives that boundary's column to the prompt checkpoint
+    (:attr:`StopPolicy.yield_replay_to_checkpoint`). Every other call
+    (decodes included) is ``kept_route``'s."""
+    grid, prefill_rule, decisions = policy.grid, policy.prefill, checkpoint_decisions
     first_kept_after = _first_kept_without(retention, policy.without)
-    ablation = _LeanAblation(policy, retention, checkpoint_at)
-
-    def on_vllms_grid(request: Request, start: int, counts: tuple[int, ...]) -> int:
-        shared = scheduler.cache_config
-        own = shared.block_size
-        if start % own == 0:
-            return int(call(scheduler, request, *counts))  # type: ignore[arg-type]
-        scheduler.cache_config = _StateGridCacheConfig(shared, grid)
-        try:
-            num_tokens = int(call(scheduler, request, *counts))  # type: ignore[arg-type]
-        finally:
-            scheduler.cache_config = shared
-        return max(num_tokens, (start + counts[0]) // own * own - start)
+    ablation = _LeanAblation(policy, retention)
+    yields = (
+        _yields_to_checkpoint(grid, retention, checkpoint_at)
+        if policy.yield_replay_to_checkpoint and checkpoint_at is not None
+        else None
+    )
+    on_vllms_grid = _on_vllms_grid(scheduler, call, grid)
 
     def lean(
         request: Request,
@@ -344,46 +340,81 @@ def _lean(
         if kept is None or kept > start + num_new_tokens:
             num_tokens = on_vllms_grid(request, start, counts)
             return ablation.past_tail(request, start, num_new_tokens, num_tokens)
-        if ablation.over_checkpoint:
+        if yields is not None:
+            taken_before = decisions.taken
             num_tokens = on_vllms_grid(request, start, counts)
-            if ablation.tail_over(request, start, start + num_tokens, kept):
-                return num_tokens
+            if decisions.taken != taken_before and yields(
+                request, start, start + num_tokens, kept
+            ):
+                return num_tokens  # vLLM's own chunk: see _yields_to_checkpoint
         num_tokens = kept_route(request, *counts)
         return num_tokens if start + num_tokens > kept else kept - start
 
     return lean
 
 
+def _on_vllms_grid(
+    scheduler: Scheduler, call: StockCall, grid: int
+) -> Callable[[Request, int, tuple[int, ...]], int]:
+    """vLLM's answer on its own grid (C) for a chunk from ``start``; from a
+    start off that grid, its answer on B stretched back onto C's grid as far
+    as the allowance (``counts[0]``) goes (lean only calls it where nothing
+    up to there is kept)."""
+
+    def on_vllms_grid(request: Request, start: int, counts: tuple[int, ...]) -> int:
+        shared = scheduler.cache_config
+        own = shared.block_size
+        if start % own == 0:
+            return int(call(scheduler, request, *counts))  # type: ignore[arg-type]
+        scheduler.cache_config = _StateGridCacheConfig(shared, grid)
+        try:
+            num_tokens = int(call(scheduler, request, *counts))  # type: ignore[arg-type]
+        finally:
+            scheduler.cache_config = shared
+        return max(num_tokens, (start + counts[0]) // own * own - start)
+
+    return on_vllms_grid
+
+
+def _yields_to_checkpoint(
+    grid: int, retention: Retention, checkpoint_at: CheckpointRule
+) -> Callable[[Request, int, int, int], bool]:
+    """:attr:`StopPolicy.yield_replay_to_checkpoint`: whether vLLM's chunk
+    ``[start, end)``, which vLLM decided to checkpoint internally, leaves
+    ``kept`` (the first boundary kept after ``start``) to vLLM's own choice.
+
+    It does when the chunk ends a fresh prompt (so the backend's state is the
+    prompt checkpoint, which vLLM keys under its own hash), ``kept`` is the
+    last boundary before that end (its column is the one the backend writes,
+    ``cdiv(end, B) - 2``), the backend writes there at all, and ``kept`` is
+    kept only as a replay boundary: a junction a sibling shares, or a
+    multiple of the retention interval, keeps its stop.
+
+    Backports nothing: vLLM PR #54076 stops at every boundary; this is lean's
+    own relaxation, where stock vLLM already gives the boundary up.
+    """
+
+    def yields(request: Request, start: int, end: int, kept: int) -> bool:
+        prompt = request.num_prompt_tokens
+        return (
+            end == prompt
+            and prefill_end(request) == prompt
+            and kept < end <= kept + grid
+            and checkpoint_at(start, end) > 0
+            and retention.kept_only_as_replay(request, kept)
+        )
+
+    return yields
+
+
 class _LeanAblation:
     """:attr:`StopPolicy.without` (benchmark only; empty when serving, where
-    both checks cost one attribute test): lean's stops that are not about
+    the check costs one attribute test): lean's stops that are not about
     which boundary is kept (those: :func:`_first_kept_without`)."""
 
-    def __init__(
-        self,
-        policy: StopPolicy,
-        retention: Retention,
-        checkpoint_at: CheckpointRule | None,
-    ) -> None:
-        self.grid, self.retention, self.checkpoint_at = (
-            policy.grid,
-            retention,
-            checkpoint_at,
-        )
-        self.over_checkpoint = LeanStop.REPLAY_OVER_CHECKPOINT in policy.without
+    def __init__(self, policy: StopPolicy, retention: Retention) -> None:
+        self.grid, self.retention = policy.grid, retention
         self.tail = LeanStop.TAIL in policy.without
-
-    def tail_over(self, request: Request, start: int, end: int, kept: int) -> bool:
-        """Whether the chunk ``[start, end)`` ends the prefill and the backend
-        writes the prompt's partial tail into the column of ``kept``, a replay
-        boundary (then lean's stop there is left out)."""
-        return (
-            self.checkpoint_at is not None
-            and kept in self.retention.replay_boundaries(request)
-            and end >= prefill_end(request)
-            and kept < end <= kept + self.grid
-            and self.checkpoint_at(start, end) > 0
-        )
 
     def past_tail(
         self, request: Request, start: int, num_new_tokens: int, num_tokens: int

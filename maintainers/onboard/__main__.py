@@ -40,6 +40,7 @@ from maintainers.onboard.table import (
 )
 from maintainers.onboard.wheels import find_wheel, is_nightly, relabel_wheel
 from vllm_mamba_align import releases
+from vllm_mamba_align.settings import DEFAULT_MODE
 
 
 def onboard(args: argparse.Namespace) -> Report:
@@ -280,7 +281,7 @@ def _environment(
     report.timings["environment"] = time.monotonic() - started
     ends = list(answer.get("chunk_ends") or [])  # type: ignore[call-overload]
     expected = smoke_expectation(answer)
-    ok = bool(answer.get("verified")) and answer.get("mode") == "kept"
+    ok = bool(answer.get("verified")) and answer.get("mode") == DEFAULT_MODE.value
     ok = ok and ends == expected and answer.get("poisoned") == 0
     lines = [
         f"Environment `{environment.location}` from `{template.relative_to(REPO)}`"

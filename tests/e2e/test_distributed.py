@@ -235,7 +235,7 @@ def test_each_node_runs_its_rank_with_the_plugin_settings_of_its_environment(
     on_node = [m.groupdict() for m in PLUGIN_LINE.finditer(multinode.node_log)]
     assert [line["process"] for line in on_head] == ["EngineCore_DP0"]
     assert [line["process"] for line in on_node] == ["EngineCore_DP1"]
-    assert on_head[0]["status"].startswith("ACTIVE, mode=kept"), on_head
+    assert on_head[0]["status"].startswith("ACTIVE, mode=lean"), on_head
     assert on_node[0]["status"].startswith("ACTIVE, mode=full"), on_node
     assert "headless mode" in multinode.node_log
     # Two API servers on the head, none on node 1.
@@ -262,7 +262,7 @@ def test_two_api_servers_export_the_head_rank_not_the_headless_one(
     # vLLM's own multiprocess Prometheus (two API servers) carries rank 0's
     # series; rank 1 writes in another node's process, which no API server reads.
     assert sorted(info) == ["0"]
-    assert info["0"]["mode"] == "kept" and info["0"]["status"] == "ACTIVE"
+    assert info["0"]["mode"] == "lean" and info["0"]["status"] == "ACTIVE"
 
 
 def test_the_probe_passes_the_two_node_deployment_through_the_head(
@@ -504,7 +504,7 @@ def test_each_replica_runs_the_fix_and_stops_leaving_no_process(
 ) -> None:
     for log in (replicas.head_log, replicas.node_log):
         (line,) = [m.groupdict() for m in PLUGIN_LINE.finditer(log)]
-        assert line["status"].startswith("ACTIVE, mode=kept"), line
+        assert line["status"].startswith("ACTIVE, mode=lean"), line
     assert replicas.stopped_cleanly == (True, True), replicas.stop_reports
     assert replicas.left == (False, False), replicas.stop_reports
 

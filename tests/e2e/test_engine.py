@@ -245,7 +245,7 @@ def test_log_shows_plugin_active_with_the_geometry_it_found(
     )
     found = run.geometry()
     assert found["vllm"] == E2E_RELEASE
-    assert found["status"].startswith("ACTIVE, mode=kept")  # the default
+    assert found["status"].startswith("ACTIVE, mode=lean")  # the default
     cache_block, state_block = int(found["c"]), int(found["b"])
     assert cache_block < state_block, found  # the heterogeneous geometry
     # ... and it is the geometry the scheduler works with while it schedules.
@@ -270,7 +270,7 @@ def test_prefill_chunks_end_on_the_state_grid(engine: Any, multiprocess: bool) -
         if chunk["end"] in _allowed_off_grid_ends(chunk["prompt"], hash_block):
             continue
         assert chunk["end"] % state_block == 0, chunk
-    # The default (kept) under dense retention stops at every boundary the first
+    # The default (lean: kept under dense retention) stops at every boundary the first
     # prompt crosses, as full does
     ends = run.chunk_ends("first")
     grid = list(range(state_block, PROMPT_TOKENS, state_block))
@@ -343,13 +343,13 @@ def test_hybrid_model_in_equal_geometry_gives_identical_outputs(engine: Any) -> 
 
     Only reuse may differ, in the plugin's favour: stock chunks run across state
     boundaries without saving them (its first chunk ends at the budget's last
-    boundary), while the default, kept under dense retention, saves every one
+    boundary), while the default (lean, kept under dense retention) saves every one
     the prompt crosses.
     """
     without = engine("nemotron_h", "equal", WORKAROUNDS)
     with_plugin = engine("nemotron_h", "equal", f"{WORKAROUNDS},{PLUGIN}")
     found = with_plugin.geometry()
-    assert found["status"].startswith("ACTIVE, mode=kept")
+    assert found["status"].startswith("ACTIVE, mode=lean")
     assert found["c"] == found["b"]
     state_block = int(found["b"])
     for step in without.steps:

@@ -84,7 +84,7 @@ def _deploy(root: Path, mode: str | None, both_ranks: bool) -> MoeRun:
     # Prometheus itself.
     del env["PROMETHEUS_MULTIPROC_DIR"]
     server = Server(model, MOE_OPTIONS, env, root / "server.log", entry=VLLM_CLI)
-    found = MoeRun(ServeRun(mode or "kept"))
+    found = MoeRun(ServeRun(mode or "default"))
     started = time.monotonic()
     try:
         server.start()
@@ -139,7 +139,7 @@ def _isolated(factory: pytest.TempPathFactory, key: str, *args: Any) -> MoeRun:
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory: pytest.TempPathFactory) -> MoeRun:
-    return _isolated(tmp_path_factory, "kept", None, True)
+    return _isolated(tmp_path_factory, "default", None, True)
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +154,7 @@ def test_each_lockstep_rank_starts_with_the_fix(moe: MoeRun) -> None:
         "EngineCore_DP1",
     ]
     for line in lines:
-        assert line["status"].startswith("ACTIVE, mode=kept"), line
+        assert line["status"].startswith("ACTIVE, mode=lean"), line
         assert int(line["c"]) == int(line["b"])  # no drafter: C = B
     # vLLM ran the MoE path: a coordinator for the waves.
     assert "Started DP Coordinator process" in moe.run.log

@@ -91,7 +91,7 @@ def test_probe_passes_a_server_with_the_fix_that_reuses_states(
     check_bounded(probe)
     report = probe.report
     (info,) = report["metrics_before"]["plugin"]
-    assert info["mode"] == ("kept" if key == "default" else "full")
+    assert info["mode"] == ("lean" if key == "default" else "full")
     assert report["workload"]["state_block"] == 32
     # Both siblings of every pair and the replay sibling read cached states ...
     assert {"pair2.second", "pair3.second", "replay", "reask"} <= set(reused(probe))

@@ -381,7 +381,7 @@ def test_served_with_the_plugin_sibling_matches_a_fresh_run(
     run = served("default")
     (found,) = run.plugin_lines()  # one engine core, one scheduler
     assert found["process"] == "EngineCore" and found["vllm"] == E2E_RELEASE
-    assert found["status"].startswith("ACTIVE, mode=kept"), found  # the default
+    assert found["status"].startswith("ACTIVE, mode=lean"), found  # the default
     assert int(found["c"]) < int(found["b"])  # the heterogeneous geometry
     check_fix(run, None)
 
@@ -409,13 +409,13 @@ def test_data_parallel_both_engine_cores_run_the_fix(
         "EngineCore_DP0",
         "EngineCore_DP1",
     ]
-    assert all(line["status"].startswith("ACTIVE, mode=kept") for line in lines)
+    assert all(line["status"].startswith("ACTIVE, mode=lean") for line in lines)
     for rank in (0, 1):
         check_fix(run, rank)  # each rank has its own prefix cache
     info = sorted(
         labels["engine"]
         for labels, value in samples(run.metrics, "vllm_mamba_align_info")
-        if value == 1 and labels["mode"] == "kept"
+        if value == 1 and labels["mode"] == "lean"
     )
     assert info == ["0", "1"]
 

@@ -56,13 +56,20 @@ FACTS = {
         backend_off_manager_grid=True,
         step_budget=8192,
     ),
+    "rekeys": SchedulerFacts(
+        reserves_checkpoints=True,
+        decides_checkpoints=True,
+        rekeys_checkpoint=True,
+        step_budget=8192,
+    ),
     "narrow": SchedulerFacts(step_budget=B - 1),
 }
 """Scheduler facts: checkpoint blocks in every Mamba spec (so the scheduler
 decides internal checkpoints), an EAGLE/MTP drafter's
 scratch blocks, with them 0.30.0-0.31.0's manager leaving those blocks in place
 in a checkpointing step ("stays"), 0.30.0-0.31.0's backend off the manager's
-hash grid, a step budget narrower than B."""
+hash grid, 0.30.0+'s manager re-keying the checkpoint's column ("rekeys"),
+a step budget narrower than B."""
 
 LETTERS = {
     "stop_at_boundaries": "b",
@@ -75,6 +82,7 @@ LETTERS = {
     "align_short_chunks": "c",
     "checkpoint_blocks_unalign": "k",
     "stock_chunk_ends": "e",
+    "yield_replay_to_checkpoint": "y",
 }
 """One letter per decision, in the policy's field order; "-": none is on."""
 
@@ -88,7 +96,9 @@ def reachable(body: SplitBody, facts: SchedulerFacts) -> bool:
     from 0.29.0 (a body with internal checkpointing), the backend off the
     manager's grid and a manager that leaves scratch blocks in place only on
     0.30.0-0.31.0 (where ``ckpt+draft`` stands for a build with a newer
-    manager)."""
+    manager), a manager that re-keys the checkpoint's column from 0.30.0."""
+    if facts.rekeys_checkpoint:
+        return body.internal_checkpoint is InternalCheckpoint.OBSERVED
     if facts.backend_off_manager_grid or facts.skips_scratch_move:
         return body.checkpoint_grid is CheckpointGrid.PREFIX_MATCH_UNIT
     if facts.reserves_checkpoints:
@@ -158,6 +168,7 @@ EXPECTED = [
     "main b6efabe6 ckpt+draft|bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw   |bawc  bwe   bwe",
     "main b6efabe6 stays     |baswc baswc baswc|baswc bsw   bsw  |amsw  msw   msw  |baswc bswe  bswe",
     "main b6efabe6 off-grid  |bawc  bawc  bawc |bawc  bawc  bawc |amw   amw   amw  |bawc  bawc  bawc",
+    "main b6efabe6 rekeys    |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw   |bawc  bwey  bwey",
     "main b6efabe6 narrow    |baw   baw   baw  |baw   bw    bw   |a     -     -    |baw   bwe   bwe",
     "0.29.0        plain     |back  back  back |back  bk    bk   |ak    k     k    |back  bke   bke",
     "0.29.0        ckpt      |bauck bauck bauck|bauck buk   buk  |auk   uk    uk   |bauck buke  buke",
@@ -170,6 +181,7 @@ EXPECTED = [
     "0.30.0        ckpt+draft|bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw   |bawc  bwe   bwe",
     "0.30.0        stays     |baswc baswc baswc|baswc bsw   bsw  |amsw  msw   msw  |baswc bswe  bswe",
     "0.30.0        off-grid  |bawc  bawc  bawc |bawc  bawc  bawc |amw   amw   amw  |bawc  bawc  bawc",
+    "0.30.0        rekeys    |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw   |bawc  bwey  bwey",
     "0.30.0        narrow    |baw   baw   baw  |baw   bw    bw   |a     -     -    |baw   bwe   bwe",
     "0.31.0        plain     |bawc  bawc  bawc |bawc  bw    bw   |a     -     -    |bawc  bwe   bwe",
     "0.31.0        ckpt      |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw   |bawc  bwe   bwe",
@@ -177,16 +189,19 @@ EXPECTED = [
     "0.31.0        ckpt+draft|bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw   |bawc  bwe   bwe",
     "0.31.0        stays     |baswc baswc baswc|baswc bsw   bsw  |amsw  msw   msw  |baswc bswe  bswe",
     "0.31.0        off-grid  |bawc  bawc  bawc |bawc  bawc  bawc |amw   amw   amw  |bawc  bawc  bawc",
+    "0.31.0        rekeys    |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw   |bawc  bwey  bwey",
     "0.31.0        narrow    |baw   baw   baw  |baw   bw    bw   |a     -     -    |baw   bwe   bwe",
     "0.32.0        plain     |bawc  bawc  bawc |bawc  bw    bw   |a     -     -    |bawc  bwe   bwe",
     "0.32.0        ckpt      |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw   |bawc  bwe   bwe",
     "0.32.0        draft     |bawc  bawc  bawc |bawc  bw    bw   |a     -     -    |bawc  bwe   bwe",
     "0.32.0        ckpt+draft|bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw   |bawc  bwe   bwe",
+    "0.32.0        rekeys    |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw   |bawc  bwey  bwey",
     "0.32.0        narrow    |baw   baw   baw  |baw   bw    bw   |a     -     -    |baw   bwe   bwe",
     "0.33.0        plain     |bawc  bawc  bawc |bawc  bw    bw   |a     -     -    |bawc  bwe   bwe",
     "0.33.0        ckpt      |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw   |bawc  bwe   bwe",
     "0.33.0        draft     |bawc  bawc  bawc |bawc  bw    bw   |a     -     -    |bawc  bwe   bwe",
     "0.33.0        ckpt+draft|bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw   |bawc  bwe   bwe",
+    "0.33.0        rekeys    |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw   |bawc  bwey  bwey",
     "0.33.0        narrow    |baw   baw   baw  |baw   bw    bw   |a     -     -    |baw   bwe   bwe",
 ]
 

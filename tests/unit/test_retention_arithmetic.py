@@ -59,3 +59,22 @@ def test_the_four_questions_agree(name: str, junction: int) -> None:
             assert first == (low // B + 1) * B
         elif after:
             assert first == after[0]
+
+
+def test_a_boundary_kept_only_as_replay() -> None:
+    """lean leaves a replay boundary to vLLM's prompt checkpoint only where
+    nothing else keeps it: not a junction (a sibling resumes there), not a
+    multiple of the retention interval, not under dense retention."""
+    zero, segments = CASES["zero"], CASES["segments"]
+    replay = 16320  # P - 1 floored to B
+    assert zero.kept_only_as_replay(request(), replay)
+    assert zero.kept_only_as_replay(request(junction=9000), replay)
+    assert not zero.kept_only_as_replay(request(junction=9000), 8160)
+    assert not zero.kept_only_as_replay(request(junction=16400), replay)
+    assert not zero.kept_only_as_replay(request(), 8160)  # not kept at all
+    assert not CASES["dense"].kept_only_as_replay(request(), replay)
+    # 16320 = 10 B: a multiple of 5 B is kept by the interval too
+    assert not Retention(5 * B, B, 16, "test").kept_only_as_replay(request(), replay)
+    assert segments.kept_only_as_replay(request(), replay)  # 10 B is no multiple of 4 B
+    eagle = Retention(0, B, 16, "test", eagle_junction=True)
+    assert not eagle.kept_only_as_replay(request(junction=replay + B + 5), replay)

@@ -11,9 +11,9 @@ from vllm_mamba_align.settings import Mode
 @pytest.mark.parametrize(
     ("raw", "mode"),
     [
-        (None, Mode.KEPT),
-        ("", Mode.KEPT),
-        ("  ", Mode.KEPT),
+        (None, Mode.LEAN),
+        ("", Mode.LEAN),
+        ("  ", Mode.LEAN),
         (" full", Mode.FULL),
         ("grid", Mode.GRID),
         ("Lean", Mode.LEAN),

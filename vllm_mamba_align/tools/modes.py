@@ -97,13 +97,7 @@ def scheduler_mode(mode: str) -> Iterator[None]:
         yield
 
 
-NOT_DEFAULT_YET = (Mode.LEAN,)
-"""Modes ``simulate`` shows only when asked (``--mode lean``): the benchmarks
-measure them next to the others."""
-
-
-def simulated_modes(every: bool = False) -> list[str]:
+def simulated_modes() -> list[str]:
     """``stock`` then every plugin mode with something to show (``off`` is
-    stock); :data:`NOT_DEFAULT_YET` only with ``every``."""
-    left_out = (Mode.OFF,) if every else (Mode.OFF, *NOT_DEFAULT_YET)
-    return [STOCK, *(m.value for m in Mode if m not in left_out)]
+    stock)."""
+    return [STOCK, *(m.value for m in Mode if m is not Mode.OFF)]

@@ -298,9 +298,9 @@ def _serving(s: Scenario) -> str:
 
 
 def _reuse(tokens: int, result: ModeResult, request_id: str) -> str:
-    """Tokens a request reused, marked when it resumed from a wrong state."""
+    """Tokens a request reused, marked WRONG when it resumed from a wrong state."""
     wrong = any(w.startswith(f"{request_id} ") for w in result.wrong_reuse)
-    return f"{tokens}" + (" WRONG STATE" if wrong else "")
+    return f"{tokens}" + (" WRONG" if wrong else "")
 
 
 def render(s: Scenario, results: list[ModeResult]) -> str:
