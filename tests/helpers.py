@@ -171,3 +171,39 @@ class StartLines:
         self.lines.append(message % args)
 
     warning = info
+
+
+def left_to_prompt_checkpoint(sim: Any, lost: str) -> bool:
+    """Whether a kept state left unmaterialized (an entry of
+    ``sim.missing_kept``) is a prompt's replay boundary whose slot vLLM gave
+    to the prompt checkpoint, as it does on stock vLLM: the chunk across the
+    boundary ended the prompt, and a state of the same prompt past the
+    boundary, within one state block, was published. ``lean`` leaves those
+    to vLLM (``StopPolicy.yield_replay_to_checkpoint``); judged here from the
+    oracle's records alone."""
+    from vllm_mamba_align.tools.sim import state_id
+
+    req_id, what = lost.split(": ", 1)
+    if not what.endswith("inside a chunk"):
+        return False
+    boundary = int(what.split()[0])
+    record = sim.records[req_id]
+    tokens = record.request.prompt_token_ids
+    length, grid = len(tokens), sim.geometry.state_block
+    if boundary != (length - 1) // grid * grid:
+        return False
+    if not any(c.start < boundary < c.end == length for c in record.chunks):
+        return False
+    return any(
+        state_id(tokens, position) in sim.published_states
+        for position in range(boundary + 1, min(boundary + grid, length))
+    )
+
+
+def lost_kept_states(sim: Any, mode: str) -> list[str]:
+    """The states vLLM keeps that ``mode`` left unmaterialized
+    (``sim.missing_kept``), less, in ``lean``, the replay boundaries it leaves
+    to vLLM's prompt checkpoint (:func:`left_to_prompt_checkpoint`)."""
+    if mode != "lean":
+        return list(sim.missing_kept)
+    return [e for e in sim.missing_kept if not left_to_prompt_checkpoint(sim, e)]

@@ -22,6 +22,7 @@ from helpers import (
     async_republishes_partial_tail,
     geometry_rule,
     installed_body,
+    lost_kept_states,
     scheduler_mode,
     vllm_refuses,
 )
@@ -46,7 +47,6 @@ from vllm_mamba_align.tools.sim import (
     available_checkpoint_backends,
     base_vllm_config,
     prompt,
-    state_id,
 )
 
 T = TypeVar("T")
@@ -529,38 +529,10 @@ def check_mode(mode: str, workload: Workload, sim: Simulation) -> None:
         assert record.prefilled_at_step is not None
     if mode == DEFAULT:  # the plugin with VLLM_MAMBA_ALIGN_MODE unset
         mode = DEFAULT_MODE.value
-    if mode in ("full", "kept"):
-        assert sim.missing_kept == [], f"{mode} lost states vLLM keeps"
-    if mode == "lean":
-        lost = [e for e in sim.missing_kept if not _left_to_prompt_checkpoint(sim, e)]
-        assert lost == [], f"{mode} lost states vLLM keeps"
+    if mode in ("full", "kept", "lean"):
+        assert lost_kept_states(sim, mode) == [], f"{mode} lost states vLLM keeps"
     if mode == "full" and one_block_per_step(workload.geometry):
         assert sim.noncanonical_kept == [], "full kept a non-canonical state"
-
-
-def _left_to_prompt_checkpoint(sim: Simulation, lost: str) -> bool:
-    """Whether a kept state left unmaterialized (an entry of
-    ``sim.missing_kept``) is a prompt's replay boundary whose slot vLLM gave
-    to the prompt checkpoint, as it does on stock vLLM: the chunk across the
-    boundary ended the prompt, and a state of the same prompt past the
-    boundary, within one state block, was published. ``lean`` leaves those
-    to vLLM (``StopPolicy.yield_replay_to_checkpoint``); judged here from the
-    oracle's records alone."""
-    req_id, what = lost.split(": ", 1)
-    if not what.endswith("inside a chunk"):
-        return False
-    boundary = int(what.split()[0])
-    record = sim.records[req_id]
-    tokens = record.request.prompt_token_ids
-    length, grid = len(tokens), sim.geometry.state_block
-    if boundary != (length - 1) // grid * grid:
-        return False
-    if not any(c.start < boundary < c.end == length for c in record.chunks):
-        return False
-    return any(
-        state_id(tokens, position) in sim.published_states
-        for position in range(boundary + 1, min(boundary + grid, length))
-    )
 
 
 def dimensions(workload: Workload, sim: Simulation) -> list[str]:

@@ -316,7 +316,7 @@ def test_grid_keeps_the_stop_after_a_partial_hit_that_vllm_checkpoints() -> None
     assert sim.chunk_ends("longer")[0] == 1152
 
 
-@pytest.mark.parametrize("mode", ["full", "kept", "grid"])
+@pytest.mark.parametrize("mode", ["full", "kept", "grid", "lean"])
 def test_a_chunk_from_mid_block_stops_at_the_next_boundary(mode: str) -> None:
     """A partial hash hit resumes mid-block (8, B = 16, hash 8); vLLM decides to
     checkpoint the final chunk 8 -> 33 internally (at 32) and drops its

@@ -120,7 +120,7 @@ def geometries() -> list[Geometry]:
     ]
 
 
-@pytest.mark.parametrize("mode", ["kept", "full", "grid", "audit"])
+@pytest.mark.parametrize("mode", ["lean", "kept", "full", "grid", "audit"])
 @pytest.mark.parametrize("case", range(3), ids=["C<B dense", "C<B default", "C=B"])
 def test_the_past_prefill_shortcut_answers_as_the_full_route(
     mode: str, case: int
