@@ -1,0 +1,234 @@
+"""The served benchmark's own parts (benchmarks/served_plan.py, served.py): which
+arms it starts and with what, the multi-turn file it writes, and the arithmetic
+of its record. No server runs here: `nox -s bench_serve` runs them."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shlex
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from vllm_mamba_align.settings import MODE_VARIABLE, Mode
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture
+def plan(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return importlib.import_module("served_plan")
+
+
+@pytest.fixture
+def runner(plan: ModuleType) -> Iterator[ModuleType]:
+    """benchmarks/served.py, imported as the script imports its neighbours."""
+    yield importlib.import_module("served")
+    sys.modules.pop("served", None)
+
+
+def a_run(plan: ModuleType, arm: str, throughput: float, **fields: object) -> object:
+    values = {
+        "workload": "unique",
+        "arm": arm,
+        "run": 0,
+        "load_before": 0.5,
+        "quiet": True,
+        "request_throughput": throughput,
+        "mean_ttft_ms": 100.0,
+        "median_ttft_ms": 90.0,
+        "completed": 160,
+        "failed": 0,
+        "seconds": 16.0,
+    }
+    values.update(fields)
+    return plan.Run(**values)
+
+
+# -- arms ---------------------------------------------------------------------
+
+
+def test_the_arms_are_stock_first_and_the_default_leaves_the_mode_unset(
+    plan: ModuleType,
+) -> None:
+    arms = {arm.name: arm for arm in plan.ARMS}
+    assert plan.ARMS[0].name == "stock"
+    assert list(arms) == [
+        "stock",
+        "default",
+        "full",
+        "grid",
+        "no-prefix-caching",
+        "budget-B",
+    ]
+    assert arms["stock"].environment() == {MODE_VARIABLE: Mode.OFF.value}
+    assert arms["default"].environment() == {}, "the installed default, not a name"
+    assert arms["full"].environment() == {MODE_VARIABLE: "full"}
+    assert arms["grid"].environment() == {MODE_VARIABLE: "grid"}
+    # Each mode an arm names is one the plugin accepts.
+    for arm in plan.ARMS:
+        if arm.mode is not None:
+            assert Mode(arm.mode)
+    assert arms["no-prefix-caching"].options == {"enable_prefix_caching": False}
+    assert arms["budget-B"].budget_is_b and arms["budget-B"].mode == "off"
+
+
+def test_choosing_arms_keeps_stock_and_the_default_the_budget_arm_reads(
+    plan: ModuleType,
+) -> None:
+    assert plan.choose_arms(None) == plan.ARMS
+    assert [arm.name for arm in plan.choose_arms(["full"])] == ["stock", "full"]
+    chosen = plan.choose_arms(["budget-B"])
+    assert [arm.name for arm in chosen] == ["stock", "default", "budget-B"]
+    with pytest.raises(ValueError, match=r"unknown arm\(s\) kept: choose from stock"):
+        plan.choose_arms(["kept"])
+
+
+def test_rotation_puts_each_arm_first_once_in_as_many_runs(plan: ModuleType) -> None:
+    arms = plan.ARMS
+    firsts = [plan.rotated(arms, run)[0].name for run in range(len(arms))]
+    assert sorted(firsts) == sorted(arm.name for arm in arms)
+    for run in range(3 * len(arms)):
+        assert sorted(a.name for a in plan.rotated(arms, run)) == sorted(
+            a.name for a in arms
+        )
+
+
+def test_the_default_arms_server_drops_a_mode_set_in_the_calling_shell(
+    runner: ModuleType,
+    plan: ModuleType,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(MODE_VARIABLE, "full")
+    arms = {arm.name: arm for arm in plan.ARMS}
+    default = runner.server_for(arms["default"], tmp_path, tmp_path, 32)
+    assert MODE_VARIABLE not in default.env
+    stock = runner.server_for(arms["stock"], tmp_path, tmp_path, 32)
+    assert stock.env[MODE_VARIABLE] == "off"
+
+
+def test_the_budget_arm_serves_with_a_budget_of_b_and_the_others_with_320(
+    runner: ModuleType, plan: ModuleType, tmp_path: Path
+) -> None:
+    def budget(name: str, b: int | None) -> str:
+        arm = next(arm for arm in plan.ARMS if arm.name == name)
+        words = runner.server_for(arm, tmp_path, tmp_path, b).command
+        return words[words.index("--max-num-batched-tokens") + 1]
+
+    assert budget("budget-B", 64) == "64"
+    assert budget("stock", 64) == budget("default", None) == "320"
+    with pytest.raises(RuntimeError, match="needs B"):
+        budget("budget-B", None)
+    arm = next(arm for arm in plan.ARMS if arm.name == "no-prefix-caching")
+    command = shlex.join(runner.server_for(arm, tmp_path, tmp_path, 32).command)
+    assert "--no-enable-prefix-caching" in command
+    assert "--prefix-cache-retention-interval 0" in command
+    assert "extract_hidden_states" in command
+
+
+# -- workloads ----------------------------------------------------------------
+
+
+def test_each_multiturn_turn_extends_its_conversations_previous_turn(
+    plan: ModuleType,
+) -> None:
+    prompts = plan.multiturn_prompts(4, 3, 10, 5, seed=7)
+    assert len(prompts) == 12
+    words = [prompt.split() for prompt in prompts]
+    # Turn-major: the four first turns, then the four second turns, ...
+    assert [len(w) for w in words] == [10] * 4 + [15] * 4 + [20] * 4
+    for turn in (1, 2):
+        for conversation in range(4):
+            now = words[turn * 4 + conversation]
+            before = words[(turn - 1) * 4 + conversation]
+            assert now[: len(before)] == before
+    # Conversations share nothing: their first turns differ from the first word.
+    assert len({w[0] + " " + w[1] for w in words[:4]}) == 4
+    vocabulary = {f"t{i}" for i in range(3, 512)}
+    assert all(set(w) <= vocabulary for w in words)
+    assert plan.multiturn_prompts(4, 3, 10, 5, seed=7) == prompts
+    assert plan.multiturn_prompts(4, 3, 10, 5, seed=8) != prompts
+
+
+def test_the_multiturn_file_is_one_prompt_a_line_with_its_output_length(
+    plan: ModuleType, tmp_path: Path
+) -> None:
+    (workload,) = plan.choose_workloads(["multiturn"])
+    assert workload.requests == workload.conversations * workload.turns
+    path = plan.write_multiturn(tmp_path / "mix.jsonl", workload, seed=1)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == workload.requests
+    assert {tuple(sorted(line)) for line in lines} == {("output_tokens", "prompt")}
+    assert {line["output_tokens"] for line in lines} == {workload.output_tokens}
+    last = workload.first_words + (workload.turns - 1) * workload.words_per_turn
+    assert len(lines[-1]["prompt"].split()) == last
+    # Each run's prompts are new to the servers, which keep their caches.
+    assert plan.run_seed(0) != plan.run_seed(1)
+
+
+def test_an_unknown_workload_is_named_with_the_choices(plan: ModuleType) -> None:
+    assert [w.name for w in plan.choose_workloads(None)] == [
+        "unique",
+        "prefix",
+        "multiturn",
+    ]
+    with pytest.raises(ValueError, match=r"random: choose from unique, prefix"):
+        plan.choose_workloads(["random"])
+
+
+# -- the record ---------------------------------------------------------------
+
+
+def test_a_spread_is_the_median_and_range_of_the_runs(plan: ModuleType) -> None:
+    spread = plan.Spread.of([3.0, 1.0, 2.0, 10.0])
+    assert (spread.median, spread.low, spread.high) == (2.5, 1.0, 10.0)
+    assert plan.Spread.of([2.0, 4.0, 3.0]).within(spread)
+    assert not plan.Spread.of([11.0]).within(spread)
+    with pytest.raises(ValueError, match="no runs"):
+        plan.Spread.of([])
+
+
+def test_the_table_gives_each_arms_medians_and_their_ratio_to_stocks(
+    plan: ModuleType,
+) -> None:
+    runs = [
+        a_run(plan, "stock", 10.0, mean_ttft_ms=200.0),
+        a_run(plan, "stock", 12.0, mean_ttft_ms=100.0),
+        a_run(plan, "stock", 11.0, mean_ttft_ms=150.0, run=2),
+        a_run(plan, "default", 9.0, mean_ttft_ms=150.0),
+        a_run(plan, "default", 9.9, mean_ttft_ms=180.0, load_before=1.4, quiet=False),
+        a_run(plan, "default", 13.0, mean_ttft_ms=165.0),
+    ]
+    stock, default = plan.workload_table(runs, ["stock", "default"])[2:]
+    assert stock.startswith("| stock | 3 | 11.00 (10.00-12.00) | 1.00x | 150 (100-200)")
+    # 9.9 / 11 and 165 / 150: the medians' ratios, not the means'.
+    assert "| default | 3 | 9.90 (9.00-13.00) | 0.90x | 165 (150-180) | 1.10x |" in (
+        default
+    )
+    assert "0.50 (0.50-1.40), 1 above the threshold" in default
+    summary = plan.summarise(runs, "default")
+    assert summary.throughput.within(plan.summarise(runs, "stock").throughput) is False
+
+
+def test_a_result_without_the_fields_read_is_refused_by_name(
+    plan: ModuleType,
+) -> None:
+    result = {
+        "request_throughput": 9.5,
+        "mean_ttft_ms": 120.0,
+        "median_ttft_ms": 110.0,
+        "completed": 160,
+        "failed": 0,
+        "duration": 16.8,
+    }
+    run = plan.Run.from_result("unique", "grid", 3, 0.7, True, result)
+    assert (run.request_throughput, run.seconds, run.run) == (9.5, 16.8, 3)
+    del result["median_ttft_ms"]
+    with pytest.raises(ValueError, match="grid run 3 has no median_ttft_ms"):
+        plan.Run.from_result("unique", "grid", 3, 0.7, True, result)
