@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import served_plan as plan
+
 from vllm_mamba_align.settings import MODE_VARIABLE
 
 REPO = Path(__file__).resolve().parent.parent
