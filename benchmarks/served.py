@@ -53,8 +53,9 @@ VLLM_CLI = REPO / "tests" / "e2e" / "vllm_cli.py"
 """``vllm`` for the CPU build (its file says why the console script fails)."""
 CONCURRENCY = 16
 KV_CACHE_GIB = "1"
-"""``VLLM_CPU_KVCACHE_SPACE`` per server: 16 requests of up to 3,072 tokens
-use a fraction of it (the tiny model's pages are small)."""
+"""``VLLM_CPU_KVCACHE_SPACE`` per server, the least it takes (whole GiB): room
+for several times what 16 requests in flight and a run's shared prefixes hold
+of the tiny model; six servers side by side took about 17 GB."""
 WARMUP_PROMPTS = 32
 
 
@@ -75,10 +76,10 @@ def server_for(arm: plan.Arm, model: Path, workdir: Path, b: int | None) -> Serv
     """``arm``'s server, not yet started: the geometry, the drafter, the arm's
     change, the mode variable set or (the default) removed."""
     options: dict[str, Any] = {**plan.SERVER_OPTIONS, **HETEROGENEOUS, **arm.options}
-    if arm.budget_is_b:
+    if arm.budget_from_b:
         if b is None:
             raise RuntimeError(f"the {arm.name} arm needs B from the default's log")
-        options["max_num_batched_tokens"] = b
+        options["max_num_batched_tokens"] = plan.users_budget(b)
     env = {
         "VLLM_PLUGINS": f"{WORKAROUNDS},{PLUGIN}",
         "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,
@@ -160,7 +161,7 @@ def start_servers(
     servers: dict[str, Server] = {}
     lines: dict[str, str] = {}
     b: int | None = None
-    order = sorted(arms, key=lambda arm: arm.budget_is_b)
+    order = sorted(arms, key=lambda arm: arm.budget_from_b)
     try:
         for arm in order:
             server = server_for(arm, model, workdir, b)

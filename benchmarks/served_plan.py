@@ -50,10 +50,10 @@ class Arm:
     """``VLLM_MAMBA_ALIGN_MODE``; None leaves it unset (the installed default)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Server options that differ from :data:`SERVER_OPTIONS`."""
-    budget_is_b: bool = False
-    """``--max-num-batched-tokens`` = B, read from another server's start line:
-    the budget rule users apply instead of the plugin (a budget in [B, 2B)
-    makes every chunk one B block)."""
+    budget_from_b: bool = False
+    """``--max-num-batched-tokens`` = :func:`users_budget` of B, read from
+    another server's start line: the budget rule users apply instead of the
+    plugin."""
     what: str = ""
 
     def environment(self) -> dict[str, str]:
@@ -76,10 +76,11 @@ ARMS: tuple[Arm, ...] = (
         what="prefix caching off (--no-enable-prefix-caching), plugin loaded",
     ),
     Arm(
-        "budget-B",
+        "budget",
         Mode.OFF.value,
-        budget_is_b=True,
-        what="stock scheduling with --max-num-batched-tokens B",
+        budget_from_b=True,
+        what="stock scheduling, --max-num-batched-tokens 2B - 1 (the rule users "
+        "apply instead: a budget in [B, 2B), one B block per prefill chunk)",
     ),
 )
 """Stock first: every ratio is to it."""
@@ -99,9 +100,18 @@ def choose_arms(names: Sequence[str] | None) -> tuple[Arm, ...]:
             f"{', '.join(known)} (comma-separated)"
         )
     wanted = {STOCK, *names}
-    if any(known[name].budget_is_b for name in names):
+    if any(known[name].budget_from_b for name in names):
         wanted.add(DEFAULT)
     return tuple(arm for arm in ARMS if arm.name in wanted)
+
+
+def users_budget(b: int) -> int:
+    """The budget of the users' rule for state block ``b``: the largest in
+    [B, 2B), where vLLM's align split still floors every prefill chunk to one
+    B block and decodes get the most room beside it (2B - 1 - B tokens)."""
+    if b < 1:
+        raise ValueError(f"a Mamba state block of {b} tokens: B must be positive")
+    return 2 * b - 1
 
 
 def rotated(arms: Sequence[Arm], run: int) -> list[Arm]:

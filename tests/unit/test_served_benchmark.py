@@ -64,7 +64,7 @@ def test_the_arms_are_stock_first_and_the_default_leaves_the_mode_unset(
         "full",
         "grid",
         "no-prefix-caching",
-        "budget-B",
+        "budget",
     ]
     assert arms["stock"].environment() == {MODE_VARIABLE: Mode.OFF.value}
     assert arms["default"].environment() == {}, "the installed default, not a name"
@@ -75,7 +75,7 @@ def test_the_arms_are_stock_first_and_the_default_leaves_the_mode_unset(
         if arm.mode is not None:
             assert Mode(arm.mode)
     assert arms["no-prefix-caching"].options == {"enable_prefix_caching": False}
-    assert arms["budget-B"].budget_is_b and arms["budget-B"].mode == "off"
+    assert arms["budget"].budget_from_b and arms["budget"].mode == "off"
 
 
 def test_choosing_arms_keeps_stock_and_the_default_the_budget_arm_reads(
@@ -83,8 +83,8 @@ def test_choosing_arms_keeps_stock_and_the_default_the_budget_arm_reads(
 ) -> None:
     assert plan.choose_arms(None) == plan.ARMS
     assert [arm.name for arm in plan.choose_arms(["full"])] == ["stock", "full"]
-    chosen = plan.choose_arms(["budget-B"])
-    assert [arm.name for arm in chosen] == ["stock", "default", "budget-B"]
+    chosen = plan.choose_arms(["budget"])
+    assert [arm.name for arm in chosen] == ["stock", "default", "budget"]
     with pytest.raises(ValueError, match=r"unknown arm\(s\) kept: choose from stock"):
         plan.choose_arms(["kept"])
 
@@ -113,7 +113,7 @@ def test_the_default_arms_server_drops_a_mode_set_in_the_calling_shell(
     assert stock.env[MODE_VARIABLE] == "off"
 
 
-def test_the_budget_arm_serves_with_a_budget_of_b_and_the_others_with_320(
+def test_the_budget_arm_serves_with_2b_minus_1_and_the_others_with_320(
     runner: ModuleType, plan: ModuleType, tmp_path: Path
 ) -> None:
     def budget(name: str, b: int | None) -> str:
@@ -121,10 +121,10 @@ def test_the_budget_arm_serves_with_a_budget_of_b_and_the_others_with_320(
         words = runner.server_for(arm, tmp_path, tmp_path, b).command
         return words[words.index("--max-num-batched-tokens") + 1]
 
-    assert budget("budget-B", 64) == "64"
+    assert budget("budget", 64) == "127"  # the largest in [B, 2B)
     assert budget("stock", 64) == budget("default", None) == "320"
     with pytest.raises(RuntimeError, match="needs B"):
-        budget("budget-B", None)
+        budget("budget", None)
     arm = next(arm for arm in plan.ARMS if arm.name == "no-prefix-caching")
     command = shlex.join(runner.server_for(arm, tmp_path, tmp_path, 32).command)
     assert "--no-enable-prefix-caching" in command
@@ -232,3 +232,13 @@ def test_a_result_without_the_fields_read_is_refused_by_name(
     del result["median_ttft_ms"]
     with pytest.raises(ValueError, match="grid run 3 has no median_ttft_ms"):
         plan.Run.from_result("unique", "grid", 3, 0.7, True, result)
+
+
+def test_the_users_budget_is_the_largest_in_b_to_2b_and_b_must_be_positive(
+    plan: ModuleType,
+) -> None:
+    for b in (1, 32, 64, 1648):
+        budget = plan.users_budget(b)
+        assert b <= budget < 2 * b and budget + 1 == 2 * b
+    with pytest.raises(ValueError, match="B must be positive"):
+        plan.users_budget(0)
