@@ -51,7 +51,6 @@ sys.path.pop(0)
 
 VLLM_CLI = REPO / "tests" / "e2e" / "vllm_cli.py"
 """``vllm`` for the CPU build (its file says why the console script fails)."""
-CONCURRENCY = 16
 KV_CACHE_GIB = "1"
 """``VLLM_CPU_KVCACHE_SPACE`` per server, the least it takes (whole GiB): room
 for several times what 16 requests in flight and a run's shared prefixes hold
@@ -123,7 +122,7 @@ def bench_serve(
         *("--backend", "vllm", "--base-url", server.base),
         *("--model", SERVED_NAME, "--tokenizer", str(model)),
         *("--num-prompts", str(requests), "--seed", str(seed)),
-        *("--max-concurrency", str(CONCURRENCY), "--request-rate", "inf"),
+        *("--max-concurrency", str(plan.CONCURRENCY), "--request-rate", "inf"),
         *("--ignore-eos", "--temperature", "0", "--disable-tqdm"),
         *("--percentile-metrics", "ttft,tpot,itl,e2el"),
         *workload.arguments,
@@ -169,6 +168,9 @@ def start_servers(
             servers[arm.name] = server
             found = start_line(server.log())
             lines[arm.name] = describe(found)
+            if arm.budget_from_b and b is not None:
+                budget = plan.users_budget(b)
+                lines[arm.name] += f"; --max-num-batched-tokens {budget}"
             if arm.name == plan.DEFAULT and found is not None:
                 b = int(found["b"])
             print(
@@ -284,7 +286,6 @@ def main() -> int:
         plugin=metadata.version("vllm-mamba-align"),
         date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         threshold=args.threshold,
-        concurrency=CONCURRENCY,
         seconds=time.monotonic() - started,
         start_lines=lines,
         arms=arms,

@@ -146,12 +146,20 @@ class Workload:
 
 
 OUTPUT_TOKENS = 32
+CONCURRENCY = 16
+"""Requests in flight (``--max-concurrency``). The multi-turn mix has more
+conversations than this: when a turn is sent, the request sent one
+conversation-count earlier (its previous turn) has been answered, since at
+most this many are in flight, so the turn can reuse its prefix."""
+PREFIXES = 8
+"""``prefix_repetition`` makes requests // prefixes prompts per prefix: the
+requests are a multiple of it, or vLLM's client fills up with repeats."""
 
 WORKLOADS: tuple[Workload, ...] = (
     Workload(
         "unique",
         "unique prompts, 1,024-3,072 tokens (random), 16-48 output tokens",
-        160,
+        100,
         (
             "--dataset-name",
             "random",
@@ -165,9 +173,9 @@ WORKLOADS: tuple[Workload, ...] = (
     ),
     Workload(
         "prefix",
-        "8 shared 2,048-token prefixes, each with 256-token suffixes "
-        f"(prefix_repetition), {OUTPUT_TOKENS} output tokens",
-        160,
+        "8 shared 2,048-token prefixes, 12 prompts each, each prompt a prefix "
+        f"and a 256-token suffix (prefix_repetition), {OUTPUT_TOKENS} output tokens",
+        96,
         (
             "--dataset-name",
             "prefix_repetition",
@@ -176,17 +184,17 @@ WORKLOADS: tuple[Workload, ...] = (
             "--prefix-repetition-suffix-len",
             "256",
             "--prefix-repetition-num-prefixes",
-            "8",
+            str(PREFIXES),
             "--prefix-repetition-output-len",
             str(OUTPUT_TOKENS),
         ),
     ),
     Workload(
         "multiturn",
-        "32 conversations of 5 turns, each turn its previous prompt plus 256 "
+        "25 conversations of 4 turns, each turn its previous prompt plus 384 "
         f"new tokens, the first 1,024 (custom JSONL), {OUTPUT_TOKENS} output "
         "tokens",
-        160,
+        100,
         (
             "--dataset-name",
             "custom",
@@ -195,10 +203,10 @@ WORKLOADS: tuple[Workload, ...] = (
             "--skip-chat-template",
             "--disable-shuffle",
         ),
-        conversations=32,
-        turns=5,
+        conversations=25,
+        turns=4,
         first_words=1024,
-        words_per_turn=256,
+        words_per_turn=384,
         output_tokens=OUTPUT_TOKENS,
     ),
 )
@@ -453,7 +461,6 @@ class Header:
     plugin: str
     date: str
     threshold: float
-    concurrency: int
     seconds: float
     start_lines: dict[str, str]
     """Per arm: its server's start line (mode, C, B), or why there is none."""
@@ -471,7 +478,7 @@ def report(header: Header, runs: Sequence[Run]) -> str:
         "",
         f"Produced by `{header.command}` at commit {header.commit} on "
         f"{header.date}, in {header.seconds / 60:.0f} minutes: vLLM's own client "
-        f"(`vllm bench serve`, {header.concurrency} requests in flight) against "
+        f"(`vllm bench serve`, {CONCURRENCY} requests in flight) against "
         "one OpenAI-compatible server per arm, all started before the first run; "
         "arms take turns run by run, their order rotated each run; each run "
         f"waits (bounded) for a 1-minute load average of {header.threshold:g} or "

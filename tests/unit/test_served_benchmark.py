@@ -156,6 +156,17 @@ def test_each_multiturn_turn_extends_its_conversations_previous_turn(
     assert plan.multiturn_prompts(4, 3, 10, 5, seed=8) != prompts
 
 
+def test_every_workload_sends_what_it_says(plan: ModuleType) -> None:
+    """More conversations than requests in flight (a turn finds its previous
+    turn answered), and whole prefix groups (no repeats filled in)."""
+    workloads = {workload.name: workload for workload in plan.WORKLOADS}
+    mix = workloads["multiturn"]
+    assert mix.conversations > plan.CONCURRENCY
+    assert mix.requests == mix.conversations * mix.turns
+    assert workloads["prefix"].requests % plan.PREFIXES == 0
+    assert all(workload.requests >= 96 for workload in plan.WORKLOADS)
+
+
 def test_the_multiturn_file_is_one_prompt_a_line_with_its_output_length(
     plan: ModuleType, tmp_path: Path
 ) -> None:
