@@ -253,3 +253,25 @@ def test_the_users_budget_is_the_largest_in_b_to_2b_and_b_must_be_positive(
         assert b <= budget < 2 * b and budget + 1 == 2 * b
     with pytest.raises(ValueError, match="B must be positive"):
         plan.users_budget(0)
+
+
+def test_a_run_waits_for_the_threshold_and_past_its_bound_says_it_was_loud(
+    runner: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a fake clock: each poll sleeps 2 s and reads the next load."""
+    clock = [0.0]
+    loads: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        clock[0] += seconds
+
+    monkeypatch.setattr(runner.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(runner.time, "sleep", sleep)
+    monkeypatch.setattr(runner.os, "getloadavg", lambda: (loads.pop(0), 0.0, 0.0))
+    loads[:] = [3.0, 2.0, 0.9, 0.5]
+    assert runner.wait_quiet(1.0, 60.0) == (0.9, True)
+    assert clock[0] == 4.0 and loads == [0.5]
+    clock[0] = 0.0
+    loads[:] = [5.0] * 10
+    assert runner.wait_quiet(1.0, 6.0) == (5.0, False)
+    assert clock[0] == 6.0
