@@ -468,6 +468,15 @@ class Header:
     workloads: Sequence[Workload]
 
 
+def _requests(runs: Sequence[Run], planned: int) -> str:
+    """The requests each run sent (completed and failed): the workload's own
+    number unless the runs were told otherwise."""
+    sent = sorted({run.completed + run.failed for run in runs}) or [planned]
+    if sent[0] == sent[-1]:
+        return str(sent[0])
+    return f"{sent[0]}-{sent[-1]}"
+
+
 def report(header: Header, runs: Sequence[Run]) -> str:
     """The markdown record (benchmarks/SERVED.md)."""
     arms = [arm.name for arm in header.arms]
@@ -503,7 +512,7 @@ def report(header: Header, runs: Sequence[Run]) -> str:
             "",
             f"### {workload.name}: {workload.what}",
             "",
-            f"{workload.requests} requests a run.",
+            f"{_requests(own, workload.requests)} requests a run.",
             "",
         ]
         lines += workload_table(own, arms) if own else ["No runs."]

@@ -275,3 +275,28 @@ def test_a_run_waits_for_the_threshold_and_past_its_bound_says_it_was_loud(
     loads[:] = [5.0] * 10
     assert runner.wait_quiet(1.0, 6.0) == (5.0, False)
     assert clock[0] == 6.0
+
+
+def test_the_record_says_how_many_requests_the_runs_sent(
+    plan: ModuleType,
+) -> None:
+    (workload,) = plan.choose_workloads(["unique"])
+    header = plan.Header(
+        command="python3 -m nox -s bench_serve -- --requests 32",
+        commit="abc1234",
+        machine="x86_64, 2 CPUs",
+        vllm="0.32.0",
+        plugin="0.1.0",
+        date="2026-12-06 03:14 UTC",
+        threshold=1.0,
+        seconds=600.0,
+        start_lines={"stock": "loaded, mode=off; C=8, B=32, hash block 8"},
+        arms=plan.choose_arms(["default"]),
+        workloads=[workload],
+    )
+    runs = [a_run(plan, "stock", 9.0, completed=32), a_run(plan, "default", 9.0)]
+    text = plan.report(header, runs[:1])
+    assert "\n32 requests a run.\n" in text, "what was sent, not the plan's 100"
+    assert "| default | the plugin, VLLM_MAMBA_ALIGN_MODE unset | - |" in text
+    assert "at commit abc1234" in text and "Runs that started above it: 0 of 1" in text
+    assert "\n32-160 requests a run.\n" in plan.report(header, runs)
