@@ -504,10 +504,9 @@ def e2e_witness(session: nox.Session) -> None:
 
 
 SERVED_RECORD = REPO / "benchmarks" / "SERVED.md"
-BENCH_CLIENT_TOOLS = ["pandas==2.3.3", "pytest<9.2"]
+BENCH_CLIENT_TOOLS = ["pandas==2.3.3"]
 """What vLLM's ``bench serve`` client needs beyond the server's pinned set: pandas
-reads the multi-turn workload's JSONL file (``--dataset-name custom``); pytest,
-because benchmarks/served.py takes the e2e tests' geometry from their module."""
+reads the multi-turn workload's JSONL file (``--dataset-name custom``)."""
 
 
 @nox.session(python=IMAGE_PYTHON)

@@ -39,9 +39,9 @@ REPO = Path(__file__).resolve().parent.parent
 # package (``e2e``: tests/ has no __init__.py); the checkout's own plugin
 # folder stays off sys.path, so servers and client load the installed wheel.
 sys.path.insert(0, str(REPO / "tests"))
+from e2e.geometry import HETEROGENEOUS, LOG_LINE, PLUGIN, WORKAROUNDS  # noqa: E402
 from e2e.models import write_model  # noqa: E402
 from e2e.server import SERVED_NAME, Server, write_tokenizer  # noqa: E402
-from e2e.test_engine import HETEROGENEOUS, LOG_LINE, PLUGIN, WORKAROUNDS  # noqa: E402
 
 sys.path.insert(0, str(REPO / "maintainers"))
 from matrix import commit  # noqa: E402
