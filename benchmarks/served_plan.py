@@ -432,6 +432,27 @@ def workload_table(runs: Sequence[Run], arms: Sequence[str]) -> list[str]:
     return lines
 
 
+def default_against_stock(runs: Sequence[Run]) -> str | None:
+    """One line on the default's runs against stock's in one workload: is its
+    median throughput inside the range of stock's runs, and its TTFT medians'
+    ratios (the issue's acceptance reads these); None without both arms."""
+    arms = {run.arm for run in runs}
+    if not {STOCK, DEFAULT} <= arms:
+        return None
+    stock, default = summarise(runs, STOCK), summarise(runs, DEFAULT)
+    inside = default.throughput.within(stock.throughput)
+    where = "inside" if inside else "outside"
+    return (
+        f"The default against stock: median throughput {default.throughput.median:.2f} "
+        f"requests/s, {where} the range of stock's runs "
+        f"({stock.throughput.low:.2f}-{stock.throughput.high:.2f}), "
+        f"{ratio(default.throughput.median, stock.throughput.median)} stock's median; "
+        f"TTFT {ratio(default.mean_ttft.median, stock.mean_ttft.median)} (mean) and "
+        f"{ratio(default.median_ttft.median, stock.median_ttft.median)} (median) "
+        "stock's."
+    )
+
+
 def runs_table(runs: Sequence[Run]) -> list[str]:
     """Every run, in the order it ran."""
     lines = [
@@ -516,5 +537,8 @@ def report(header: Header, runs: Sequence[Run]) -> str:
             "",
         ]
         lines += workload_table(own, arms) if own else ["No runs."]
+        verdict = default_against_stock(own)
+        if verdict is not None:
+            lines += ["", verdict]
     lines += ["", "### Every run", "", *runs_table(runs)]
     return "\n".join(lines) + "\n"

@@ -223,8 +223,12 @@ def test_the_table_gives_each_arms_medians_and_their_ratio_to_stocks(
         default
     )
     assert "0.50 (0.50-1.40), 1 above the threshold" in default
-    summary = plan.summarise(runs, "default")
-    assert summary.throughput.within(plan.summarise(runs, "stock").throughput) is False
+    assert plan.default_against_stock(runs) == (
+        "The default against stock: median throughput 9.90 requests/s, outside the "
+        "range of stock's runs (10.00-12.00), 0.90x stock's median; TTFT 1.10x "
+        "(mean) and 1.00x (median) stock's."
+    )
+    assert plan.default_against_stock(runs[:3]) is None
 
 
 def test_a_result_without_the_fields_read_is_refused_by_name(
