@@ -56,6 +56,47 @@ KV_CACHE_GIB = "1"
 for several times what 16 requests in flight and a run's shared prefixes hold
 of the tiny model; six servers side by side took about 17 GB."""
 WARMUP_PROMPTS = 32
+GIB_PER_SERVER = 3.2
+"""Memory one server takes (API server, engine core, worker with its KV space),
+measured with six side by side: about 17-19 GB. A server the kernel kills for
+memory ends its arm's runs with every request failed."""
+
+
+def memory_available() -> float | None:
+    """GiB the kernel says it can give without swapping (Linux), else None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_memory(arms: int, available: float | None) -> None:
+    """Refuse to start ``arms`` servers where memory cannot hold them."""
+    needed = arms * GIB_PER_SERVER
+    if available is not None and available < needed:
+        raise SystemExit(
+            f"served.py: {arms} servers need about {needed:.0f} GiB of memory and "
+            f"{available:.1f} GiB is available: stop what else runs (another vLLM "
+            "server, a test run) or choose fewer arms with --arms."
+        )
+
+
+def check_alive(arm: str, server: Server) -> None:
+    """A server that died (the kernel's OOM killer, a crash) makes every later
+    run of its arm fail: stop the benchmark and say where to look."""
+    if server.process is not None and server.process.poll() is not None:
+        raise RuntimeError(
+            f"the {arm} server exited with {server.process.returncode} during the "
+            f"benchmark; its log: {server.log_path}\n{server.log()[-3000:]}"
+        )
+    if "died unexpectedly" in server.log() or "EngineDeadError" in server.log():
+        raise RuntimeError(
+            f"the {arm} server's engine died during the benchmark (out of memory? "
+            f"see dmesg); its log: {server.log_path}\n{server.log()[-3000:]}"
+        )
 
 
 def start_line(log: str) -> dict[str, str] | None:
@@ -235,21 +276,23 @@ def main() -> int:
     print(f"[served] logs and results in {workdir}", flush=True)
     started = time.monotonic()
     measured = commit()  # the code that runs, before anything can change it
+    check_memory(len(arms), memory_available())
     model = write_model("nemotron_h", workdir / "model")
     write_tokenizer(model)
     servers, lines = start_servers(arms, model, workdir)
     runs: list[plan.Run] = []
     try:
-        for server in servers.values():  # first requests are slower: not counted
+        for name, server in servers.items():  # first requests are slower: unused
             bench_serve(
                 server,
                 model,
                 plan.WORKLOADS[0],
                 WARMUP_PROMPTS,
                 0,
-                workdir / f"warmup-{server.port}.json",
+                workdir / f"warmup-{name}.json",
                 None,
             )
+            check_alive(name, server)
         for workload in workloads:
             requests = args.requests or workload.requests
             for run in range(args.runs):
@@ -267,6 +310,7 @@ def main() -> int:
                         result,
                         dataset,
                     )
+                    check_alive(arm.name, servers[arm.name])
                     done = plan.Run.from_result(
                         workload.name, arm.name, run, load, quiet, found
                     )

@@ -10,7 +10,7 @@ import shlex
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
@@ -304,3 +304,28 @@ def test_the_record_says_how_many_requests_the_runs_sent(
     assert "| default | the plugin, VLLM_MAMBA_ALIGN_MODE unset | - |" in text
     assert "at commit abc1234" in text and "Runs that started above it: 0 of 1" in text
     assert "\n32-160 requests a run.\n" in plan.report(header, runs)
+
+
+def test_too_little_memory_for_the_servers_is_refused_with_the_way_out(
+    runner: ModuleType,
+) -> None:
+    runner.check_memory(6, 40.0)
+    runner.check_memory(6, None)  # not Linux: nothing to read, nothing refused
+    with pytest.raises(SystemExit, match=r"6 servers need about 19 GiB .* --arms"):
+        runner.check_memory(6, 12.5)
+
+
+def test_a_server_that_died_stops_the_benchmark_naming_its_log(
+    runner: ModuleType, tmp_path: Path
+) -> None:
+    log = tmp_path / "full.log"
+    log.write_text("INFO ready\n")
+    process = SimpleNamespace(poll=lambda: None, returncode=None)
+    server = SimpleNamespace(process=process, log_path=log, log=log.read_text)
+    runner.check_alive("full", server)  # alive: nothing said
+    log.write_text("ERROR Worker proc VllmWorker-0 died unexpectedly (exit code: -9)\n")
+    with pytest.raises(RuntimeError, match=r"full server's engine died .*full\.log"):
+        runner.check_alive("full", server)
+    server.process = SimpleNamespace(poll=lambda: 1, returncode=1)
+    with pytest.raises(RuntimeError, match="the full server exited with 1"):
+        runner.check_alive("full", server)
