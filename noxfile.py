@@ -516,7 +516,8 @@ def bench_serve(session: nox.Session) -> None:
     against one CPU server per arm (stock, the default, ``full``, ``grid``,
     prefix caching off, budget = B), arms alternating, five runs each on three
     workloads; writes benchmarks/SERVED.md and its block in docs/benchmarks.md.
-    Wants an idle machine: each run waits (bounded) for a 1-minute load of 1.
+    Wants an idle machine: each run waits (bounded) for a 1-minute load of 1,
+    and the six servers side by side about 19 GB of memory (it refuses less).
     ``-- --runs 1 --workloads unique`` for a smoke run (benchmarks/served.py
     --help for the rest). Shares e2e's environment recipe."""
     session.install(TORCH)
