@@ -395,7 +395,7 @@ def served_report() -> str:
         return (
             "Not measured yet in this checkout: "
             "`python3 -m nox -s bench_serve` writes benchmarks/SERVED.md and "
-            "this section (an estimated 30-40 minutes on an idle 2-CPU machine)."
+            "this section (an estimated 40-55 minutes on an idle 2-CPU machine)."
         )
     lines = SERVED_RESULTS.read_text().strip().splitlines()
     return "\n".join("#" + line if line.startswith("#") else line for line in lines)
