@@ -1,8 +1,8 @@
 """Environments and checks. `nox` runs lint, the fast tier without vLLM (on every
 Python vLLM runs on), the docs build, the tests on the releases CI covers and the
 end-to-end tests. A run leaves the checkout as it found it: only `tests` (the
-release matrix), `matrix_table`, `property_long` and `bench` write committed
-records.
+release matrix), `matrix_table`, `property_long`, `bench`, `bench_load` and
+`bench_serve` write committed records.
 
 Each vLLM release gets a CPU environment from its pinned file in envs/: torch's
 CPU build, vLLM without its CUDA dependencies, then exactly the listed versions.
@@ -501,6 +501,36 @@ def e2e_witness(session: nox.Session) -> None:
         *session.posargs,
         env=env,
     )
+
+
+SERVED_RECORD = REPO / "benchmarks" / "SERVED.md"
+BENCH_CLIENT_TOOLS = ["pandas==2.3.3"]
+"""What vLLM's ``bench serve`` client needs beyond the server's pinned set: pandas
+reads the multi-turn workload's JSONL file (``--dataset-name custom``)."""
+
+
+@nox.session(python=IMAGE_PYTHON)
+@timed
+def bench_serve(session: nox.Session) -> None:
+    """The served benchmark (not in CI's default list): ``vllm bench serve``
+    against one CPU server per arm (stock, the default, ``full``, ``grid``,
+    prefix caching off, budget = B), arms alternating, five runs each on three
+    workloads; writes benchmarks/SERVED.md and its block in docs/benchmarks.md.
+    Wants an idle machine: each run waits (bounded) for a 1-minute load of 1,
+    and the six servers side by side about 19 GB of memory (it refuses less).
+    ``-- --runs 1 --workloads unique`` for a smoke run (benchmarks/served.py
+    --help for the rest). Shares e2e's environment recipe."""
+    session.install(TORCH)
+    session.install("--no-deps", E2E_VLLM, *_marker(E2E_PINNED, "NODEPS"))
+    session.install("--no-deps", "-r", str(E2E_PINNED))
+    session.install(*BENCH_CLIENT_TOOLS)
+    session.install(str(E2E_WORKAROUNDS))
+    install_plugin_wheel(session)
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    served = str(REPO / "benchmarks" / "served.py")
+    output = ("--output", str(SERVED_RECORD))
+    session.run("python", served, *output, *session.posargs, env=env)
+    session.run("python", "-m", "maintainers.matrix", "table")
 
 
 @nox.session(venv_backend="none")

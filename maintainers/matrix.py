@@ -8,7 +8,8 @@ writes matrix/<release>.json (`nox -s tests` calls it; `nox -s ci` does not).
   full one, from matrix/*.json;
 - docs/maintaining/index.md, the long profile, from benchmarks/sweep/*.json
   (written by `nox -s property_long`);
-- docs/benchmarks.md, from benchmarks/RESULTS.md (written by `nox -s bench`);
+- docs/benchmarks.md, from benchmarks/RESULTS.md (written by `nox -s bench`)
+  and benchmarks/SERVED.md (written by `nox -s bench_serve`);
 - docs/modes.md, that report's comparison with what users do instead.
 
 `check` renders the same blocks and fails when a file's block differs (the docs
@@ -37,12 +38,18 @@ README = REPO / "README.md"
 DOCS = REPO / "docs"
 SWEEPS = REPO / "benchmarks" / "sweep"
 BENCH_RESULTS = REPO / "benchmarks" / "RESULTS.md"
+SERVED_RESULTS = REPO / "benchmarks" / "SERVED.md"
 EARLY_SWEEPS = "74cf0ef"
 """The plugin and generator of the reports written before they named their
 commit (0.33.0's wheel was built at 1eebed1, whose code differs by a comment)."""
 
 
-RECORDS = ("matrix", "benchmarks/sweep", "benchmarks/RESULTS.md")
+RECORDS = (
+    "matrix",
+    "benchmarks/sweep",
+    "benchmarks/RESULTS.md",
+    "benchmarks/SERVED.md",
+)
 """What the measuring runs themselves write: a run over every release changes
 them as it goes, which is no change to the code it measures."""
 
@@ -381,6 +388,19 @@ def bench_report() -> str:
     return "\n".join("#" + line if line.startswith("#") else line for line in lines)
 
 
+def served_report() -> str:
+    """benchmarks/SERVED.md, one heading level down, for docs/benchmarks.md;
+    until a run has written it, how to produce it."""
+    if not SERVED_RESULTS.exists():
+        return (
+            "Not measured yet in this checkout: "
+            "`python3 -m nox -s bench_serve` writes benchmarks/SERVED.md and "
+            "this section (an estimated 40-55 minutes on an idle 2-CPU machine)."
+        )
+    lines = SERVED_RESULTS.read_text().strip().splitlines()
+    return "\n".join("#" + line if line.startswith("#") else line for line in lines)
+
+
 INSTEAD_HEADING = "### What users do instead, side by side"
 
 
@@ -450,6 +470,7 @@ BLOCKS = [
         sweep_table,
     ),
     Block(DOCS / "benchmarks.md", "bench", "benchmarks/RESULTS.md", bench_report),
+    Block(DOCS / "benchmarks.md", "served", "benchmarks/SERVED.md", served_report),
     Block(DOCS / "modes.md", "instead", "benchmarks/RESULTS.md", instead_report),
 ]
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from .geometry import HETEROGENEOUS, LOG_LINE, PLUGIN, WORKAROUNDS
 from .models import VOCAB
 from .release import E2E_RELEASE
 
@@ -35,30 +35,12 @@ from .release import E2E_RELEASE
 pytestmark = pytest.mark.xdist_group("engines")
 
 HERE = Path(__file__).parent
-WORKAROUNDS = "cpu_e2e_workarounds"  # tests/support/cpu_e2e_workarounds
-PLUGIN = "mamba_align"
 
 PROMPT_TOKENS = 3000
 SHARED_TOKENS = 1030  # the sibling shares this prefix of the first prompt
 SIBLING_TOKENS = 1530
 BUDGET = 1000  # --max-num-batched-tokens: the first prompt needs several chunks
 
-HETEROGENEOUS: dict[str, Any] = {
-    "speculative_config": {
-        "method": "extract_hidden_states",
-        "num_speculative_tokens": 1,
-        # Four hidden states per token: the hidden-state group's pages hold
-        # fewer tokens than the attention/Mamba pages, so its block (and with it
-        # vLLM's cache_config.block_size, C) is smaller than the Mamba block B.
-        "draft_model_config": {
-            "hf_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2, 3]}
-        },
-    },
-    # User-specified: the CPU platform otherwise resets an unspecified
-    # block_size to 128 when the engine core re-validates its config after the
-    # multiprocess handshake, after the scheduler was built with C < B.
-    "block_size": 32,
-}
 COMMON: dict[str, Any] = {
     "skip_tokenizer_init": True,
     "dtype": "float32",
@@ -75,13 +57,6 @@ HYBRID: dict[str, Any] = {
     # sibling would never reuse anything and there would be nothing to check.
     "prefix_cache_retention_interval": None,
 }
-
-LOG_LINE = re.compile(
-    # The status may contain semicolons (retention, audit): up to the geometry.
-    r"vllm-mamba-align \S+ on vLLM (?P<vllm>\S+) \([^)]*\): (?P<status>[^\n]*); "
-    r"cache block C=(?P<c>\d+), Mamba state block B=(?P<b>\w+), "
-    r"hash block (?P<h>\d+)"
-)
 
 
 def prompts() -> tuple[list[int], list[int]]:
