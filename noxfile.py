@@ -514,7 +514,8 @@ reads the multi-turn workload's JSONL file (``--dataset-name custom``)."""
 def bench_serve(session: nox.Session) -> None:
     """The served benchmark (not in CI's default list): ``vllm bench serve``
     against one CPU server per arm (stock, the default, ``full``, ``grid``,
-    prefix caching off, budget = B), arms alternating, five runs each on three
+    prefix caching off, stock with a step budget of 2B - 1), arms alternating,
+    five runs each on three
     workloads; writes benchmarks/SERVED.md and its block in docs/benchmarks.md.
     Wants an idle machine: each run waits (bounded) for a 1-minute load of 1,
     and the six servers side by side about 19 GB of memory (it refuses less).
