@@ -20,8 +20,9 @@ from typing import Any
 from vllm_mamba_align.settings import MODE_VARIABLE, Mode
 
 BUDGET = 320
-"""Each server's ``--max-num-batched-tokens``: 5 B at B = 64, the ratio of the
-README's budget (8,192) to its B (1,648)."""
+"""Each server's ``--max-num-batched-tokens``, the issue's served setting: 10 B
+at the B = 32 these servers report (it was sized as 5 B for B = 64, the ratio of
+the README's budget, 8,192, to its B, 1,648)."""
 
 SERVER_OPTIONS: dict[str, Any] = {
     "dtype": "float32",
