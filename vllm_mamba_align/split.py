@@ -310,7 +310,7 @@ def _lean(
     first_kept_after = _first_kept_without(retention, policy.without)
     ablation = _LeanAblation(policy, retention)
     yields = (
-        _yields_to_checkpoint(grid, retention, checkpoint_at)
+        _CheckpointYield(grid, retention, checkpoint_at)
         if policy.yield_replay_to_checkpoint and checkpoint_at is not None
         else None
     )
@@ -340,13 +340,13 @@ def _lean(
         if kept is None or kept > start + num_new_tokens:
             num_tokens = on_vllms_grid(request, start, counts)
             return ablation.past_tail(request, start, num_new_tokens, num_tokens)
-        if yields is not None:
+        if yields is not None and yields.may(request, start + num_new_tokens, kept):
             taken_before = decisions.taken
             num_tokens = on_vllms_grid(request, start, counts)
-            if decisions.taken != taken_before and yields(
-                request, start, start + num_tokens, kept
+            if decisions.taken != taken_before and yields.does(
+                start, start + num_tokens, request.num_prompt_tokens
             ):
-                return num_tokens  # vLLM's own chunk: see _yields_to_checkpoint
+                return num_tokens  # vLLM's own chunk: see _CheckpointYield
         num_tokens = kept_route(request, *counts)
         return num_tokens if start + num_tokens > kept else kept - start
 
@@ -376,9 +376,7 @@ def _on_vllms_grid(
     return on_vllms_grid
 
 
-def _yields_to_checkpoint(
-    grid: int, retention: Retention, checkpoint_at: CheckpointRule
-) -> Callable[[Request, int, int, int], bool]:
+class _CheckpointYield:
     """:attr:`StopPolicy.yield_replay_to_checkpoint`: whether vLLM's chunk
     ``[start, end)``, which vLLM decided to checkpoint internally, leaves
     ``kept`` (the first boundary kept after ``start``) to vLLM's own choice.
@@ -388,23 +386,33 @@ def _yields_to_checkpoint(
     last boundary before that end (its column is the one the backend writes,
     ``cdiv(end, B) - 2``), the backend writes there at all, and ``kept`` is
     kept only as a replay boundary: a junction a sibling shares, or a
-    multiple of the retention interval, keeps its stop.
+    multiple of the retention interval, keeps its stop. :meth:`may` asks what
+    is known before vLLM's own answer, so a chunk that cannot end the prompt
+    costs no second call of vLLM's split; :meth:`does` the rest.
 
     Backports nothing: vLLM PR #54076 stops at every boundary; this is lean's
     own relaxation, where stock vLLM already gives the boundary up.
     """
 
-    def yields(request: Request, start: int, end: int, kept: int) -> bool:
+    def __init__(
+        self, grid: int, retention: Retention, checkpoint_at: CheckpointRule
+    ) -> None:
+        self.grid, self.retention, self.checkpoint_at = grid, retention, checkpoint_at
+
+    def may(self, request: Request, reach: int, kept: int) -> bool:
+        """Whether a chunk reaching up to ``reach`` could yield ``kept``."""
         prompt = request.num_prompt_tokens
         return (
-            end == prompt
+            reach >= prompt
             and prefill_end(request) == prompt
-            and kept < end <= kept + grid
-            and checkpoint_at(start, end) > 0
-            and retention.kept_only_as_replay(request, kept)
+            and kept < prompt <= kept + self.grid
+            and self.retention.kept_only_as_replay(request, kept)
         )
 
-    return yields
+    def does(self, start: int, end: int, prompt: int) -> bool:
+        """Whether vLLM's chunk ``[start, end)`` ends the prompt with the
+        backend's write in it (after :meth:`may`)."""
+        return end == prompt and self.checkpoint_at(start, end) > 0
 
 
 class _LeanAblation:
