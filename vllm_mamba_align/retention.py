@@ -86,14 +86,17 @@ class Retention:
 
     def reachable(self, request: Request) -> tuple[int, ...]:
         """The B boundaries vLLM keeps for ``request`` whatever the segments say."""
-        grid = self.state_block
-        positions = list(self.replay(request))
+        return self._boundaries([*self.replay(request), *self._junctions(request)])
+
+    def _junctions(self, request: Request) -> list[int]:
+        """vLLM's junction positions of a request: its detected shared-prefix
+        boundary, and on 0.33.0 with EAGLE the block below it too."""
         junction = int(getattr(request, "shared_prefix_boundary", 0) or 0)
-        if junction:
-            positions.append(junction)
-            if self.eagle_junction:
-                positions.append(junction - grid)
-        return self._boundaries(positions)
+        if not junction:
+            return []
+        if self.eagle_junction:
+            return [junction, junction - self.state_block]
+        return [junction]
 
     def replay_boundaries(self, request: Request) -> tuple[int, ...]:
         """The B boundaries of :meth:`reachable` that stand for the replay
@@ -120,13 +123,7 @@ class Retention:
             return False
         if boundary not in self.replay_boundaries(request):
             return False
-        junction = int(getattr(request, "shared_prefix_boundary", 0) or 0)
-        if not junction:
-            return True
-        positions = [junction]
-        if self.eagle_junction:
-            positions.append(junction - self.state_block)
-        return boundary not in self._boundaries(positions)
+        return boundary not in self._boundaries(self._junctions(request))
 
     def keeps(self, request: Request, boundary: int) -> bool:
         """Whether vLLM publishes ``request``'s state at ``boundary`` (a multiple
