@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,6 +87,16 @@ ARMS: tuple[Arm, ...] = (
 """Stock first: every ratio is to it."""
 
 
+def _refuse_unknown(kind: str, names: Sequence[str], known: Mapping[str, Any]) -> None:
+    """A ValueError naming the ``kind`` names not in ``known`` and the choices."""
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(
+            f"unknown {kind}(s) {', '.join(unknown)}: choose from "
+            f"{', '.join(known)} (comma-separated)"
+        )
+
+
 def choose_arms(names: Sequence[str] | None) -> tuple[Arm, ...]:
     """The arms named (all when None), in :data:`ARMS`' order; stock always
     included, since every ratio is to it, and the default with the budget arm,
@@ -94,12 +104,7 @@ def choose_arms(names: Sequence[str] | None) -> tuple[Arm, ...]:
     if not names:
         return ARMS
     known = {arm.name: arm for arm in ARMS}
-    unknown = [name for name in names if name not in known]
-    if unknown:
-        raise ValueError(
-            f"unknown arm(s) {', '.join(unknown)}: choose from "
-            f"{', '.join(known)} (comma-separated)"
-        )
+    _refuse_unknown("arm", names, known)
     wanted = {STOCK, *names}
     if any(known[name].budget_from_b for name in names):
         wanted.add(DEFAULT)
@@ -218,12 +223,7 @@ def choose_workloads(names: Sequence[str] | None) -> tuple[Workload, ...]:
     if not names:
         return WORKLOADS
     known = {workload.name: workload for workload in WORKLOADS}
-    unknown = [name for name in names if name not in known]
-    if unknown:
-        raise ValueError(
-            f"unknown workload(s) {', '.join(unknown)}: choose from "
-            f"{', '.join(known)} (comma-separated)"
-        )
+    _refuse_unknown("workload", names, known)
     return tuple(workload for workload in WORKLOADS if workload.name in names)
 
 
