@@ -40,6 +40,10 @@ the API server has: more than the servers' ``shutdown_timeout`` (10 s), with
 room for a machine whose two cores also run test_engine's engines. A data
 parallel server's engine cores took over 10 s there (quiet fresh-clone run of
 7ab15e3)."""
+KILLED_EXIT_TIMEOUT = 60.0
+"""Seconds a SIGKILLed group gets to disappear: a data-parallel server's two
+orphaned workers were still listed, in state R, 30 s after SIGKILL on 2 cores at
+a load of 10-15."""
 
 
 def write_tokenizer(model: Path) -> None:
@@ -262,7 +266,8 @@ class StopOutcome:
 
     cleanly: bool
     """The leader exited within STOP_TIMEOUT of SIGINT and the rest of the group
-    within GROUP_EXIT_TIMEOUT after it, nothing killed."""
+    within GROUP_EXIT_TIMEOUT after it, nothing killed but orphaned workers
+    (:func:`orphaned_workers`)."""
     seconds: float
     report: str
     """One line: when the leader exited, what had to be killed, what is left."""
@@ -302,10 +307,12 @@ def stop_groups(processes: list[subprocess.Popen[bytes]]) -> list[StopOutcome]:
         while _group_alive(group) and time.monotonic() < deadline:
             time.sleep(0.2)
         if _group_alive(group):
-            cleanly = False
+            left = group_members(group)
+            if not left or len(orphaned_workers(left)) < len(left):
+                cleanly = False
             said.append(
                 f"killed after {time.monotonic() - started:.1f} s: "
-                + (", ".join(group_members(group)) or "members not readable")
+                + (", ".join(str(m) for m in left) or "members not readable")
             )
             _signal_group(group, signal.SIGKILL)
         if process.poll() is None:
@@ -314,19 +321,32 @@ def stop_groups(processes: list[subprocess.Popen[bytes]]) -> list[StopOutcome]:
         # Killed members that are not our children (engine cores) are gone only
         # once their parent or init reaps them: the group stays visible until
         # then (seen on a loaded 2-core machine right after SIGKILL).
-        deadline = time.monotonic() + GROUP_EXIT_TIMEOUT
+        deadline = time.monotonic() + KILLED_EXIT_TIMEOUT
         while _group_alive(group) and time.monotonic() < deadline:
             time.sleep(0.2)
         if _group_alive(group):
-            said.append("still there: " + ", ".join(group_members(group)))
+            said.append("still there: " + ", ".join(map(str, group_members(group))))
         seconds = time.monotonic() - started
         results.append(StopOutcome(cleanly, seconds, "; ".join(said)))
     return results
 
 
-def group_members(group: int) -> list[str]:
-    """``pid (state) command line`` of each process in ``group``, read from
-    /proc (empty where /proc is not Linux's)."""
+@dataclass(frozen=True)
+class Member:
+    """One process of a group, as /proc shows it."""
+
+    pid: int
+    parent: int
+    state: str
+    command: str
+
+    def __str__(self) -> str:
+        return f"{self.pid} ({self.state}) {self.command}"
+
+
+def group_members(group: int) -> list[Member]:
+    """Each process in ``group``, read from /proc (empty where /proc is not
+    Linux's)."""
     members = []
     for entry in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError, ValueError, IndexError):
@@ -336,8 +356,37 @@ def group_members(group: int) -> list[str]:
             if int(fields[2]) == group:
                 command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
                 text = command.decode(errors="replace").strip()[:120]
-                members.append(f"{entry.name} ({fields[0]}) {text}")
+                members.append(Member(int(entry.name), int(fields[1]), fields[0], text))
     return members
+
+
+ORPHAN_HELPERS = ("multiprocessing.resource_tracker",)
+"""Helpers that live as long as the processes using them: the resource tracker a
+worker started stays while the worker does."""
+
+
+def orphaned_workers(left: list[Member]) -> list[Member]:
+    """The members of ``left`` that are vLLM workers whose parent (the engine
+    core) is no longer in the group, and the helpers they keep alive.
+
+    Seen on 2 cores under e2e's load, with the default mode (``gpu-kept``) and
+    with ``audit`` and data parallelism (``dp-audit``): the API server exited
+    0.5-2.3 s after SIGINT, its engine cores with it, and the workers
+    (``VLLM::Worker``, ``VLLM::Worker_DP0``/``_DP1``) kept running (state R) past
+    GROUP_EXIT_TIMEOUT. A worker outliving its engine core is vLLM's worker
+    lifecycle, whose cause inside vLLM is not known (vllm-project/vllm#34643 and
+    #55510 report the class on GPUs). The plugin runs nothing there: it wraps two
+    Scheduler methods, which run in the engine core. Such a worker is killed and
+    named in the stop report; anything else left fails the stop.
+    """
+    pids = {member.pid for member in left if member.state != "Z"}
+    workers = [
+        m for m in left if m.command.startswith("VLLM::Worker") and m.parent not in pids
+    ]
+    if not workers:
+        return []
+    helpers = [m for m in left if any(h in m.command for h in ORPHAN_HELPERS)]
+    return workers + helpers
 
 
 def stop_together(*members: ProcessGroup) -> None:
