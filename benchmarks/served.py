@@ -6,12 +6,13 @@ environment ``python benchmarks/served.py [--runs N] [--workloads unique,...]
 [--arms stock,default,...] [--output benchmarks/SERVED.md]``.
 
 Every arm's server is started once, before the first run, and they stay up
-side by side (idle servers cost memory, not CPU); the arms then take turns,
-run by run, with ``vllm bench serve`` (vLLM's client from the same
-environment, not one written here), so that a change of the machine's load
-between runs falls on every arm alike. Before each run the script waits, up
-to a bound, for the 1-minute load average to fall to the threshold and records
-where it was. ``served_plan.py`` says what is run and summarises it.
+side by side; the arms then take turns, run by run, with ``vllm bench serve``
+(vLLM's client from the same environment, not one written here), so that a
+change of the machine's load between runs falls on every arm alike. While one
+arm runs, every other arm's server is stopped (``turns.py`` says why). Before
+each run the script resumes that arm's server, waits, up to a bound, for the
+1-minute load average to fall to the threshold and records where it was.
+``served_plan.py`` says what is run and summarises it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import served_plan as plan
+from turns import Turns
 
 from vllm_mamba_align.settings import MODE_VARIABLE
 
@@ -293,36 +295,43 @@ def main() -> int:
                 None,
             )
             check_alive(name, server)
-        for workload in workloads:
-            requests = args.requests or workload.requests
-            for run in range(args.runs):
-                seed = plan.run_seed(run)
-                dataset = dataset_file(workload, seed, workdir)
-                for arm in plan.rotated(arms, run):
-                    load, quiet = wait_quiet(args.threshold, args.wait)
-                    result = workdir / f"{workload.name}-{run}-{arm.name}.json"
-                    found = bench_serve(
-                        servers[arm.name],
-                        model,
-                        workload,
-                        requests,
-                        seed,
-                        result,
-                        dataset,
-                    )
-                    check_alive(arm.name, servers[arm.name])
-                    done = plan.Run.from_result(
-                        workload.name, arm.name, run, load, quiet, found
-                    )
-                    runs.append(done)
-                    print(
-                        f"[served] {workload.name} run {run} {arm.name}: load "
-                        f"{load:.2f}, {done.request_throughput:.2f} req/s, mean "
-                        f"TTFT {done.mean_ttft_ms:.0f} ms, {done.seconds:.1f} s",
-                        flush=True,
-                    )
+        groups = {
+            name: server.process.pid
+            for name, server in servers.items()
+            if server.process is not None
+        }
+        with Turns(groups) as turns:
+            for workload in workloads:
+                requests = args.requests or workload.requests
+                for run in range(args.runs):
+                    seed = plan.run_seed(run)
+                    dataset = dataset_file(workload, seed, workdir)
+                    for arm in plan.rotated(arms, run):
+                        with turns.turn(arm.name):
+                            load, quiet = wait_quiet(args.threshold, args.wait)
+                            result = workdir / f"{workload.name}-{run}-{arm.name}.json"
+                            found = bench_serve(
+                                servers[arm.name],
+                                model,
+                                workload,
+                                requests,
+                                seed,
+                                result,
+                                dataset,
+                            )
+                            check_alive(arm.name, servers[arm.name])
+                        done = plan.Run.from_result(
+                            workload.name, arm.name, run, load, quiet, found
+                        )
+                        runs.append(done)
+                        print(
+                            f"[served] {workload.name} run {run} {arm.name}: load "
+                            f"{load:.2f}, {done.request_throughput:.2f} req/s, mean "
+                            f"TTFT {done.mean_ttft_ms:.0f} ms, {done.seconds:.1f} s",
+                            flush=True,
+                        )
     finally:
-        stop_servers(servers)
+        stop_servers(servers)  # Turns resumed every server on its way out
     header = plan.Header(
         command=_command(args),
         commit=measured,

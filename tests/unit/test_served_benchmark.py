@@ -4,10 +4,15 @@ of its record. No server runs here: `nox -s bench_serve` runs them."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
+import os
 import shlex
+import signal
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -329,3 +334,75 @@ def test_a_server_that_died_stops_the_benchmark_naming_its_log(
     server.process = SimpleNamespace(poll=lambda: 1, returncode=1)
     with pytest.raises(RuntimeError, match="the full server exited with 1"):
         runner.check_alive("full", server)
+
+
+# -- servers taking turns -----------------------------------------------------
+
+
+def _state(pid: int) -> str:
+    """The process's state letter from /proc (T: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.fixture
+def groups() -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    """Two process groups standing in for two arms' servers: a leader with a
+    child, as a server's API server has its engine core."""
+    script = (
+        "import subprocess, time; subprocess.Popen(['sleep', '60']); time.sleep(60)"
+    )
+    started = {
+        name: subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+        for name in ("stock", "default")
+    }
+    yield started
+    for process in started.values():
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def _members(group: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if (
+                int(entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[2])
+                == group
+            ):
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
+def test_only_the_measured_arms_server_runs_and_all_resume_on_the_way_out(
+    groups: dict[str, subprocess.Popen[bytes]],
+) -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        turns_module = importlib.import_module("turns")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    pids = {name: process.pid for name, process in groups.items()}
+    deadline = time.monotonic() + 10
+    while any(len(_members(pid)) < 2 for pid in pids.values()):
+        assert time.monotonic() < deadline, "the children did not start"
+        time.sleep(0.05)
+
+    def states(name: str) -> set[str]:
+        time.sleep(0.1)  # signals are delivered asynchronously
+        return {_state(pid) for pid in _members(pids[name])}
+
+    with (
+        pytest.raises(RuntimeError, match="a run failed"),
+        turns_module.Turns(pids) as turns,
+    ):
+        assert states("stock") == {"T"} and states("default") == {"T"}
+        with turns.turn("default"):
+            assert "T" not in states("default"), "the measured arm runs"
+            assert states("stock") == {"T"}, "every other arm is stopped"
+        assert states("default") == {"T"}, "paused again after its turn"
+        with turns.turn("stock"):
+            raise RuntimeError("a run failed")
+    # Every way out resumes every server (a stopped one cannot handle SIGINT).
+    assert "T" not in states("stock") | states("default")
