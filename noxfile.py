@@ -517,8 +517,9 @@ def bench_serve(session: nox.Session) -> None:
     prefix caching off, stock with a step budget of 2B - 1), arms alternating,
     five runs each on three
     workloads; writes benchmarks/SERVED.md and its block in docs/benchmarks.md.
-    Wants an idle machine: each run waits (bounded) for a 1-minute load of 1,
-    and the six servers side by side about 19 GB of memory (it refuses less).
+    Wants an idle machine: each run waits (bounded) for a 1-minute load of 1
+    (the other arms' servers stopped meanwhile: benchmarks/turns.py), and the
+    six servers side by side about 19 GB of memory (it refuses less).
     ``-- --runs 1 --workloads unique`` for a smoke run (benchmarks/served.py
     --help for the rest). Shares e2e's environment recipe."""
     session.install(TORCH)

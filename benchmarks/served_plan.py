@@ -511,7 +511,8 @@ def report(header: Header, runs: Sequence[Run]) -> str:
         f"{header.date}, in {header.seconds / 60:.0f} minutes: vLLM's own client "
         f"(`vllm bench serve`, {CONCURRENCY} requests in flight) against "
         "one OpenAI-compatible server per arm, all started before the first run; "
-        "arms take turns run by run, their order rotated each run; each run "
+        "arms take turns run by run, their order rotated each run, every other "
+        "arm's server stopped (SIGSTOP) while one runs; each run "
         f"waits (bounded) for a 1-minute load average of {header.threshold:g} or "
         f"less. Runs that started above it: {loud} of {len(runs)}.",
         "",

@@ -395,10 +395,7 @@ def served_report() -> str:
         return (
             "Not measured yet in this checkout: "
             "`python3 -m nox -s bench_serve` writes benchmarks/SERVED.md and "
-            "this section. On a 2-CPU machine with nothing else running its six "
-            "idle servers hold the 1-minute load at 1.5-4, so nearly every run "
-            "waits out its 300 s bound for a load of 1 (about 3 minutes a run, "
-            "hours for the full run; measured at 90f05cc)."
+            "this section."
         )
     lines = SERVED_RESULTS.read_text().strip().splitlines()
     return "\n".join("#" + line if line.startswith("#") else line for line in lines)
