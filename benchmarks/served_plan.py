@@ -454,6 +454,32 @@ def default_against_stock(runs: Sequence[Run]) -> str | None:
     )
 
 
+def paired_against_stock(runs: Sequence[Run]) -> str | None:
+    """One line on the default's throughput against stock's run by run: each
+    run sends both arms the same prompts, so the ratio within a run is free of
+    what differs between runs' prompts; the median of those ratios, their range
+    and in how many runs the default was slower. None without a run both arms
+    ran."""
+    stock = {run.run: run for run in runs if run.arm == STOCK}
+    ratios = [
+        run.request_throughput / stock[run.run].request_throughput
+        for run in runs
+        if run.arm == DEFAULT
+        and run.run in stock
+        and stock[run.run].request_throughput > 0
+    ]
+    if not ratios:
+        return None
+    spread = Spread.of(ratios)
+    slower = sum(value < 1 for value in ratios)
+    return (
+        f"Run by run (the same prompts to both): the default's throughput "
+        f"{spread.median:.2f}x stock's (median of {len(ratios)} runs; "
+        f"{spread.low:.2f}-{spread.high:.2f}), below stock's in {slower} of "
+        f"{len(ratios)}."
+    )
+
+
 def runs_table(runs: Sequence[Run]) -> list[str]:
     """Every run, in the order it ran."""
     lines = [
@@ -542,5 +568,8 @@ def report(header: Header, runs: Sequence[Run]) -> str:
         verdict = default_against_stock(own)
         if verdict is not None:
             lines += ["", verdict]
+        paired = paired_against_stock(own)
+        if paired is not None:
+            lines += ["", paired]
     lines += ["", "### Every run", "", *runs_table(runs)]
     return "\n".join(lines) + "\n"

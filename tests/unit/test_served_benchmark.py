@@ -236,6 +236,27 @@ def test_the_table_gives_each_arms_medians_and_their_ratio_to_stocks(
     assert plan.default_against_stock(runs[:3]) is None
 
 
+def test_run_by_run_ratios_pair_each_default_run_with_stocks_run_of_the_same_prompts(
+    plan: ModuleType,
+) -> None:
+    runs = [
+        a_run(plan, "stock", 10.0, run=0),
+        a_run(plan, "stock", 20.0, run=1),
+        a_run(plan, "stock", 16.0, run=2),
+        a_run(plan, "default", 9.0, run=0),  # 0.90x
+        a_run(plan, "default", 21.0, run=1),  # 1.05x
+        a_run(plan, "default", 15.2, run=2),  # 0.95x
+        a_run(plan, "default", 30.0, run=3),  # no stock run 3: unpaired
+        a_run(plan, "full", 1.0, run=0),
+    ]
+    # Medians alone: 16.00 against 18.10, the default ahead; paired, behind.
+    assert plan.paired_against_stock(runs) == (
+        "Run by run (the same prompts to both): the default's throughput 0.95x "
+        "stock's (median of 3 runs; 0.90-1.05), below stock's in 2 of 3."
+    )
+    assert plan.paired_against_stock(runs[:3]) is None
+
+
 def test_a_result_without_the_fields_read_is_refused_by_name(
     plan: ModuleType,
 ) -> None:
