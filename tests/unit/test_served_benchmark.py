@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -360,9 +361,18 @@ def test_a_server_that_died_stops_the_benchmark_naming_its_log(
 # -- servers taking turns -----------------------------------------------------
 
 
-def _state(pid: int) -> str:
-    """The process's state letter from /proc (T: stopped)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+@pytest.fixture
+def turns(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """benchmarks/turns.py, imported as served.py imports it."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return importlib.import_module("turns")
+
+
+@pytest.fixture
+def group_members(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The e2e tests' reader of a process group's members from /proc."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS.parent / "tests"))
+    return importlib.import_module("e2e.server").group_members
 
 
 @pytest.fixture
@@ -383,47 +393,33 @@ def groups() -> Iterator[dict[str, subprocess.Popen[bytes]]]:
         process.wait()
 
 
-def _members(group: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            if (
-                int(entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[2])
-                == group
-            ):
-                found.append(int(entry.name))
-    return found
-
-
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
 def test_only_the_measured_arms_server_runs_and_all_resume_on_the_way_out(
     groups: dict[str, subprocess.Popen[bytes]],
+    turns: ModuleType,
+    group_members: Any,
 ) -> None:
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        turns_module = importlib.import_module("turns")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
     pids = {name: process.pid for name, process in groups.items()}
     deadline = time.monotonic() + 10
-    while any(len(_members(pid)) < 2 for pid in pids.values()):
+    while any(len(group_members(pid)) < 2 for pid in pids.values()):
         assert time.monotonic() < deadline, "the children did not start"
         time.sleep(0.05)
 
     def states(name: str) -> set[str]:
+        """The state letters of the arm's processes (T: stopped)."""
         time.sleep(0.1)  # signals are delivered asynchronously
-        return {_state(pid) for pid in _members(pids[name])}
+        return {member.state for member in group_members(pids[name])}
 
     with (
         pytest.raises(RuntimeError, match="a run failed"),
-        turns_module.Turns(pids) as turns,
+        turns.Turns(pids) as taking_turns,
     ):
         assert states("stock") == {"T"} and states("default") == {"T"}
-        with turns.turn("default"):
+        with taking_turns.turn("default"):
             assert "T" not in states("default"), "the measured arm runs"
             assert states("stock") == {"T"}, "every other arm is stopped"
         assert states("default") == {"T"}, "paused again after its turn"
-        with turns.turn("stock"):
+        with taking_turns.turn("stock"):
             raise RuntimeError("a run failed")
     # Every way out resumes every server (a stopped one cannot handle SIGINT).
     assert "T" not in states("stock") | states("default")
