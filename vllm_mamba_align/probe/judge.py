@@ -24,13 +24,30 @@ measures the server's **chunk-shape rounding**, with nothing cached
   decode runs agree: with a drafter, vLLM's CPU engine decodes differently
   from one run to the next (the first token, a prefill's, is reproducible).
 
-Where neither measurement holds (every pair parted outside the top-k) the
-bound is not measured, and no case is called ``DIVERGED`` against it.
+Which measurement sets a bound, and exit 0 (``docs/probe.md``, "How it judges"):
 
-A case is rounding up to ``Bounds.ok`` (``ROUNDING_SLACK`` x that rounding, or
-the noise bound), ``DIVERGED`` beyond ``Bounds.wrong`` (``ROUNDING_MARGIN`` x
-the rounding, or the noise bound), and ``UNRESOLVED`` in between: the probe
-cannot tell a wrong state from rounding there, and says so.
+- A measurement that parted outside the top-k is distrusted: it sets nothing,
+  and while one stands the probe calls nothing a wrong state (the server's
+  own rounding can move logprobs that far).
+- A decode pair counts where its two decode runs agree bit for bit.
+- A pair beside the filler cannot be verified from a client (vLLM reports no
+  chunk ends per request, and ``/metrics`` counts a prompt's tokens in the
+  step its prefill completes, not per chunk): on a GPU, batching beside the
+  filler changes matrix shapes without moving a chunk end, and measures less
+  than the chunk-shape rounding. It counts only beside a decode pair that
+  counts, or where it shows fp32 numerics (nonzero and below ``--threshold``,
+  whose own calibration covers it); otherwise it is listed as unverified.
+- ``--rounding`` is the operator's statement and stands as measured.
+
+Then (``Bounds``): a case is rounding up to ``ok``, the largest of
+``--threshold``, ``NOISE_MARGIN`` x the fresh-vs-fresh noise and
+``ROUNDING_SLACK`` x the rounding; a wrong state beyond ``wrong``, the largest
+of ``--threshold``, ``NOISE_BAND`` x ``NOISE_MARGIN`` x the noise and the
+margin (``rounding_margin``) x the rounding, and only where the rounding was
+measured by a measurement the probe trusts; in between the probe cannot tell.
+Exit 0 (``exit_zero_refusal``) needs every case that read cached tokens within
+``ok``, ``ok`` below ``SMALLEST_WRONG_STATE`` unless every such case is
+bit-identical to its fresh run, and per-request usage details showing reuse.
 """
 
 from __future__ import annotations
@@ -55,6 +72,10 @@ own noise and its measured chunk-shape rounding (``bounds``), and
 ``--threshold`` sets another."""
 NOISE_MARGIN = 10.0
 """A difference within ten times the server's fresh-vs-fresh noise is noise."""
+NOISE_BAND = 2.0
+"""Beyond ``NOISE_BAND`` x the noise bound a difference is a wrong state; in
+between the probe cannot tell (the noise, runs chunked alike, says nothing of
+how far a resume chunked elsewhere may move)."""
 ROUNDING_SLACK = 2.0
 """A difference within twice the measured chunk-shape rounding is rounding. On
 an H200 (``docs/probe.md``) correct resumes measured at most 1.22x the
@@ -62,19 +83,41 @@ decode-vs-prefill rounding of the same kernels, and on the e2e tests' CPU
 emulation of a bf16 state cache at most 1.0x (0.014-0.017 against 0.017): 2
 leaves room above both."""
 ROUNDING_MARGIN = 4.0
-"""A difference beyond four times the measured rounding is a wrong state. On an
+"""The least margin between the measured rounding and a wrong state. On an
 H200 a state taken at a wrong offset, read 55-64 tokens before the first
 generated one, differed by 4.7x (Mamba2: 0.28 against 0.060) to 14x (GDN) the
-decode-vs-prefill rounding, and correct resumes by at most 1.22x: 4 lies 3.3x
-above the one and below the other. Between ``ROUNDING_SLACK`` and this margin
-the probe cannot tell (exit 5), and never calls it wrong."""
-SEES_NOTHING_BEYOND = 0.4
-"""A wrong-state bound above this sees no wrong state of the sizes measured: on
-an H200 the Mamba2 stack's wrong states read 55-64 tokens before the first
-generated token measured 0.28-0.40 (GDN's 0.90-2.55). A probe whose bound lies
-above it (measured rounding beyond 0.1, or a ``--rounding`` given that large)
-could pass a poisoning server, so it reports that it cannot tell (exit 5)
-instead of passing it."""
+decode-vs-prefill rounding. ``rounding_margin`` widens it where the rounding
+rests on samples that do not span the spread a correct resume shows."""
+CORRECT_TO_ROUNDING = 1.22
+"""The largest ratio of a correct resume's difference to the decode-vs-prefill
+rounding measured on the same H200 kernels (0.067 against 0.055; the range
+was 0.89-1.22)."""
+ROUNDING_SPREAD = 3.9
+"""How far one server's correct resumes spread on the H200 (0.016-0.062, by
+boundary and prompt): one rounding sample may sit at the low end of it."""
+SMALLEST_WRONG_STATE = 0.15
+"""Exit 0 never passes a difference of this size or more: it needs the bound
+``ok`` below it (unless every case that read the cache is bit-identical to its
+fresh run). On an H200, bf16: twice the largest decode-vs-prefill rounding is
+0.128 and a wrong state read 55-64 tokens after its boundary measured 0.28-0.40
+(Mamba2) and 0.90-2.55 (GDN); the short-tail cases read within 6-22 tokens.
+On vLLM's CPU engine (fp32) ``ok`` is ``--threshold`` (1e-5) and stock's wrong
+states measured 9.8e-5 to 2.2e-2. A wrong state read thousands of tokens after
+its boundary can shrink below either (0.02-0.20 on the H200): the probe does
+not claim those."""
+
+
+def rounding_margin(samples: list[float]) -> float:
+    """The wrong-state bound's multiple of the rounding, from the spread of
+    the samples that measured it: a correct resume may differ by
+    ``CORRECT_TO_ROUNDING`` x the server's largest rounding, and samples that
+    span less than ``ROUNDING_SPREAD`` may sit below that largest rounding by
+    the rest of it. At least ``ROUNDING_MARGIN``."""
+    nonzero = [value for value in samples if value > 0]
+    if not nonzero:
+        return ROUNDING_MARGIN
+    spread = min(max(nonzero) / min(nonzero), ROUNDING_SPREAD)
+    return max(ROUNDING_MARGIN, CORRECT_TO_ROUNDING * ROUNDING_SPREAD / spread)
 
 
 class Verdict(str, Enum):
@@ -90,7 +133,8 @@ class Difference:
     """How two runs of one prompt differ."""
 
     delta: float
-    """Largest |Δ logprob| over common top-k tokens while the tokens agree."""
+    """Largest |Δ logprob| while the tokens agree, the top-k lists compared
+    whole (``_gap``)."""
     positions: int
     """Positions compared (up to and including the first where tokens part)."""
     parted_at: int | None
@@ -107,15 +151,29 @@ class Difference:
         }
 
 
+def _gap(top_a: dict[str, float], top_b: dict[str, float]) -> float:
+    """The largest |Δ logprob| two top-k lists of one position imply, compared
+    whole: a token both hold counts its difference; a token one list holds and
+    the other does not counts at least its distance above the other list's
+    k-th logprob (there it is at most that)."""
+    delta = 0.0
+    for mine, other in ((top_a, top_b), (top_b, top_a)):
+        floor = min(other.values()) if other else None
+        for token, value in mine.items():
+            if token in other:
+                delta = max(delta, abs(value - other[token]))
+            elif floor is not None:
+                delta = max(delta, value - floor)
+    return delta
+
+
 def compare(a: Completion, b: Completion) -> Difference:
     delta, positions = 0.0, 0
     for position, (top_a, top_b) in enumerate(
         zip(a.top_logprobs, b.top_logprobs, strict=False)
     ):
         positions += 1
-        common = set(top_a) & set(top_b)
-        if common:
-            delta = max(delta, max(abs(top_a[t] - top_b[t]) for t in common))
+        delta = max(delta, _gap(top_a, top_b))
         token_a, token_b = a.tokens[position], b.tokens[position]
         if token_a != token_b:
             outside = token_a not in top_b or token_b not in top_a
@@ -229,47 +287,127 @@ class RoundingPair:
             return None
         return compare(_step(self.decoded, 0), self.beside)
 
-    def measurements(self) -> list[Difference]:
-        """The differences that measure rounding: the beside pair where it
-        shows the chunking moved, and the decode pair where the decode runs
-        agree.
-
-        A prefill beside the filler identical bit for bit to the serial one
-        measures nothing: runs chunked alike are bit-identical on a GPU, so it
-        may only say that the chunk ends did not move (a step budget holding
-        filler and prompt whole, or the prompt scheduled outside the filler's
-        steps). Taken as a rounding of 0 it would tighten the bounds to the
-        noise threshold and call a correct resume, which differs by about 1e-2
-        there, a wrong state."""
+    @property
+    def moved(self) -> bool:
+        """The prefill beside the filler differs from the serial one and stays
+        within its top-k (what a resumed prefill chunked elsewhere shows)."""
         beside = self.beside_difference()
-        found = [] if beside is None or _identical(beside) else [beside]
-        if self.reproduced:
-            found.append(self.difference())
-        return found
+        return not (beside is None or _identical(beside) or beside.outside_top_k)
+
+    @property
+    def decode_departs(self) -> bool:
+        """The decode runs agree, yet the last step chose tokens outside the
+        top-k of a prefill of the same tokens, while the prompt beside its
+        filler moved and stayed within the serial prefill's top-k.
+
+        The cases compare a prefill's output with another prefill's, which the
+        filler pair measures directly; a decode step is another computation.
+        Seen on vLLM's CPU engine with a speculative method (tests/e2e's
+        drafter servers): decode runs of one prompt differ by up to 0.7 in
+        logprob, now and then agree, and their last step leaves the prefill's
+        top-5 either way. Set aside: neither a sample nor a distrusted one."""
+        return self.reproduced and self.difference().outside_top_k and self.moved
+
+    @property
+    def decode_used(self) -> bool:
+        """The decode pair is a sample of the rounding (or a distrusted one)."""
+        return self.reproduced and not self.decode_departs
+
+
+class Trust(str, Enum):
+    TRUSTED = "trusted"
+    UNVERIFIED = "unverified"
+    """Beside the filler, with no decode pair that counts and not fp32's size:
+    it may have measured batching, not chunk ends moved."""
+    DISTRUSTED = "distrusted"
+    """Parted outside the top-k."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measurement of chunk-shape rounding and whether it sets bounds."""
+
+    prompt: int
+    """Which rounding prompt (0-based)."""
+    kind: str
+    """"beside the filler" or "decode vs prefill"."""
+    found: Difference
+    trust: Trust
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prompt": self.prompt,
+            "kind": self.kind,
+            "max_abs_delta_logprob": self.found.delta,
+            "outside_top_k": self.found.outside_top_k,
+            "trust": self.trust.value,
+        }
+
+
+BESIDE = "beside the filler"
+DECODE = "decode vs prefill"
+
+
+def samples(pairs: list[RoundingPair], threshold: float) -> list[Sample]:
+    """Every rounding measurement, each with its trust (module docstring)."""
+    found: list[Sample] = []
+    for number, pair in enumerate(pairs):
+        if pair.decode_used:
+            decode = pair.difference()
+            trust = Trust.DISTRUSTED if decode.outside_top_k else Trust.TRUSTED
+            found.append(Sample(number, DECODE, decode, trust))
+    decoded = any(sample.trust is Trust.TRUSTED for sample in found)
+    for number, pair in enumerate(pairs):
+        beside = pair.beside_difference()
+        if beside is None or _identical(beside):
+            continue  # runs chunked alike: measures nothing
+        if beside.outside_top_k:
+            trust = Trust.DISTRUSTED
+        elif decoded or beside.delta < threshold:
+            trust = Trust.TRUSTED
+        else:
+            trust = Trust.UNVERIFIED
+        found.append(Sample(number, BESIDE, beside, trust))
+    return found
 
 
 @dataclass(frozen=True)
 class RoundingFloor:
     floor: float
-    """The largest difference measured (0 if none held)."""
+    """The largest trusted sample (0 if none)."""
     wild: bool
-    """A measurement parted outside each other's top-k."""
+    """A sample parted outside each other's top-k (distrusted)."""
     measured: bool
-    """At least one measurement held and none parted outside the top-k."""
+    """At least one trusted sample, and none distrusted."""
     unreproduced: int
     """Prompts whose two decode runs differed (their decode pair not used)."""
+    departed: int = 0
+    """Prompts whose decode pair was set aside (``decode_departs``)."""
+    samples: tuple[Sample, ...] = ()
+    margin: float = ROUNDING_MARGIN
+    """The wrong-state bound's multiple of ``floor`` (``rounding_margin``)."""
+
+    @property
+    def unverified(self) -> int:
+        return sum(1 for s in self.samples if s.trust is Trust.UNVERIFIED)
 
 
-def rounding_floor(pairs: list[RoundingPair]) -> RoundingFloor:
-    """The largest chunk-shape rounding measured, and whether it holds."""
-    floor, wild, count = 0.0, False, 0
-    for pair in pairs:
-        for found in pair.measurements():
-            count += 1
-            floor = max(floor, found.delta)
-            wild = wild or found.outside_top_k
-    unreproduced = sum(1 for pair in pairs if not pair.reproduced)
-    return RoundingFloor(floor, wild, count > 0 and not wild, unreproduced)
+def rounding_floor(
+    pairs: list[RoundingPair], threshold: float = DEFAULT_THRESHOLD
+) -> RoundingFloor:
+    """The largest chunk-shape rounding measured by trusted samples."""
+    found = samples(pairs, threshold)
+    trusted = [s.found.delta for s in found if s.trust is Trust.TRUSTED]
+    wild = any(s.trust is Trust.DISTRUSTED for s in found)
+    return RoundingFloor(
+        floor=max(trusted, default=0.0),
+        wild=wild,
+        measured=bool(trusted) and not wild,
+        unreproduced=sum(1 for pair in pairs if not pair.reproduced),
+        departed=sum(1 for pair in pairs if pair.decode_departs),
+        samples=tuple(found),
+        margin=rounding_margin(trusted),
+    )
 
 
 @dataclass(frozen=True)
@@ -280,8 +418,9 @@ class Bounds:
     ok: float
     wrong: float
     measured: bool = True
-    """False: the rounding could not be measured, and nothing beyond ``ok`` is
-    called a wrong state (it cannot be told from rounding)."""
+    """False: the rounding was not measured by a measurement the probe
+    trusts, and nothing is called a wrong state (beyond ``ok`` it cannot be
+    told from rounding)."""
 
     def to_json(self) -> dict[str, float | bool]:
         return {
@@ -292,20 +431,21 @@ class Bounds:
 
 
 def bounds(
-    threshold: float, noise: float, rounding: float, measured: bool = True
+    threshold: float,
+    noise: float,
+    rounding: float,
+    measured: bool = True,
+    margin: float = ROUNDING_MARGIN,
 ) -> Bounds:
-    """From ``--threshold``, the fresh-vs-fresh noise and the measured rounding
-    (``measured``: whether it could be measured or was given)."""
-    floor = effective_threshold(threshold, noise)
+    """From ``--threshold``, the fresh-vs-fresh noise and the rounding
+    (``measured``: by trusted samples, or given; ``margin``: the wrong-state
+    bound's multiple of it, ``rounding_margin``)."""
+    noise_bound = NOISE_MARGIN * noise
     return Bounds(
-        ok=max(floor, ROUNDING_SLACK * rounding),
-        wrong=max(floor, ROUNDING_MARGIN * rounding),
+        ok=max(threshold, noise_bound, ROUNDING_SLACK * rounding),
+        wrong=max(threshold, NOISE_BAND * noise_bound, margin * rounding),
         measured=measured,
     )
-
-
-def effective_threshold(threshold: float, floor: float) -> float:
-    return max(threshold, NOISE_MARGIN * floor)
 
 
 def judge_case(case: Observed, bound: Bounds) -> CaseResult:
@@ -330,3 +470,32 @@ def judge_case(case: Observed, bound: Bounds) -> CaseResult:
         fresh_versus_fresh=compare(*case.fresh),
         verdict=verdict,
     )
+
+
+NO_USAGE_DETAILS = "no usage details"
+NO_REUSE = "no reuse"
+BEYOND_ROUNDING = "a difference beyond rounding"
+BOUND_TOO_LARGE = "bound too large"
+
+
+def exit_zero_refusal(results: list[CaseResult], bound: Bounds) -> str | None:
+    """The one rule for exit 0, or why it does not hold (None: it holds).
+
+    Every case that read cached tokens continues as its fresh run does within
+    ``bound.ok`` (made of ``--threshold``, the measured noise and the rounding
+    of trusted samples only); ``bound.ok`` lies below ``SMALLEST_WRONG_STATE``
+    unless each such case is bit-identical to its fresh run (no rounding
+    needed); and per-request usage details show the probe's own requests
+    reused the cache (``/metrics`` counts every client's hits)."""
+    if any(r.cached_tokens is None for r in results):
+        return NO_USAGE_DETAILS
+    reading = [r for r in results if r.cached_tokens]
+    if not reading:
+        return NO_REUSE
+    if any(r.verdict not in (Verdict.EXACT, Verdict.ROUNDING) for r in reading):
+        return BEYOND_ROUNDING
+    if bound.ok >= SMALLEST_WRONG_STATE and any(
+        r.verdict is Verdict.ROUNDING for r in reading
+    ):
+        return BOUND_TOO_LARGE
+    return None

@@ -1,8 +1,9 @@
 """The probe's verdict, exit status and report (a table, or JSON).
 
-Exit status: 0 no cached continuation differs from a fresh one beyond the
-server's measured rounding (and the server did reuse cached tokens); 1 wrong
-states served (the cases beyond ``ROUNDING_MARGIN`` x that rounding are named);
+Exit status: 0 where ``judge.exit_zero_refusal`` holds (every case that read
+cached tokens within a bound made of trusted measurements, that bound below
+``SMALLEST_WRONG_STATE``, and usage details showing the reuse); 1 wrong
+states served (the cases beyond the wrong-state bound are named);
 2 the server could not be probed (the reason and the way out are printed); 5
 cannot tell on this server: a case differs by more than rounding but not by
 enough to call it wrong, or the rounding measurement itself parted outside the
@@ -20,13 +21,17 @@ from typing import Any
 
 from ..version import __version__
 from .judge import (
+    NO_REUSE,
+    NO_USAGE_DETAILS,
+    NOISE_BAND,
     NOISE_MARGIN,
-    ROUNDING_MARGIN,
     ROUNDING_SLACK,
-    SEES_NOTHING_BEYOND,
+    SMALLEST_WRONG_STATE,
     CaseResult,
     RoundingPair,
+    Trust,
     Verdict,
+    exit_zero_refusal,
 )
 from .run import RANK_HEADER, Probe, Ranks
 
@@ -64,7 +69,24 @@ def _several_servers(probe: Probe) -> str:
     )
 
 
+def _other_engines(probe: Probe) -> str:
+    counted = probe.rank_prompt_tokens_counted or 0.0
+    where = probe.base or probe.options.url
+    return (
+        f"engine {probe.options.rank} on the /metrics of {where} "
+        f"counted {counted:,.0f} prompt tokens while the probe sent "
+        f"{probe.prompt_tokens_sent:,} to it ({RANK_HEADER}: {probe.options.rank}), "
+        "so its requests were spread over the server's engines (a proxy that "
+        "drops the header, or a release that ignores it), each with a prefix "
+        "cache of its own: probe the API server directly, or a proxy that "
+        "passes the header on"
+    )
+
+
 def decide(probe: Probe) -> Decision:
+    """The verdict. Exit 0 only where ``judge.exit_zero_refusal`` finds
+    nothing to refuse; any other case with a difference is 1 beyond the
+    wrong-state bound (measured by a trusted measurement), else 5."""
     if probe.problem is not None:
         return Decision(EXIT_CANNOT_PROBE, f"could not probe: {probe.problem}")
     if probe.wild:
@@ -76,31 +98,24 @@ def decide(probe: Probe) -> Decision:
             "at a quieter time, or with --max-tokens 1",
         )
     diverged = [r.name for r in probe.results if r.verdict is Verdict.DIVERGED]
-    if probe.reached_other_servers and not diverged:
+    spread = (
+        _several_servers(probe)
+        if probe.reached_other_servers
+        else _other_engines(probe)
+        if probe.reached_other_engines
+        else None
+    )
+    if spread is not None and not diverged:
         reused = sum(1 for r in probe.results if r.cached_tokens)
         return Decision(
             EXIT_CANNOT_TELL,
-            f"[??] cannot tell on this server: {_several_servers(probe)}. "
+            f"[??] cannot tell on this server: {spread}. "
             f"{reused} of {len(probe.results)} cases read cached states, some "
-            "perhaps on another replica than their writer's, from what the "
-            "probe's other requests left there",
-        )
-    if probe.rounding_wild:
-        return Decision(
-            EXIT_CANNOT_TELL,
-            "[??] cannot tell on this server: the same tokens computed in "
-            "differently chunked runs (nothing cached) chose tokens outside "
-            "each other's top-k, so this server's chunk-shape rounding alone "
-            "moves logprobs as far as a wrong state, and no case is called "
-            "wrong against it: probe at a quieter time; `full` mode makes a "
-            "cached continuation equal a fresh one",
+            "perhaps elsewhere than their writer's, from what the probe's other "
+            "requests left there",
         )
     if diverged:
-        also = (
-            f"; and {_several_servers(probe)}, to find which serves them"
-            if probe.reached_other_servers
-            else ""
-        )
+        also = f"; and {spread}, to find which serves them" if spread else ""
         return Decision(
             EXIT_WRONG_STATES,
             f"[!!] wrong states served: {', '.join(diverged)} continued from a "
@@ -112,66 +127,88 @@ def decide(probe: Probe) -> Decision:
             EXIT_CANNOT_TELL,
             f"[??] cannot tell on this server: {', '.join(unresolved)} differed "
             f"from a fresh run by more than its rounding ({probe.bound.ok:.3g}) "
-            f"but not beyond {probe.bound.wrong:.3g} ({ROUNDING_MARGIN:g}x the "
-            "chunk-shape rounding measured with nothing cached), where a "
-            "wrong state would be called: probe again with another --seed; "
-            "in `full` mode a cached continuation equals a fresh one",
-        )
-    cached = [r.cached_tokens for r in probe.results]
-    if all(c is None for c in cached):
-        hits = _hits(probe)
-        if hits is None:
-            return Decision(EXIT_CANNOT_PROBE, f"could not probe: {NO_DETAILS}")
-        if hits == 0:
-            return Decision(
-                EXIT_CANNOT_PROBE,
-                "could not probe: vllm:prefix_cache_hits did not grow while the "
-                "probe ran: nothing was served from the cache (prefix caching is "
-                f"off or reuses nothing); and {NO_DETAILS}",
+            + (
+                f"but not beyond {probe.bound.wrong:.3g}, where a wrong state "
+                "would be called: probe again with another --seed"
+                if probe.bound.measured
+                else f"and {_unmeasured_words(probe)}, so nothing is called a "
+                "wrong state against it"
             )
+            + "; in `full` mode a cached continuation equals a fresh one",
+        )
+    refusal = exit_zero_refusal(probe.results, probe.bound)
+    cached = [r.cached_tokens for r in probe.results]
+    reused = sum(1 for c in cached if c)
+    if refusal is None:
+        identical = all(
+            r.verdict is Verdict.EXACT for r in probe.results if r.cached_tokens
+        )
         return Decision(
             EXIT_CLEAN,
-            "[ok] no cached continuation differs from a fresh run beyond the "
-            f"noise; the server counted {hits:,.0f} prefix-cache hit tokens "
-            f"(every client's) while the probe ran, but {NO_DETAILS}",
+            f"[ok] no wrong state served: {reused} of {len(cached)} cases read "
+            "cached states, each continuing as a fresh run does "
+            + (
+                "bit for bit"
+                if identical
+                else f"within {probe.bound.ok:.3g} (below "
+                f"{SMALLEST_WRONG_STATE:g}, the smallest wrong state the probe "
+                "claims to see)"
+            ),
         )
-    if not any(cached):
+    if refusal == NO_USAGE_DETAILS:
+        differs = [r.name for r in probe.results if r.verdict is Verdict.ROUNDING]
+        if differs:
+            return Decision(
+                EXIT_CANNOT_TELL,
+                f"[??] cannot tell on this server: {', '.join(differs)} differed "
+                f"from a fresh run within {probe.bound.ok:.3g}, but {NO_DETAILS}; "
+                "vllm:prefix_cache_hits counts every client's hits, so the "
+                "probe's own requests may have read nothing",
+            )
+        hits = _hits(probe)
+        if hits is None or hits == 0:
+            return Decision(EXIT_CANNOT_PROBE, f"could not probe: {NO_DETAILS}")
+        return Decision(
+            EXIT_CANNOT_PROBE,
+            f"could not probe: {NO_DETAILS} (the server counted {hits:,.0f} "
+            "prefix-cache hit tokens while the probe ran, every client's: not "
+            "evidence that the probe's requests read a cached state)",
+        )
+    if refusal == NO_REUSE:
         return Decision(
             EXIT_CANNOT_PROBE,
             f"could not probe: no request reused a cached token ({probe.sent} "
             "requests sharing prefixes): prefix caching is off, or reuses nothing "
             "(see 'Prefix caching does nothing' in the troubleshooting guide)",
         )
-    reused = sum(1 for c in cached if c)
-    if probe.bound.wrong > SEES_NOTHING_BEYOND:
-        return Decision(
-            EXIT_CANNOT_TELL,
-            f"[??] cannot tell on this server: {reused} of {len(cached)} cases "
-            f"read cached states within {probe.bound.ok:.3g} of a fresh run, but "
-            f"only a difference beyond {probe.bound.wrong:.3g} would be called a "
-            f"wrong state, above {SEES_NOTHING_BEYOND:g}, the largest wrong state "
-            "measured on a GPU's Mamba2 kernels: the rounding (measured, or "
-            "given by --rounding) is too large to separate them",
-        )
-    if not probe.bound.measured:
-        # Every case within the noise threshold of its fresh run, with no
-        # rounding measured to call anything beyond it wrong: the continuations
-        # themselves are the evidence, and a difference would have been exit 5.
-        return Decision(
-            EXIT_CLEAN,
-            f"[ok] no wrong state served: {reused} of {len(cached)} cases read "
-            "cached states, each continuing as a fresh run does within "
-            f"{probe.bound.ok:.3g}; the chunk-shape rounding could not be "
-            "measured (the runs chunked differently came out alike), so a "
-            "larger difference would have been reported as cannot tell",
-        )
     return Decision(
-        EXIT_CLEAN,
-        f"[ok] no wrong state served: {reused} of {len(cached)} cases read "
-        "cached states, each continuing as a fresh run does within "
-        f"{probe.bound.ok:.3g}; the smallest wrong state it would have caught "
-        f"differs by more than {probe.bound.wrong:.3g}",
+        EXIT_CANNOT_TELL,
+        f"[??] cannot tell on this server: {reused} of {len(cached)} cases read "
+        f"cached states within {probe.bound.ok:.3g} of a fresh run, but a bound "
+        f"that large passes wrong states of {SMALLEST_WRONG_STATE:g} and more "
+        "(an H200's Mamba2 wrong states read near their boundary: 0.28-0.40): "
+        "the noise or rounding (measured, or given by --rounding) is too large "
+        "to separate them; probe at a quieter time",
     )
+
+
+def _unmeasured_words(probe: Probe) -> str:
+    """Why the rounding could not call a wrong state."""
+    if probe.rounding_wild:
+        return (
+            "the same tokens computed in differently chunked runs (nothing "
+            "cached) chose tokens outside each other's top-k: this server's "
+            "rounding alone moves logprobs as far as a wrong state"
+        )
+    unverified = sum(1 for s in probe.rounding_samples if s.trust is Trust.UNVERIFIED)
+    if unverified:
+        return (
+            "the rounding rests only on prefills beside a filler, which a "
+            "client cannot verify moved a chunk end (batching alone differs "
+            "less than a chunk end moved), with no reproducible decode steps to "
+            "confirm them"
+        )
+    return "the runs chunked differently came out alike: no rounding was measured"
 
 
 def _server_lines(probe: Probe) -> list[str]:
@@ -285,8 +322,9 @@ def render_text(probe: Probe) -> str:
         lines.append(
             f"  bounds     rounding up to {probe.bound.ok:.3g}, wrong state beyond "
             f"{probe.bound.wrong:.3g} (max of --threshold {options.threshold:g}, "
-            f"{NOISE_MARGIN:g}x the noise, and {ROUNDING_SLACK:g}x / "
-            f"{ROUNDING_MARGIN:g}x the rounding)"
+            f"{NOISE_MARGIN:g}x / {NOISE_BAND * NOISE_MARGIN:g}x the noise, and "
+            f"{ROUNDING_SLACK:g}x / {probe.rounding_margin:.3g}x the rounding)"
+            + ("" if probe.bound.measured else "; no case is called wrong")
         )
         hits = _hits(probe)
         if hits is not None:
@@ -322,6 +360,16 @@ def _rounding_words(probe: Probe) -> str:
             f", not on {probe.rounding_unreproduced}, whose two fresh decode runs "
             "differed: decode steps are not reproducible on this server"
         )
+    if probe.rounding_departed:
+        words += (
+            f", nor on {probe.rounding_departed} whose decode steps agreed but "
+            "left the prefill's top-k while the prefill beside the filler did not"
+        )
+    counts = {
+        trust: sum(1 for s in probe.rounding_samples if s.trust is trust)
+        for trust in Trust
+    }
+    words += "; samples " + ", ".join(f"{n} {t.value}" for t, n in counts.items())
     if not probe.rounding_measured:
         words += "; NOT MEASURED: no case is called wrong against it"
     return words
@@ -371,7 +419,8 @@ def _rounding_json(pair: RoundingPair) -> dict[str, Any]:
         "decode_steps": len(pair.decoded.tokens),
         "decode_vs_prefill": pair.difference().to_json(),
         "decode_vs_decode": None if agreement is None else agreement.to_json(),
-        "decode_used": pair.reproduced,
+        "decode_used": pair.decode_used,
+        "decode_departs_from_prefill": pair.decode_departs,
         "serial_vs_beside_filler": None if beside is None else beside.to_json(),
     }
 
@@ -409,6 +458,8 @@ def _report(probe: Probe) -> dict[str, Any]:
         "prompt_tokens_sent": probe.prompt_tokens_sent,
         "prompt_tokens_counted": probe.prompt_tokens_counted,
         "reached_other_servers": probe.reached_other_servers,
+        "reached_other_engines": probe.reached_other_engines,
+        "rank_prompt_tokens_counted": probe.rank_prompt_tokens_counted,
         "salt_prefix": probe.salt_prefix or None,
         "logprobs": options.logprobs,
         "max_tokens": options.max_tokens,
@@ -417,6 +468,9 @@ def _report(probe: Probe) -> dict[str, Any]:
         "rounding_given": options.rounding is not None,
         "rounding_measured": probe.rounding_measured,
         "rounding": [_rounding_json(pair) for pair in probe.rounding],
+        "rounding_samples": [sample.to_json() for sample in probe.rounding_samples],
+        "rounding_margin": probe.rounding_margin,
+        "smallest_wrong_state": SMALLEST_WRONG_STATE,
         "threshold": options.threshold,
         "effective_threshold": probe.bound.wrong,
         "bounds": probe.bound.to_json(),
@@ -445,14 +499,21 @@ def decide_ranks(ranks: Ranks) -> Decision:
                 f": {first.verdict}",
             )
     reused = sum(1 for p in ranks.probes for r in p.results if r.cached_tokens)
-    counted = (
-        ""
-        if ranks.count is not None
-        else f" (one rank: {ranks.source}; the probe sent to rank 0)"
-    )
+    if ranks.count is None:
+        asked = (
+            f" (--ranks {ranks.requested} asked)"
+            if ranks.requested not in (None, 1)
+            else ""
+        )
+        return Decision(
+            EXIT_CLEAN,
+            f"[ok] no wrong state served by the one engine the server answers "
+            f"as{asked}: {ranks.source}; {reused} cases read cached states, "
+            "each within its rounding",
+        )
     return Decision(
         EXIT_CLEAN,
-        f"[ok] no wrong state served on any of {len(decided)} ranks{counted}: "
+        f"[ok] no wrong state served on any of {len(decided)} ranks: "
         f"{reused} cases read cached states, each within its rank's rounding",
     )
 

@@ -42,10 +42,12 @@ from . import workload as workloads
 from .client import CannotProbe, Client, Completion
 from .judge import (
     DEFAULT_THRESHOLD,
+    ROUNDING_MARGIN,
     Bounds,
     CaseResult,
     Observed,
     RoundingPair,
+    Sample,
     bounds,
     judge_case,
     noise_floor,
@@ -125,6 +127,13 @@ class Probe:
     """The rounding was given, or at least one measurement of it held."""
     rounding_unreproduced: int = 0
     """Rounding prompts whose two decode runs differed (decode pair not used)."""
+    rounding_departed: int = 0
+    """Rounding prompts whose decode pair was set aside
+    (``RoundingPair.decode_departs``)."""
+    rounding_samples: tuple[Sample, ...] = ()
+    """Every rounding measurement with its trust (``judge.samples``)."""
+    rounding_margin: float = ROUNDING_MARGIN
+    """The wrong-state bound's multiple of the rounding (``judge.rounding_margin``)."""
     bound: Bounds = field(default_factory=lambda: Bounds(0.0, 0.0))
     problem: str | None = None
     """Why the server could not be probed (exit 2), if it could not."""
@@ -148,6 +157,31 @@ class Probe:
             # not on the head's /metrics): its prompt tokens are not counted.
             return False
         return counted is not None and counted < self.prompt_tokens_sent
+
+    @property
+    def rank_prompt_tokens_counted(self) -> float | None:
+        """How much the probed rank's engine's ``vllm:prompt_tokens_total``
+        grew while the probe ran (None: the URL's ``/metrics`` does not show
+        engines apart, or not that one)."""
+        before = self.before.prompt_tokens_by_engine
+        after = self.after.prompt_tokens_by_engine
+        rank = str(self.options.rank)
+        if len(after) < 2 or rank not in after:
+            return None
+        return after[rank] - before.get(rank, 0.0)
+
+    @property
+    def reached_other_engines(self) -> bool:
+        """The probed rank's engine counted fewer prompt tokens than the probe
+        sent it, on a server whose ``/metrics`` shows several engines: some
+        requests went to other engines (a proxy that drops the rank header, or
+        a release that ignores it). Other clients only add to the count."""
+        counted = self.rank_prompt_tokens_counted
+        return (
+            not self.reached_other_servers
+            and counted is not None
+            and counted < self.prompt_tokens_sent
+        )
 
 
 Progress = Callable[[int, int, str], None]
@@ -225,6 +259,10 @@ def run(
     """Probe the server; a server that cannot be probed sets ``problem``."""
     probe = Probe(options)
     try:
+        if options.rank != 0:
+            problem = rank_problem(options.rank, *count_ranks(options))
+            if problem is not None:
+                raise CannotProbe(problem)
         _run(
             options,
             probe,
@@ -289,19 +327,26 @@ def _run(
     probe.rounding = _measure_rounding(plan, send)
     progress(probe.sent, plan.requests, "done")
     probe.after = read_metrics(client.metrics(), probe.model)
-    if probe.reached_other_servers:
+    if probe.reached_other_servers or probe.reached_other_engines:
         time.sleep(STATS_SETTLE)
         probe.after = read_metrics(client.metrics(), probe.model)
     probe.floor, probe.wild = noise_floor(observed)
     if options.rounding is None:
-        measured = rounding_floor(probe.rounding)
+        measured = rounding_floor(probe.rounding, options.threshold)
         probe.rounding_floor, probe.rounding_wild = measured.floor, measured.wild
         probe.rounding_measured = measured.measured
         probe.rounding_unreproduced = measured.unreproduced
+        probe.rounding_departed = measured.departed
+        probe.rounding_samples = measured.samples
+        probe.rounding_margin = measured.margin
     else:
         probe.rounding_floor = options.rounding
     probe.bound = bounds(
-        options.threshold, probe.floor, probe.rounding_floor, probe.rounding_measured
+        options.threshold,
+        probe.floor,
+        probe.rounding_floor,
+        probe.rounding_measured,
+        probe.rounding_margin,
     )
     probe.results = [judge_case(case, probe.bound) for case in observed]
 
@@ -412,7 +457,9 @@ class Ranks:
     """Where the count came from."""
     probes: list[Probe] = field(default_factory=list)
     problem: str | None = None
-    """Why the ranks could not be counted (exit 2), if they could not."""
+    """Why the ranks could not be counted or probed (exit 2), if not."""
+    requested: int | None = None
+    """``--ranks N`` as given (None: ``all``)."""
 
 
 def count_ranks(options: Options) -> tuple[int | None, str]:
@@ -437,7 +484,26 @@ def count_ranks(options: Options) -> tuple[int | None, str]:
             raise
         count = int(found.group(1))
         return count, f"counted by the server: {RANK_HEADER} out of range [0, {count})"
-    return None, f"the server answered a request to rank {RANK_QUERY}: no ranks"
+    return None, (
+        f"the server answered a request to rank {RANK_QUERY}: it ignores "
+        f"{RANK_HEADER} (one engine, a release that does not route by it, or a "
+        "proxy that drops it)"
+    )
+
+
+def rank_problem(rank: int, count: int | None, source: str) -> str | None:
+    """Why ``--rank`` ``rank`` cannot be probed on a server with ``count``
+    ranks (None: it can). Rank 0 is every server's."""
+    if rank == 0:
+        return None
+    if count is None:
+        return (
+            f"--rank {rank} cannot choose an engine: {source}; probe without "
+            "--rank, at each engine's own API server"
+        )
+    if rank >= count:
+        return f"--rank {rank} is out of range: {source}; use --rank 0 to {count - 1}"
+    return None
 
 
 def run_ranks(
@@ -447,15 +513,22 @@ def run_ranks(
     announce: Announce | None = None,
 ) -> Ranks:
     """Probe ranks 0 to ``ranks`` - 1 in turn (None: as many as the server
-    has), each a probe of its own: its own salts, its own ``--max-requests``."""
-    if ranks is None:
-        try:
-            count, source = count_ranks(options)
-        except CannotProbe as problem:
-            return Ranks(None, "", problem=str(problem))
-    else:
-        count, source = ranks, "--ranks"
-    found = Ranks(count, source)
+    has), each a probe of its own: its own salts, its own ``--max-requests``.
+
+    The count is asked of the server even when given: a server that ignores
+    the rank header is probed once, as the one engine it answers as, and a
+    count that differs from the server's is refused."""
+    try:
+        count, source = count_ranks(options)
+    except CannotProbe as problem:
+        return Ranks(None, "", problem=str(problem), requested=ranks)
+    found = Ranks(count, source, requested=ranks)
+    if ranks is not None and count is not None and ranks != count:
+        found.problem = (
+            f"--ranks {ranks}, but the server has {count} ({source}): use "
+            f"--ranks {count} or --ranks all"
+        )
+        return found
     for rank in range(count or 1):
         found.probes.append(
             run(dataclasses.replace(options, rank=rank), progress, announce)

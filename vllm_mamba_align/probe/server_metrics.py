@@ -87,6 +87,8 @@ class ServerMetrics:
     core of a data-parallel server)."""
     prompt_tokens: float | None = None
     """``vllm:prompt_tokens_total``, every engine's."""
+    prompt_tokens_by_engine: dict[str, float] = field(default_factory=dict)
+    """``vllm:prompt_tokens_total`` per ``engine`` label."""
 
     @property
     def prefix_caching(self) -> bool | None:
@@ -130,6 +132,7 @@ class ServerMetrics:
             "prefix_cache_hits": self.hits,
             "prefix_cache_hits_by_engine": dict(self.hits_by_engine),
             "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens_by_engine": dict(self.prompt_tokens_by_engine),
         }
 
 
@@ -146,16 +149,20 @@ def read_metrics(text: str | None, model: str | None) -> ServerMetrics:
         found = _for_model(samples(text, name), model)
         return sum(v for _, v in found) if found else None
 
-    by_engine: dict[str, float] = {}
-    for labels, value in _for_model(samples(text, HITS), model):
-        engine = labels.get("engine", "0")
-        by_engine[engine] = by_engine.get(engine, 0.0) + value
+    def by_engine(name: str) -> dict[str, float]:
+        found: dict[str, float] = {}
+        for labels, value in _for_model(samples(text, name), model):
+            engine = labels.get("engine", "0")
+            found[engine] = found.get(engine, 0.0) + value
+        return found
+
     return ServerMetrics(
         available=True,
         plugin=plugin,
         cache_config=configs[0] if configs else {},
         queries=total(QUERIES),
         hits=total(HITS),
-        hits_by_engine=by_engine,
+        hits_by_engine=by_engine(HITS),
         prompt_tokens=total(PROMPT_TOKENS),
+        prompt_tokens_by_engine=by_engine(PROMPT_TOKENS),
     )
