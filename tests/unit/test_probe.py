@@ -745,17 +745,20 @@ def test_ranks_counted_or_given_and_the_clean_verdict(replay: Any) -> None:
     out_of_range = probe(server, rank=2, rounding=0.02)
     assert decide(out_of_range).exit_code == 2
     assert "--rank 2 is out of range" in decide(out_of_range).verdict
-    # A server that ignores the header (one engine behind a proxy): probed
-    # once, reported as the one engine it answers as; --rank 1 refused.
+    # A server that ignores the header (one engine behind a proxy): --ranks
+    # all probes it once, reported as the one engine it answers as; --ranks 2
+    # and --rank 1 cannot reach what they name: exit 5, never a clean verdict.
     server.data_parallel_size = None
-    found = run_ranks(given, 2)
+    found = run_ranks(given, None)
     assert found.count is None and len(found.probes) == 1
     verdict = decide_ranks(found).verdict
-    assert "the one engine the server answers as (--ranks 2 asked)" in verdict
-    assert "any of 2 ranks" not in verdict
+    assert "the one engine the server answers as" in verdict, verdict
+    found = run_ranks(given, 2)
+    assert len(found.probes) == 1 and decide_ranks(found).exit_code == 5
+    assert "the probe asked for 2 ranks, but" in decide_ranks(found).verdict
     ignored = probe(server, rank=1, rounding=0.02)
-    assert decide(ignored).exit_code == 2
-    assert "--rank 1 cannot choose an engine" in decide(ignored).verdict
+    assert decide(ignored).exit_code == 5
+    assert "asked for rank 1, but the server answered" in decide(ignored).verdict
 
 
 @pytest.mark.parametrize("bad", ["0", "two", "-1"])

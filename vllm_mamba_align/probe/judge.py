@@ -421,6 +421,10 @@ class Bounds:
     """False: the rounding was not measured by a measurement the probe
     trusts, and nothing is called a wrong state (beyond ``ok`` it cannot be
     told from rounding)."""
+    threshold: float = DEFAULT_THRESHOLD
+    """``--threshold``: where the rounding was not measured, the most a case
+    may differ and still pass (the noise bound does not stand for a rounding
+    nobody measured)."""
 
     def to_json(self) -> dict[str, float | bool]:
         return {
@@ -445,6 +449,7 @@ def bounds(
         ok=max(threshold, noise_bound, ROUNDING_SLACK * rounding),
         wrong=max(threshold, NOISE_BAND * noise_bound, margin * rounding),
         measured=measured,
+        threshold=threshold,
     )
 
 
@@ -476,6 +481,7 @@ NO_USAGE_DETAILS = "no usage details"
 NO_REUSE = "no reuse"
 BEYOND_ROUNDING = "a difference beyond rounding"
 BOUND_TOO_LARGE = "bound too large"
+UNMEASURED = "rounding not measured"
 
 
 def exit_zero_refusal(results: list[CaseResult], bound: Bounds) -> str | None:
@@ -483,10 +489,12 @@ def exit_zero_refusal(results: list[CaseResult], bound: Bounds) -> str | None:
 
     Every case that read cached tokens continues as its fresh run does within
     ``bound.ok`` (made of ``--threshold``, the measured noise and the rounding
-    of trusted samples only); ``bound.ok`` lies below ``SMALLEST_WRONG_STATE``
-    unless each such case is bit-identical to its fresh run (no rounding
-    needed); and per-request usage details show the probe's own requests
-    reused the cache (``/metrics`` counts every client's hits)."""
+    of trusted samples only), and within ``--threshold`` where no trusted
+    sample measured the rounding; ``bound.ok`` lies below
+    ``SMALLEST_WRONG_STATE`` unless each such case is bit-identical to its
+    fresh run (no rounding needed); and per-request usage details show the
+    probe's own requests reused the cache (``/metrics`` counts every client's
+    hits)."""
     if any(r.cached_tokens is None for r in results):
         return NO_USAGE_DETAILS
     reading = [r for r in results if r.cached_tokens]
@@ -494,8 +502,11 @@ def exit_zero_refusal(results: list[CaseResult], bound: Bounds) -> str | None:
         return NO_REUSE
     if any(r.verdict not in (Verdict.EXACT, Verdict.ROUNDING) for r in reading):
         return BEYOND_ROUNDING
-    if bound.ok >= SMALLEST_WRONG_STATE and any(
-        r.verdict is Verdict.ROUNDING for r in reading
+    rounded = [r for r in reading if r.verdict is Verdict.ROUNDING]
+    if not bound.measured and any(
+        r.versus_fresh.delta > bound.threshold for r in rounded
     ):
+        return UNMEASURED
+    if bound.ok >= SMALLEST_WRONG_STATE and rounded:
         return BOUND_TOO_LARGE
     return None

@@ -27,6 +27,7 @@ from .judge import (
     NOISE_MARGIN,
     ROUNDING_SLACK,
     SMALLEST_WRONG_STATE,
+    UNMEASURED,
     CaseResult,
     RoundingPair,
     Trust,
@@ -103,6 +104,8 @@ def decide(probe: Probe) -> Decision:
         if probe.reached_other_servers
         else _other_engines(probe)
         if probe.reached_other_engines
+        else f"the probe asked for {probe.header_ignored}"
+        if probe.header_ignored
         else None
     )
     if spread is not None and not diverged:
@@ -173,6 +176,20 @@ def decide(probe: Probe) -> Decision:
             f"could not probe: {NO_DETAILS} (the server counted {hits:,.0f} "
             "prefix-cache hit tokens while the probe ran, every client's: not "
             "evidence that the probe's requests read a cached state)",
+        )
+    if refusal == UNMEASURED:
+        differs = [
+            r.name
+            for r in probe.results
+            if r.cached_tokens and r.versus_fresh.delta > probe.bound.threshold
+        ]
+        return Decision(
+            EXIT_CANNOT_TELL,
+            f"[??] cannot tell on this server: {', '.join(differs)} differed from "
+            f"a fresh run by more than --threshold ({probe.bound.threshold:g}), "
+            f"within the noise bound ({probe.bound.ok:.3g}), and "
+            f"{_unmeasured_words(probe)}: the noise of runs chunked alike does "
+            "not stand for it; probe at a quieter time",
         )
     if refusal == NO_REUSE:
         return Decision(
@@ -499,17 +516,12 @@ def decide_ranks(ranks: Ranks) -> Decision:
                 f": {first.verdict}",
             )
     reused = sum(1 for p in ranks.probes for r in p.results if r.cached_tokens)
-    if ranks.count is None:
-        asked = (
-            f" (--ranks {ranks.requested} asked)"
-            if ranks.requested not in (None, 1)
-            else ""
-        )
+    if ranks.count is None:  # --ranks all (a count given was checked: 5)
         return Decision(
             EXIT_CLEAN,
-            f"[ok] no wrong state served by the one engine the server answers "
-            f"as{asked}: {ranks.source}; {reused} cases read cached states, "
-            "each within its rounding",
+            "[ok] no wrong state served by the one engine the server answers "
+            f"as: {ranks.source}; {reused} cases read cached states, each within "
+            "its rounding",
         )
     return Decision(
         EXIT_CLEAN,

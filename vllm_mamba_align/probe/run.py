@@ -137,6 +137,10 @@ class Probe:
     bound: Bounds = field(default_factory=lambda: Bounds(0.0, 0.0))
     problem: str | None = None
     """Why the server could not be probed (exit 2), if it could not."""
+    header_ignored: str | None = None
+    """Set where the probe was to reach one rank of several (``--rank R``,
+    ``--ranks N``) but the server ignores the rank header: which, and why its
+    requests may have reached any engine (the verdict is then 1 or 5)."""
 
     @property
     def prompt_tokens_counted(self) -> float | None:
@@ -260,9 +264,14 @@ def run(
     probe = Probe(options)
     try:
         if options.rank != 0:
-            problem = rank_problem(options.rank, *count_ranks(options))
-            if problem is not None:
-                raise CannotProbe(problem)
+            count, source = count_ranks(options)
+            if count is None:
+                probe.header_ignored = f"rank {options.rank}, but {source}"
+            elif options.rank >= count:
+                raise CannotProbe(
+                    f"--rank {options.rank} is out of range: {source}; use "
+                    f"--rank 0 to {count - 1}"
+                )
         _run(
             options,
             probe,
@@ -330,6 +339,15 @@ def _run(
     if probe.reached_other_servers or probe.reached_other_engines:
         time.sleep(STATS_SETTLE)
         probe.after = read_metrics(client.metrics(), probe.model)
+    settle(probe, observed)
+
+
+def settle(probe: Probe, observed: list[Observed]) -> None:
+    """Judge what the probe saw: the noise, the rounding samples and their
+    trust, the bounds, and each case (``report.decide`` then gives the exit
+    status). Everything after the last request, so a recorded probe can be
+    judged again."""
+    options = probe.options
     probe.floor, probe.wild = noise_floor(observed)
     if options.rounding is None:
         measured = rounding_floor(probe.rounding, options.threshold)
@@ -491,21 +509,6 @@ def count_ranks(options: Options) -> tuple[int | None, str]:
     )
 
 
-def rank_problem(rank: int, count: int | None, source: str) -> str | None:
-    """Why ``--rank`` ``rank`` cannot be probed on a server with ``count``
-    ranks (None: it can). Rank 0 is every server's."""
-    if rank == 0:
-        return None
-    if count is None:
-        return (
-            f"--rank {rank} cannot choose an engine: {source}; probe without "
-            "--rank, at each engine's own API server"
-        )
-    if rank >= count:
-        return f"--rank {rank} is out of range: {source}; use --rank 0 to {count - 1}"
-    return None
-
-
 def run_ranks(
     options: Options,
     ranks: int | None,
@@ -533,4 +536,6 @@ def run_ranks(
         found.probes.append(
             run(dataclasses.replace(options, rank=rank), progress, announce)
         )
+    if count is None and ranks is not None and ranks > 1:
+        found.probes[0].header_ignored = f"{ranks} ranks, but {source}"
     return found
