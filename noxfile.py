@@ -344,6 +344,23 @@ def unit(session: nox.Session) -> None:
     pytest(session, "tests", "--ignore=tests/e2e", *session.posargs, env=env)
 
 
+@nox.session(python=PYTHON)
+@timed
+def probe_adversaries(session: nox.Session) -> None:
+    """The probe's adversarial properties at length (not in CI's default list):
+    tests/unit/test_probe_adversaries.py with 50,000 drawn servers per
+    property, and 300 through the HTTP stand-in (CI's unit tier draws 2,000
+    and none through HTTP). No vLLM."""
+    session.install(*TEST_TOOLS)
+    install_plugin_wheel(session)
+    env = {
+        "MAMBA_ALIGN_UNIT_ONLY": "1",
+        "MAMBA_ALIGN_PROBE_DRAWS": "50000",
+        "MAMBA_ALIGN_PROBE_HTTP_DRAWS": "300",
+    }
+    pytest(session, "tests/unit/test_probe_adversaries.py", *session.posargs, env=env)
+
+
 def drop_env_if_asked(session: nox.Session) -> None:
     """With ``MAMBA_ALIGN_DROP_ENVS=1``, remove the session's environment (each
     release's takes about 2.3 GB of disk)."""

@@ -434,16 +434,18 @@ def test_wrong_states_at_gpu_sizes_are_caught_beyond_the_margin(
 ) -> None:
     """Stock's wrong cases (recorded) at the H200's short-tail wrong-state sizes,
     the others at a correct resume's rounding: exactly the wrong ones named.
-    The rounding prompts' samples are 0.032 and 0.064 apart (a spread of 2),
-    so the margin is ``ROUNDING_MARGIN``: 4 x 0.064 = 0.256."""
+    Against rounding samples of one size the margin is 4.76x
+    (``judge.rounding_margin``): 0.28 is called wrong against the H200's
+    0.055 and cannot be told (exit 5, never 0) against its 0.064."""
     recorded = recording("stock_dense")
     deltas = {"pair2.first": wrong, "pair3.first": wrong, "pair3.second": wrong}
     deltas |= {"pair1.second": 0.03, "pair2.second": 0.05}
     edit = shift_cases(deltas)
-    rounding = Rounding(H200_ROUNDING[1], beside=H200_ROUNDING[1] / 2)
-    found = probe(replay(recorded, edit, rounding))
+    high = decide(probe(replay(recorded, edit, Rounding(H200_ROUNDING[1]))))
+    assert high.exit_code == (5 if wrong < 0.305 else 1), high.verdict
+    found = probe(replay(recorded, edit, Rounding(H200_ROUNDING[0])))
     decision = decide(found)
-    assert found.rounding_margin == judge.ROUNDING_MARGIN
+    assert found.rounding_margin == pytest.approx(4.758)
     assert decision.exit_code == 1, decision.verdict
     diverged = [r.name for r in found.results if r.verdict.value == "DIVERGED"]
     # pair2.second's recorded wrong state (9.8e-5) is lost in 0.05 of rounding.

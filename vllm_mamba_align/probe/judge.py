@@ -107,16 +107,16 @@ its boundary can shrink below either (0.02-0.20 on the H200): the probe does
 not claim those."""
 
 
-def rounding_margin(samples: list[float]) -> float:
-    """The wrong-state bound's multiple of the rounding, from the spread of
-    the samples that measured it: a correct resume may differ by
-    ``CORRECT_TO_ROUNDING`` x the server's largest rounding, and samples that
-    span less than ``ROUNDING_SPREAD`` may sit below that largest rounding by
-    the rest of it. At least ``ROUNDING_MARGIN``."""
-    nonzero = [value for value in samples if value > 0]
-    if not nonzero:
-        return ROUNDING_MARGIN
-    spread = min(max(nonzero) / min(nonzero), ROUNDING_SPREAD)
+def rounding_margin(decode_samples: list[float]) -> float:
+    """The wrong-state bound's multiple of the rounding, from the spread of the
+    decode-vs-prefill samples (chunk shapes differ there by construction): a
+    correct resume may differ by ``CORRECT_TO_ROUNDING`` x the server's largest
+    rounding, and samples that span less than ``ROUNDING_SPREAD`` may sit below
+    it by the rest of that spread. At least ``ROUNDING_MARGIN``. A sample beside
+    the filler never narrows it: it may have measured batching alone, below
+    the spread of a chunk end moved."""
+    nonzero = [value for value in decode_samples if value > 0]
+    spread = min(max(nonzero) / min(nonzero), ROUNDING_SPREAD) if nonzero else 1.0
     return max(ROUNDING_MARGIN, CORRECT_TO_ROUNDING * ROUNDING_SPREAD / spread)
 
 
@@ -385,7 +385,8 @@ class RoundingFloor:
     """Prompts whose decode pair was set aside (``decode_departs``)."""
     samples: tuple[Sample, ...] = ()
     margin: float = ROUNDING_MARGIN
-    """The wrong-state bound's multiple of ``floor`` (``rounding_margin``)."""
+    """The wrong-state bound's multiple of ``floor`` (``rounding_margin``; a
+    ``--rounding`` given keeps ``ROUNDING_MARGIN``)."""
 
     @property
     def unverified(self) -> int:
@@ -398,6 +399,9 @@ def rounding_floor(
     """The largest chunk-shape rounding measured by trusted samples."""
     found = samples(pairs, threshold)
     trusted = [s.found.delta for s in found if s.trust is Trust.TRUSTED]
+    decoded = [
+        s.found.delta for s in found if s.trust is Trust.TRUSTED and s.kind == DECODE
+    ]
     wild = any(s.trust is Trust.DISTRUSTED for s in found)
     return RoundingFloor(
         floor=max(trusted, default=0.0),
@@ -406,7 +410,7 @@ def rounding_floor(
         unreproduced=sum(1 for pair in pairs if not pair.reproduced),
         departed=sum(1 for pair in pairs if pair.decode_departs),
         samples=tuple(found),
-        margin=rounding_margin(trusted),
+        margin=rounding_margin(decoded),
     )
 
 
@@ -445,6 +449,8 @@ def bounds(
     (``measured``: by trusted samples, or given; ``margin``: the wrong-state
     bound's multiple of it, ``rounding_margin``)."""
     noise_bound = NOISE_MARGIN * noise
+    if not measured:  # a distrusted sample stands beside it: no rounding holds
+        rounding = 0.0
     return Bounds(
         ok=max(threshold, noise_bound, ROUNDING_SLACK * rounding),
         wrong=max(threshold, NOISE_BAND * noise_bound, margin * rounding),
