@@ -342,7 +342,11 @@ def probe_summary_lines(runs: dict[str, ServeRun]) -> list[str]:
         )
         report = run.probe.report
         rounding = f"{report['rounding_floor']:.2g}" + (
-            " (given)" if report["rounding_given"] else " (measured)"
+            " (given)"
+            if report["rounding_given"]
+            else " (measured)"
+            if report["rounding_measured"]
+            else " (not measured)"
         )
         lines.append(
             f"probe {key}: exit {run.probe.exit_code} in {run.probe.seconds:.1f} s, "
