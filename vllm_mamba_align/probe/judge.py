@@ -46,8 +46,9 @@ of ``--threshold``, ``NOISE_BAND`` x ``NOISE_MARGIN`` x the noise and the
 margin (``rounding_margin``) x the rounding, and only where the rounding was
 measured by a measurement the probe trusts; in between the probe cannot tell.
 Exit 0 (``exit_zero_refusal``) needs every case that read cached tokens within
-``ok``, ``ok`` below ``SMALLEST_WRONG_STATE`` unless every such case is
-bit-identical to its fresh run, and per-request usage details showing reuse.
+``ok`` (within ``--threshold`` where the rounding was not measured), ``ok``
+below ``SMALLEST_WRONG_STATE`` unless every such case is bit-identical to its
+fresh run, and per-request usage details showing reuse.
 """
 
 from __future__ import annotations
@@ -387,10 +388,6 @@ class RoundingFloor:
     margin: float = ROUNDING_MARGIN
     """The wrong-state bound's multiple of ``floor`` (``rounding_margin``; a
     ``--rounding`` given keeps ``ROUNDING_MARGIN``)."""
-
-    @property
-    def unverified(self) -> int:
-        return sum(1 for s in self.samples if s.trust is Trust.UNVERIFIED)
 
 
 def rounding_floor(
