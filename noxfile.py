@@ -244,8 +244,8 @@ PLATFORM_PLUGIN = REPO / "tests" / "support" / "cpu_platform_plugin"
 # vllm-gaudi do), for tests/test_foreign_split.py; inert unless a test sets
 # MAMBA_ALIGN_TEST_FOREIGN_SPLIT.
 FOREIGN_SPLIT_PLUGIN = REPO / "tests" / "support" / "foreign_split_plugin"
-# A fault for the witness (tests/witness): breaks the plugin's retention model;
-# inert unless MAMBA_ALIGN_WITNESS_FAULT=retention (vLLM loads every installed
+# Faults for the witness (tests/witness): break the plugin on purpose; inert
+# unless MAMBA_ALIGN_WITNESS_FAULT names one (vLLM loads every installed
 # general plugin when VLLM_PLUGINS is unset).
 WITNESS_FAULT_PLUGIN = REPO / "tests" / "support" / "witness_fault_plugin"
 # End to end: vLLM's CPU build with its model runner, and a test-only plugin

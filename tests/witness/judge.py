@@ -15,7 +15,8 @@ plugin, and imports nothing of it):
 - A Mamba block carrying a hash names the state after the prefix that hash
   chains over: the ``j``-th of a request's block hashes covers its first
   ``(j + 1) * hash_block`` tokens. It must hold exactly that state once the
-  step that published it has run.
+  step that published it has run, and after every later step while it
+  carries the hash.
 - Every Mamba block vLLM's prefix cache decides to keep (its block mask, or
   every block where it has none) must be a real block when it is cached: a
   null block there is a boundary state vLLM keeps that no chunk ever wrote.
@@ -95,6 +96,9 @@ class Witness:
         """Block id -> the state the worker last wrote there."""
         self.findings = Findings()
         self._judged: set[tuple[int, bytes]] = set()
+        """(block, hash) pairs counted as publications."""
+        self._wrong: set[tuple[int, bytes]] = set()
+        """(block, hash) pairs counted as wrong publications."""
         self._watch_caching()
 
     # -- what vLLM decides to keep -------------------------------------------
@@ -190,8 +194,17 @@ class Witness:
 
     def _judge_published(self) -> None:
         """Every hashed Mamba block of a live request holds the state its hash
-        names (each (block, hash) judged once, after the step that published
-        it ran)."""
+        names, re-checked after every step: a block right when published and
+        overwritten later (a running slot written on after its hash was set,
+        a copy's target) is as wrong as one published wrong. Each
+        (block, hash) counts once as a publication and at most once as a
+        wrong one.
+
+        Live requests' tables cover every block the worker can still write:
+        the mirror writes only running slots and copy targets, both in a
+        live request's table, and a block that leaves every table keeps its
+        state until it is reallocated, which drops its hash
+        (:meth:`forget_evicted`)."""
         from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
 
         for request, group, blocks in self._mamba_tables():
@@ -202,13 +215,16 @@ class Witness:
                 if block.is_null or key is None or get_group_id(key) != group:
                     continue
                 digest = bytes(get_block_hash(key))
-                if (block.block_id, digest) in self._judged:
+                judged = (block.block_id, digest)
+                if judged not in self._judged:
+                    self._judged.add(judged)
+                    self.findings.publications += 1
+                if judged in self._wrong:
                     continue
-                self._judged.add((block.block_id, digest))
-                self.findings.publications += 1
                 length = lengths.get(digest)
                 if length is None:
                     # In the request's own table, yet no prefix of its tokens.
+                    self._wrong.add(judged)
                     self.findings.wrong_publications += 1
                     self.findings.note(
                         f"{request.request_id}: block {block.block_id} carries a "
@@ -217,11 +233,13 @@ class Witness:
                     continue
                 held = self.holds.get(block.block_id)
                 if held != state_name(tokens, length):
+                    self._wrong.add(judged)
                     self.findings.wrong_publications += 1
                     what = "nothing" if held is None else f"state@{held[0]}"
                     self.findings.note(
                         f"{request.request_id}: block {block.block_id} hashed as "
-                        f"the state after {length} tokens holds {what}"
+                        f"the state after {length} tokens holds {what} "
+                        f"(step {self.findings.steps})"
                     )
 
     def _mamba_tables(self) -> list[tuple[Any, int, Sequence[Any]]]:
@@ -251,10 +269,12 @@ class Witness:
         return lengths
 
     def forget_evicted(self) -> None:
-        """A block whose hash vLLM dropped (evicted and reused) is judged
-        again when it is next published."""
+        """A block whose hash vLLM dropped (evicted and reused) counts again
+        when it is next published."""
+        blocks = self.block_pool.blocks
         self._judged = {
-            (block_id, digest)
-            for block_id, digest in self._judged
-            if self.block_pool.blocks[block_id].block_hash is not None
+            pair for pair in self._judged if blocks[pair[0]].block_hash is not None
+        }
+        self._wrong = {
+            pair for pair in self._wrong if blocks[pair[0]].block_hash is not None
         }

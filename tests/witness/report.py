@@ -16,11 +16,11 @@ import sys
 from typing import Any
 
 PLUGIN = "mamba_align"
-RETENTION_FAULT = "mamba_align_retention_fault"
-"""tests/support/witness_fault_plugin: breaks the plugin's retention model."""
+FAULT_PLUGIN = "mamba_align_witness_fault"
+"""tests/support/witness_fault_plugin: breaks the plugin on purpose."""
 FAULT_SWITCH = "MAMBA_ALIGN_WITNESS_FAULT"
-"""The fault acts only where this is ``retention`` (it is installed in every
-suite's environment, where vLLM may load every general plugin)."""
+"""The fault plugin acts only where this names a fault (it is installed in
+every suite's environment, where vLLM may load every general plugin)."""
 
 MODES: dict[str, tuple[tuple[str, ...], str | None]] = {
     "stock": ((), None),
@@ -28,9 +28,27 @@ MODES: dict[str, tuple[tuple[str, ...], str | None]] = {
     "full": ((PLUGIN,), "full"),
     "grid": ((PLUGIN,), "grid"),
     "mode unset": ((PLUGIN,), None),
-    "kept, retention model broken": ((PLUGIN, RETENTION_FAULT), "kept"),
+    "kept, retention model broken": ((PLUGIN, FAULT_PLUGIN), "kept"),
+    "unset, split on C's grid": ((PLUGIN, FAULT_PLUGIN), None),
+    "unset, no junction stop": ((PLUGIN, FAULT_PLUGIN), None),
+    "unset, no replay stop": ((PLUGIN, FAULT_PLUGIN), None),
 }
 """Mode -> (general plugins vLLM loads, VLLM_MAMBA_ALIGN_MODE or None: unset)."""
+
+FAULTS = {
+    "kept, retention model broken": "retention",
+    "unset, split on C's grid": "cache-grid",
+    "unset, no junction stop": "no-junction-stop",
+    "unset, no replay stop": "no-replay-stop",
+}
+"""Mode -> the fault it switches on (``MAMBA_ALIGN_WITNESS_FAULT``)."""
+PUBLISHING_FAULTS = (
+    "unset, split on C's grid",
+    "unset, no junction stop",
+    "unset, no replay stop",
+)
+"""Faults that make the plugin publish wrong states (the other one loses kept
+states)."""
 
 FIXING = ("kept", "full", "grid", "mode unset")
 MATERIALIZING = ("kept", "full", "mode unset")
@@ -49,8 +67,8 @@ def run_mode(mode: str) -> dict[str, dict[str, Any]]:
     env["VLLM_PLUGINS"] = ",".join(p for p in (*plugins, *platform.split(",")) if p)
     env.pop("VLLM_MAMBA_ALIGN_MODE", None)
     env.pop(FAULT_SWITCH, None)
-    if RETENTION_FAULT in plugins:
-        env[FAULT_SWITCH] = "retention"
+    if mode in FAULTS:
+        env[FAULT_SWITCH] = FAULTS[mode]
     if chosen is not None:
         env["VLLM_MAMBA_ALIGN_MODE"] = chosen
     env["PYTHONPATH"] = os.pathsep.join(

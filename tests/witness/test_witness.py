@@ -6,8 +6,10 @@ Each mode runs every workload in a fresh process that loads the plugin the way
 users do, through vLLM's plugin loader (``report.run_mode``). Stock vLLM
 publishes wrong states wherever C < B; every fixing mode publishes and reads
 none; ``kept``, ``full`` and the default also write every state vLLM keeps;
-and the judge fails a plugin whose retention model is broken on purpose
-(tests/support/witness_fault_plugin). That the witness reaches no code of the
+and the judge fails a plugin broken on purpose
+(tests/support/witness_fault_plugin): its retention model (lost kept states),
+its split run on C's grid, its junction stops or its replay-boundary stops
+left out (wrong publications). That the witness reaches no code of the
 plugin is checked without vLLM: tests/unit/test_witness_independence.py.
 """
 
@@ -15,8 +17,13 @@ from __future__ import annotations
 
 import pytest
 
-from witness.report import FIXING, MATERIALIZING, run_mode
-from witness.workloads import STATE_BLOCK, drafter_block, workloads
+from witness.report import FIXING, MATERIALIZING, PUBLISHING_FAULTS, run_mode
+from witness.workloads import (
+    STATE_BLOCK,
+    drafter_block,
+    retention_setting,
+    workloads,
+)
 
 pytestmark = pytest.mark.random_workloads
 
@@ -58,7 +65,8 @@ def test_no_wrong_state_published_or_read_under_load(mode: str) -> None:
     its own prefix's, every request not aborted finished; ``kept``, ``full``
     and the default also leave no state vLLM keeps unwritten. And the load
     really happened: preemptions, priority preemptions of prefills in
-    progress, aborts in prefill and decode, where each workload expects them."""
+    progress, aborts in prefill and decode, where each workload expects them,
+    and cache hits in every workload."""
     _needs_witness_release()
     results = run_mode(mode)
     for workload in workloads():
@@ -87,3 +95,30 @@ def test_the_witness_fails_a_broken_retention_model() -> None:
     assert sum(lost.values()) > 0, lost
     intact = run_mode("kept")
     assert all(line["findings"]["lost_kept_states"] == 0 for line in intact.values())
+
+
+@pytest.mark.parametrize("fault", PUBLISHING_FAULTS)
+def test_the_witness_catches_a_plugin_that_publishes_wrong_states(fault: str) -> None:
+    """The default mode broken on purpose (tests/support/witness_fault_plugin,
+    built from the plugin's own stop policy, outside its serving code): its
+    split on C's grid instead of B's, or lean without its stops at junctions
+    or at replay boundaries (the CPU scheduler's backend checkpoints no
+    prompt, so none covers a replay boundary). Each publishes Mamba blocks
+    as states they do not hold, and the witness counts them, where the intact
+    default mode publishes none (the test above, "mode unset")."""
+    _needs_witness_release()
+    block = drafter_block()
+    if (
+        fault == "unset, split on C's grid"
+        and block is not None
+        and STATE_BLOCK % block == 0
+    ):
+        pytest.skip("C divides B here: chunks stopped on C's grid also end on B's")
+    if fault != "unset, split on C's grid" and not retention_setting():
+        pytest.skip("every state is kept here: lean stops at every boundary")
+    broken = run_mode(fault)
+    assert all(line["patched"] for line in broken.values())
+    wrong = {
+        name: line["findings"]["wrong_publications"] for name, line in broken.items()
+    }
+    assert sum(wrong.values()) > 0, wrong

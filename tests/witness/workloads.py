@@ -32,6 +32,12 @@ class Arrival:
     tokens: tuple[int, ...]
     max_tokens: int
     priority: int = 0
+    after: str | None = None
+    """Held back, from ``step`` on, until request ``after`` has computed its
+    whole prompt (or is gone): a sibling that reads what that one left in the
+    cache, whenever the load lets that one get there (after its preemptions,
+    behind late high-priority arrivals, steps ahead of its output under async
+    scheduling)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,7 @@ class Events:
     """Aborted before any of its tokens was computed (served: a client gone
     while its request waited)."""
     cache_hits: int = 0
+    """Requests admitted with computed tokens (a prefix-cache hit)."""
     unfinished: list[str] = field(default_factory=list)
     """Requests neither aborted nor given all their tokens (must stay empty)."""
 
@@ -129,6 +136,37 @@ def _aborts(seed: int, arrivals: tuple[Arrival, ...]) -> tuple[Abort, ...]:
     return tuple(aborts)
 
 
+def _siblings(
+    seed: int,
+    arrivals: tuple[Arrival, ...],
+    count: int,
+    aborts: tuple[Abort, ...] = (),
+) -> tuple[Arrival, ...]:
+    """``count`` requests that extend the whole prompt of one of ``arrivals``
+    each (of those not aborted, the longest decodes) and arrive once that
+    one's prompt is computed, at the highest priority: each can hit the state
+    vLLM keeps at the replay boundary of the prompt it extends, and the
+    attention blocks beside it."""
+    rng = random.Random(seed + 2)
+    aborted = {abort.req_id for abort in aborts}
+    # Long decodes first: their blocks stay in use (so not evicted from a
+    # scarce pool) while the sibling waits for its turn.
+    extended = sorted(
+        (a for a in arrivals if a.req_id not in aborted),
+        key=lambda a: (-a.max_tokens, -len(a.tokens), a.req_id),
+    )[:count]
+    return tuple(
+        Arrival(
+            base.step,
+            f"{base.req_id}-sibling",
+            base.tokens + tuple(_prompt(rng, rng.randint(20, 120))),
+            rng.choice([1, 3, 12]),
+            after=base.req_id,
+        )
+        for base in extended
+    )
+
+
 def drafter_block() -> int | None:
     """C for the drafter's group beside B = 96 (:data:`STATE_BLOCK`) on the
     installed vLLM: 64 (not a divisor) from 0.28.0, 48 (C must divide B) before
@@ -155,6 +193,7 @@ def retention_setting() -> bool:
 STATE_BLOCK = 96
 """B, the Mamba group's block (and the attention group's)."""
 PREEMPTED = "preemptions"
+HITS = "cache_hits"
 ABORTED = ("aborts_in_prefill", "aborts_in_decode")
 
 
@@ -174,6 +213,16 @@ def workloads() -> list[Workload]:
     scarce = _load(seed=12, count=12, spread=20)
     aborted = _load(seed=13, count=12, spread=25)
     ranked = _load(seed=14, count=10, spread=14, late_priority=True)
+    # Aborts are drawn from each load before its siblings join it, so the
+    # siblings are never aborted and every one of them can read the cache.
+    scarce_aborts = {seed: _aborts(seed, scarce) for seed in (12, 15)}
+    ranked_aborts = _aborts(14, ranked)
+    aborted_aborts = _aborts(13, aborted)
+    # Siblings where the load alone leaves no hit: behind preemptions (the
+    # scarce pool, async steps, C = B) and late high-priority arrivals.
+    scarce += _siblings(12, scarce, 3, scarce_aborts[12] + scarce_aborts[15])
+    ranked += _siblings(14, ranked, 3, ranked_aborts)
+    aborted += _siblings(13, aborted, 2, aborted_aborts)
     retention = []
     if retention_setting():
         retention = [
@@ -188,34 +237,36 @@ def workloads() -> list[Workload]:
                 concurrent,
             ),
         ]
-    return [
-        Workload("concurrent", drafter, concurrent, expects=("cache_hits",)),
+    listed = [
+        Workload("concurrent", drafter, concurrent),
         *retention,
         Workload("scarce pool", scarce_pool, scarce, expects=(PREEMPTED,)),
-        Workload("aborts", drafter, aborted, _aborts(13, aborted), expects=ABORTED),
+        Workload("aborts", drafter, aborted, aborted_aborts, expects=ABORTED),
         Workload(
             "priority",
             replace(scarce_pool, priority=True),
             ranked,
-            _aborts(14, ranked),
+            ranked_aborts,
             expects=("priority_preemptions", "aborts_in_prefill"),
         ),
         Workload(
             "async",
             replace(scarce_pool, async_scheduling=True),
             scarce,
-            _aborts(15, scarce),
+            scarce_aborts[15],
             expects=(PREEMPTED, *ABORTED),
         ),
         Workload(
             "equal blocks (C = B)",
             replace(scarce_pool, drafter_block=None, num_blocks=12),
             scarce,
-            _aborts(12, scarce),
+            scarce_aborts[12],
             expects=(PREEMPTED, *ABORTED),
             stock_wrong=False,
         ),
     ]
+    # Every workload reads the cache: a request admitted with computed tokens.
+    return [replace(w, expects=(*w.expects, HITS)) for w in listed]
 
 
 def tokens_of(request: Any) -> list[int]:
@@ -244,8 +295,8 @@ def drive(workload: Workload) -> tuple[Findings, Events]:
             if in_flight and not pending and not scheduler.has_requests():
                 scheduler.update_from_output(*in_flight.pop())  # drain the queue
                 continue
-            while pending and pending[0].step <= step:
-                arrival = pending.pop(0)
+            for arrival in [a for a in pending if _due(a, step, added, scheduler)]:
+                pending.remove(arrival)
                 request = new_request(
                     scheduler,
                     arrival.req_id,
@@ -297,6 +348,22 @@ def drive(workload: Workload) -> tuple[Findings, Events]:
         if req_id not in aborted and request.num_output_tokens < request.max_tokens:
             events.unfinished.append(req_id)
     return witness.findings, events
+
+
+def _due(arrival: Arrival, step: int, added: dict[str, Any], scheduler: Any) -> bool:
+    """Whether ``arrival`` arrives now: its step has come and the request it
+    waits for (:attr:`Arrival.after`) has computed its prompt or is gone."""
+    if arrival.step > step:
+        return False
+    if arrival.after is None:
+        return True
+    base = added.get(arrival.after)
+    if base is None:
+        return False
+    return (
+        arrival.after not in scheduler.requests
+        or base.num_computed_tokens >= base.num_prompt_tokens
+    )
 
 
 def _abort_due(

@@ -1,34 +1,104 @@
-"""Test-only fault: the mamba_align plugin's model of vLLM's state retention
-believes vLLM keeps no boundary state at all (not dense, no interval, no
-replay boundary, no junction), whatever the scheduler's setting is.
+"""Test-only faults in the mamba_align plugin, so tests/witness can show that
+its judge, which shares no code with the plugin, fails a plugin that breaks.
 
-With it, ``kept`` mode never stops at a boundary, so under dense retention or
-an interval R a chunk runs past boundaries whose states vLLM keeps: their
-slots stay null, states no chunk wrote. tests/witness loads this plugin by name
-(``VLLM_PLUGINS=mamba_align,mamba_align_retention_fault``) to show that its
-judge, which shares no code with the plugin, fails such a plugin. vLLM loads
-every general plugin before it builds a scheduler, and the plugin consults the
-model while it schedules, so the order in which the two load does not matter.
+``MAMBA_ALIGN_WITNESS_FAULT`` chooses the fault (unset: inert):
 
-Inert unless ``MAMBA_ALIGN_WITNESS_FAULT=retention`` is set too: with
-``VLLM_PLUGINS`` unset vLLM loads every installed general plugin, and the
-suites' environments have this one installed beside the plugin.
+- ``retention``: the plugin's model of vLLM's state retention believes vLLM
+  keeps no boundary state at all (not dense, no interval, no replay boundary,
+  no junction), whatever the scheduler's setting is. ``kept`` mode then never
+  stops at a boundary, so under dense retention or an interval R a chunk runs
+  past boundaries whose states vLLM keeps: their slots stay null (lost kept
+  states, not wrong publications).
+- ``cache-grid``: every scheduler's stop policy runs on C, the cache config's
+  block, instead of B: the plugin's B-grid view of vLLM's split is dropped
+  (the view is built from the policy's grid), and its stops fall on C's grid
+  too. Chunks end where no Mamba state boundary is, and blocks get published
+  as states they do not hold wherever the plugin stops on every boundary
+  (dense retention, ``full``).
+- ``no-junction-stop``: lean leaves out its stops at shared-prefix junctions
+  (:class:`vllm_mamba_align.policy.LeanStop` ``JUNCTION``): a chunk runs past
+  a junction vLLM keeps, and the junction's block, written mid-block by an
+  earlier chunk that ended on C's grid, is published as the junction's state.
+- ``no-replay-stop``: lean leaves out its stops at replay boundaries
+  (``LeanStop.REPLAY``). The witness's workloads run on the CPU scheduler,
+  whose backend declares no prefill checkpoint, so no checkpoint covers the
+  replay boundary there, and its block is published over another state.
+
+Each fault is built from the plugin's own pieces, outside its serving code:
+the stop policy it builds per scheduler (``StopPolicy.for_scheduler``,
+wrapped here to return a changed policy: its ``grid`` or its ``without``, the
+composition the benchmarks' ablation uses) and the retention model's class.
+vLLM loads every general plugin before it builds a scheduler, and the plugin
+builds its policy when a scheduler starts, so the order in which the two
+plugins load does not matter.
+
+Inert unless the switch is set: with ``VLLM_PLUGINS`` unset vLLM loads every
+installed general plugin, and the suites' environments have this one
+installed beside the plugin. An unknown value raises inside ``register()``,
+which vLLM propagates: a misspelt fault never runs as an intact plugin.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 SWITCH = "MAMBA_ALIGN_WITNESS_FAULT"
 
 
-def register() -> None:
-    if os.environ.get(SWITCH) != "retention":
-        return
+def _break_retention() -> None:
     from vllm_mamba_align import retention
 
     model: Any = retention.Retention
     model.dense = property(lambda self: False)
     model.keeps_segment = lambda self, boundary: False
     model.reachable = lambda self, request: ()
+
+
+def _change_policy(change: Callable[[Any, Any], Any]) -> None:
+    """Every policy the plugin builds for a scheduler passes through
+    ``change(policy, scheduler)``."""
+    from vllm_mamba_align.policy import StopPolicy
+
+    shipped = StopPolicy.__dict__["for_scheduler"].__func__
+
+    def for_scheduler(
+        cls: Any, mode: Any, body: Any, retention: Any, scheduler: Any, grid: int
+    ) -> Any:
+        policy = shipped(cls, mode, body, retention, scheduler, grid)
+        return change(policy, scheduler)
+
+    StopPolicy.for_scheduler = classmethod(for_scheduler)  # type: ignore[method-assign,assignment]
+
+
+def _on_cache_grid(policy: Any, scheduler: Any) -> Any:
+    return replace(policy, grid=int(scheduler.cache_config.block_size))
+
+
+def _lean_without(stop_name: str) -> Callable[[Any, Any], Any]:
+    def change(policy: Any, scheduler: Any) -> Any:
+        from vllm_mamba_align.policy import LeanStop
+
+        stop = LeanStop[stop_name]
+        return replace(policy, without=policy.without | {stop})
+
+    return change
+
+
+FAULTS: dict[str, Callable[[], None]] = {
+    "retention": _break_retention,
+    "cache-grid": lambda: _change_policy(_on_cache_grid),
+    "no-junction-stop": lambda: _change_policy(_lean_without("JUNCTION")),
+    "no-replay-stop": lambda: _change_policy(_lean_without("REPLAY")),
+}
+
+
+def register() -> None:
+    fault = os.environ.get(SWITCH)
+    if not fault:
+        return
+    if fault not in FAULTS:
+        raise ValueError(f"{SWITCH}={fault!r}: no such fault (known: {sorted(FAULTS)})")
+    FAULTS[fault]()
