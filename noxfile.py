@@ -472,7 +472,11 @@ def e2e(session: nox.Session) -> None:
     session.install("--no-deps", "-r", str(E2E_PINNED))
     session.install("--no-deps", "-r", str(E2E_RAY))
     session.install(*GROUPING_TOOLS)
-    session.install(str(E2E_WORKAROUNDS), str(WITNESS_ENGINE_PLUGIN))
+    # The foreign split plugin (inert unless a test sets its variable): a
+    # headless node whose split carries another plugin's wrapper.
+    session.install(
+        str(E2E_WORKAROUNDS), str(WITNESS_ENGINE_PLUGIN), str(FOREIGN_SPLIT_PLUGIN)
+    )
     install_plugin_wheel(session)
     env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
     # Two workers for the groups (xdist_group marks), each handed to a worker
@@ -491,6 +495,21 @@ def e2e(session: nox.Session) -> None:
         "tests/e2e",
         *session.posargs,
         env=env,
+    )
+
+
+@nox.session(venv_backend="none")
+@timed
+def e2e_headless(session: nox.Session) -> None:
+    """Refusals in a headless node's engine core reaching the head (not in CI's
+    default list: two head + headless deployments, several minutes on 2 cores):
+    tests/e2e/test_headless_engine_refusal.py, in e2e's environment."""
+    session.run(
+        sys.executable,
+        *("-m", "nox", "-s", "e2e", "--"),
+        *("-k", "test_headless_engine_refusal"),
+        *session.posargs,
+        env={"MAMBA_ALIGN_E2E_HEADLESS_ENGINE": "1"},
     )
 
 

@@ -22,13 +22,27 @@ dropped and the node stops as before. Should ``run_headless`` end without
 building the manager (a multi-node TP/PP node), the refusal is raised there,
 untold. Every engine core and worker that still starts loads the plugin and
 refuses on its own (their processes have a parent), so nothing runs unpatched.
+
+A refusal raised later, when an engine core of a headless node builds its
+scheduler (split code the plugin does not know, another plugin's layer on the
+split, the stall guard), comes after that engine core's HELLO: the head holds
+the rank as connected and drops a second socket with the same identity. vLLM
+builds the scheduler inside its ``EngineCoreProc._perform_handshake`` context
+manager, while the engine core's own handshake socket is still open (READY goes
+out on it once the engine is built). :func:`tell_head_from_engine_core` finds
+that suspended context manager of vLLM's at the moment of the refusal and sends
+the refusal on its socket as the engine's status, which the head's loop rejects
+with the same error as above. Nothing is wrapped for it: a spawned engine core
+loads the plugin only after its handshake, so a wrapper would come too late.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib
 import multiprocessing
 import sys
+import types
 from typing import Any
 
 import wrapt
@@ -36,6 +50,8 @@ import wrapt
 from .errors import MambaAlignError
 
 ENGINE_UTILS_MODULE = "vllm.v1.engine.utils"
+ENGINE_CORE_MODULE = "vllm.v1.engine.core"
+HANDSHAKE = "_perform_handshake"
 SERVE_MODULE = "vllm.entrypoints.cli.serve"
 MANAGER = "CoreEngineProcManager"
 TELL_BOUND = 60.0
@@ -54,6 +70,72 @@ def headless_launcher(argv: list[str] | None = None) -> bool:
     """Whether this process is the launcher of ``vllm serve --headless``."""
     arguments = sys.argv[1:] if argv is None else argv
     return multiprocessing.parent_process() is None and "--headless" in arguments
+
+
+def on_headless_node(argv: list[str] | None = None) -> bool:
+    """Whether this process belongs to ``vllm serve --headless``: its launcher,
+    or an engine core or worker under it (a spawned child gets its parent's
+    ``sys.argv``, a forked one keeps it)."""
+    return "--headless" in (sys.argv[1:] if argv is None else argv)
+
+
+def _open_handshake() -> tuple[Any, bool, bool] | None:
+    """The socket, ``local`` and ``headless`` of this engine core's handshake
+    with the head, while vLLM's ``_perform_handshake`` is open for a headless
+    engine core (None otherwise). Looked up only when a refusal is raised: the
+    suspended generator of that context manager is found among the objects the
+    collector tracks, by vLLM's own code object."""
+    core = sys.modules.get(ENGINE_CORE_MODULE)
+    owner = getattr(core, "EngineCoreProc", None)
+    function = getattr(getattr(owner, HANDSHAKE, None), "__wrapped__", None)
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return None  # no engine core here, or another vLLM layout
+    for found in gc.get_objects():
+        if type(found) is not types.GeneratorType or found.gi_code is not code:
+            continue
+        frame = found.gi_frame
+        names = frame.f_locals if frame is not None else {}
+        handshake_socket = names.get("handshake_socket")
+        if handshake_socket is None or not names.get("headless"):
+            continue
+        if not handshake_socket.closed:
+            return handshake_socket, bool(names.get("local_client")), True
+    return None
+
+
+def tell_head_from_engine_core(error: MambaAlignError, bound: float = 5.0) -> bool:
+    """Send ``error`` to the head on this engine core's open handshake socket,
+    as the engine's status (nothing where this is not a headless engine core
+    building its engine). Returns True once the head has hung up, having taken
+    the message; False when it did not within ``bound`` seconds (the message
+    may still have reached it) or nothing was sent."""
+    if not on_headless_node():
+        return False  # no search elsewhere (a head, ``LLM``, a single node)
+    found = _open_handshake()
+    if found is None:
+        return False
+    handshake_socket, local, is_headless = found
+    zmq: Any = importlib.import_module("zmq")
+    msgpack: Any = importlib.import_module("msgspec.msgpack")
+    rank = int.from_bytes(handshake_socket.getsockopt(zmq.IDENTITY), "little")
+    payload = msgpack.encode(
+        {
+            "status": refusal_status(error, [rank]),
+            "local": local,
+            "headless": is_headless,
+        }
+    )
+    _logger().error("%s; telling the head on the handshake socket", error)
+    # The head stops on this message, closing its end: waiting for that keeps
+    # the process alive until the message has left it.
+    monitor = handshake_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        handshake_socket.send(payload)
+        return bool(monitor.poll(timeout=int(bound * 1000)))
+    finally:
+        handshake_socket.disable_monitor()
+        monitor.close(linger=0)
 
 
 def hold(error: MambaAlignError) -> bool:

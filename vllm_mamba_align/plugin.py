@@ -57,6 +57,19 @@ Sites, one card each (why / how / upstream / delete when):
    counts True answers per thread and returns the answer unchanged
    (checkpoints.py).
    Upstream: PR #54076. Delete when: as 2.
+7. **Nothing wrapped: the engine core's open handshake, read at a refusal**
+   (``EngineCoreProc._perform_handshake`` in ``vllm/v1/engine/core.py``).
+   Why: a refusal at scheduler construction (2.) in a ``vllm serve
+   --headless`` node's engine core comes after its HELLO; vLLM then tells the
+   head nothing, and the head's startup loop does not watch remote engines: it
+   would wait, silent. How: only when ``Scheduler.__init__`` refuses, the
+   plugin looks for vLLM's suspended ``_perform_handshake`` generator (by its
+   code object) of a headless engine core and sends the refusal on its socket,
+   still open then, as the engine's status; the head's
+   ``wait_for_engine_startup`` rejects it quoting it (headless.py). A wrapper on
+   ``startup_handshake`` would miss spawned engine cores, which load plugins
+   after the handshake. Upstream: none. Delete when: vLLM tells the head why a
+   remote engine core failed to start.
 """
 
 from __future__ import annotations
@@ -208,7 +221,12 @@ def patch_scheduler_module(module: ModuleType) -> None:
         wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         wrapped(*args, **kwargs)
-        attach(instance, recognition)
+        try:
+            attach(instance, recognition)
+        except MambaAlignError as error:
+            # An engine core of a headless node: the head hears it (headless.py).
+            headless.tell_head_from_engine_core(error)
+            raise
 
     body = recognition.body
     # Over another plugin's layer nothing but __init__ is wrapped: each hybrid

@@ -124,6 +124,9 @@ class Deployment:
     left: tuple[bool, bool] = (True, True)
     node_exit: int | None = None
     head_exit: int | None = None
+    head_after: float | None = None
+    """Refusals in an engine core: the head had exited at most this many
+    seconds after the node's refusal (read when the test looked: a bound)."""
     probe: ProbeRun | None = None
     direct: ProbeRun | None = None
     """Replicas: the probe of one replica at its own address."""
@@ -523,7 +526,13 @@ def summary_lines() -> list[str]:
                 )
         lines.append(
             f"distributed {key}: {found.seconds:.1f} s in all (until ready or "
-            f"refused {found.start_seconds:.1f} s); cached "
+            f"refused {found.start_seconds:.1f} s"
+            + (
+                f", the head {found.head_after:.1f} s after the refusal"
+                if found.head_after is not None
+                else ""
+            )
+            + "); cached "
             + ", ".join(f"{name} {c.cached_tokens}" for name, c in found.done.items())
             + probe
         )

@@ -39,9 +39,10 @@ def _head_socket() -> tuple[Any, Any, str]:
     return context, router, address
 
 
-def _head_waits(router: Any) -> BaseException | None:
+def _head_waits(router: Any, bound: float = 60) -> BaseException | None:
     """vLLM's startup loop of a head with rank 0 local and rank 1 remote; what it
-    raised, or None if nothing came within 60 s (the loop left in its thread)."""
+    raised, or None if nothing came within ``bound`` seconds (the loop left in
+    its thread)."""
     from vllm.config import CacheConfig, ParallelConfig
     from vllm.v1.engine.utils import (
         CoreEngine,
@@ -74,7 +75,7 @@ def _head_waits(router: Any) -> BaseException | None:
 
     thread = threading.Thread(target=loop, daemon=True)
     thread.start()
-    thread.join(timeout=60)
+    thread.join(timeout=bound)
     return raised[0] if raised else None
 
 
@@ -170,3 +171,81 @@ def test_outside_a_headless_launcher_the_refusal_is_raised_at_once() -> None:
         timeout=120,
     )
     assert child.stdout.split() == ["True", "False"], child.stderr
+
+
+ENGINE_CORE = textwrap.dedent(
+    """
+    import os, sys
+    import zmq
+    sys.argv = ["vllm", "serve", "MODEL", *os.environ["NODE_FLAGS"].split()]
+    import vllm_mamba_align
+    from vllm_mamba_align import headless
+    vllm_mamba_align.register()
+    from vllm.v1.engine.core import EngineCoreProc
+    print("handshake:", type(vars(EngineCoreProc)["startup_handshake"]).__name__)
+    error = vllm_mamba_align.MambaAlignError(
+        "the split is code the plugin has not verified"
+    )
+    address = os.environ.get("HEAD_HANDSHAKE_ADDRESS")
+    if address is None:  # no handshake open: nothing to tell
+        print("told:", headless.tell_head_from_engine_core(error))
+        sys.exit(0)
+    engine = object.__new__(EngineCoreProc)  # vLLM's handshake, as a headless
+    context = zmq.Context()                   # engine core performs it
+    try:
+        with engine._perform_handshake(
+            context, address, (1).to_bytes(2, "little"), False, True, None
+        ):
+            print("told:", headless.tell_head_from_engine_core(error))
+            raise error  # as Scheduler.__init__ raises it: no READY follows
+    except vllm_mamba_align.MambaAlignError:
+        pass
+    context.destroy(linger=0)
+    """
+)
+
+
+def test_an_engine_core_of_a_headless_node_tells_the_head_after_its_hello() -> None:
+    """vLLM's ``EngineCoreProc._perform_handshake`` said HELLO and got the
+    head's init message; a refusal raised inside it (where vLLM builds the
+    scheduler) goes on the same socket, and the head's loop stops quoting it
+    (the scheduler-time refusals of test_headless_engine_refusal.py, without
+    the engines). vLLM's functions stay unwrapped."""
+    context, router, address = _head_socket()
+    env = {**os.environ, "HEAD_HANDSHAKE_ADDRESS": address, "NODE_FLAGS": "--headless"}
+    try:
+        engine = subprocess.Popen(
+            [sys.executable, "-c", ENGINE_CORE],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        # The engine imports vLLM first: slow on a loaded machine.
+        raised = _head_waits(router, bound=240)
+        router.close(linger=0)  # the head stops: its end hangs up
+        output, _ = engine.communicate(timeout=120)
+    finally:
+        router.close(linger=0)
+        context.term()
+    assert engine.returncode == 0, output
+    assert "handshake: staticmethod" in output
+    assert "told: True" in output, output
+    assert isinstance(raised, RuntimeError), (raised, output)
+    assert "Unexpected " + headless.MESSAGE_PREFIX + " 1:" in str(raised)
+    assert "the split is code the plugin has not verified" in str(raised)
+    assert "remote engine 1" in str(raised)
+
+
+def test_without_an_open_handshake_nothing_is_told() -> None:
+    """A refusal in a process of a headless node where no handshake with the
+    head is open (its launcher, a worker): nothing is sent."""
+    engine = subprocess.run(
+        [sys.executable, "-c", ENGINE_CORE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "NODE_FLAGS": "--headless"},
+    )
+    assert engine.returncode == 0, engine.stdout + engine.stderr
+    assert "told: False" in engine.stdout, engine.stdout

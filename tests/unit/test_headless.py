@@ -59,3 +59,15 @@ def test_any_other_process_raises_the_refusal_at_once() -> None:
 def test_the_status_the_head_quotes_names_the_ranks_and_the_refusal() -> None:
     status = headless.refusal_status(MambaAlignError("bad mode."), [2, 3])
     assert status == f"{headless.MESSAGE_PREFIX} 2, 3: bad mode."
+
+
+def test_every_process_of_a_headless_node_is_recognized_by_its_command_line() -> None:
+    assert headless.on_headless_node(["serve", "MODEL", "--headless"])
+    assert not headless.on_headless_node(["serve", "MODEL", "--api-server-count", "2"])
+
+
+def test_a_refusal_outside_a_headless_engine_core_tells_nobody() -> None:
+    """No vLLM engine core here (and no handshake open): nothing to send, and
+    no search through the collector's objects either without ``--headless``."""
+    error = MambaAlignError("refused")
+    assert headless.tell_head_from_engine_core(error) is False
