@@ -254,7 +254,7 @@ BODIES: tuple[SplitBody, ...] = (
         checkpoint_grid=CheckpointGrid.CACHE_HIT_ALIGNMENT,
     ),
     _body(
-        "0.33.0",
+        "0.33.0 0.34.0",
         "f3405419e904a2f8",
         internal_checkpoint=InternalCheckpoint.OBSERVED,
         wide_block_exemption=True,
@@ -530,11 +530,11 @@ SEED_BODIES: tuple[SeedCode, ...] = (
     SeedCode("0.25.0-0.25.1", "15fe6a31bda00318", SeedSite.SEEDS_WITH_CACHE_BLOCK),
     SeedCode("0.26.0", "9be463981ada6b80", SeedSite.SEEDS_WITH_CACHE_BLOCK),
     SeedCode("0.27.0-0.31.0", "c440bde5f6af797c", SeedSite.SEEDS_WITH_CACHE_BLOCK),
-    SeedCode("0.32.0-0.33.0", "855d57fbda65b32d", SeedSite.SEEDS_WITH_MAMBA_BLOCK),
+    SeedCode("0.32.0-0.34.0", "855d57fbda65b32d", SeedSite.SEEDS_WITH_MAMBA_BLOCK),
 )
 GROUP_INFO_BODIES: dict[str, str] = {
     "e9850e0b37703e2e": "0.25.0-0.28.0",
-    "ab92c2fce7e1af45": "0.29.0-0.33.0",
+    "ab92c2fce7e1af45": "0.29.0-0.34.0",
 }
 """``_get_mamba_group_info`` fingerprints whose contract the deferred seed relies
 on: it binds ``self._mamba_spec`` from the KV-cache config and returns

@@ -211,6 +211,21 @@ def _hash_function() -> Any:
     return sha256
 
 
+def step_output(req_ids: list[str], sampled: list[list[int]]) -> Any:
+    """The worker's output of one step (``ModelRunnerOutput``): vLLM up to
+    0.33.0 also wants each id's index (``req_id_to_index``); 0.34.0 has no such
+    field, the order of ``req_ids`` is the index."""
+    from dataclasses import fields
+
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    indexed = "req_id_to_index" in {f.name for f in fields(ModelRunnerOutput)}
+    index = {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}}
+    return ModelRunnerOutput(
+        req_ids=req_ids, sampled_token_ids=sampled, **(index if indexed else {})
+    )
+
+
 def new_request(
     scheduler: Any, req_id: str, tokens: list[int], max_tokens: int, priority: int
 ) -> Any:

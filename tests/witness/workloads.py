@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from witness.engine import Shape, build_scheduler, new_request
+from witness.engine import Shape, build_scheduler, new_request, step_output
 from witness.judge import Findings, Witness
 
 SAMPLED = 7
@@ -227,7 +227,6 @@ def tokens_of(request: Any) -> list[int]:
 
 def drive(workload: Workload) -> tuple[Findings, Events]:
     """Run ``workload`` to the end under the witness."""
-    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import RequestStatus
 
     scheduler = build_scheduler(workload.shape)
@@ -275,11 +274,7 @@ def drive(workload: Workload) -> tuple[Findings, Events]:
                 [SAMPLED] if end >= scheduler.requests[r].num_tokens else []
                 for r, (_, end) in chunks.items()
             ]
-            runner = ModelRunnerOutput(
-                req_ids=list(chunks),
-                req_id_to_index={r: i for i, r in enumerate(chunks)},
-                sampled_token_ids=sampled,
-            )
+            runner = step_output(list(chunks), sampled)
             in_flight.appendleft((output, runner))
             if (
                 workload.shape.async_scheduling

@@ -29,6 +29,7 @@ from .engine import (
     kv_cache_config,
     prompt,
     retention_interval,
+    runner_output,
 )
 from .oracle import KeepDecision, Poisoned
 from .states import Chunk, RequestRecord, StateId, prefix_state_ids, state_id
@@ -55,5 +56,6 @@ __all__ = [
     "prefix_state_ids",
     "prompt",
     "retention_interval",
+    "runner_output",
     "state_id",
 ]

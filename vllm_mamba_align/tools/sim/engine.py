@@ -497,6 +497,24 @@ def build_scheduler(geometry: Geometry) -> Any:
     return scheduler
 
 
+def runner_output(
+    req_ids: list[str], sampled_token_ids: list[list[int]], **extra: Any
+) -> Any:
+    """vLLM's ``ModelRunnerOutput`` for one step: ``req_ids`` in the worker's
+    order, each one's sampled tokens. Up to 0.33.0 the output also maps each id
+    to its index (``req_id_to_index``); 0.34.0 dropped that field (the order of
+    ``req_ids`` is the index)."""
+    from dataclasses import fields
+
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    if "req_id_to_index" in {f.name for f in fields(ModelRunnerOutput)}:
+        extra["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+    return ModelRunnerOutput(
+        req_ids=req_ids, sampled_token_ids=sampled_token_ids, **extra
+    )
+
+
 def prompt(length: int, seed: int) -> list[int]:
     """Deterministic pseudo-random token ids."""
     import random
