@@ -71,6 +71,10 @@ class Events:
     """Aborted before any of its tokens was computed (served: a client gone
     while its request waited)."""
     cache_hits: int = 0
+    admitted_ahead: int = 0
+    """Requests scheduled for the first time while one that arrived before them
+    still waited, never scheduled (cache-aware admission reordering the queue;
+    arrival order admits none)."""
     unfinished: list[str] = field(default_factory=list)
     """Requests neither aborted nor given all their tokens (must stay empty)."""
 
@@ -144,6 +148,13 @@ def drafter_block() -> int | None:
     return None
 
 
+def admission_setting() -> bool:
+    """Whether the installed vLLM has cache-aware admission (0.34.0+)."""
+    from vllm.config import SchedulerConfig
+
+    return "cache_aware_admission_window" in SchedulerConfig.__dataclass_fields__
+
+
 def retention_setting() -> bool:
     """Whether the installed vLLM takes a retention interval for Mamba states
     from the KV-cache config (0.29.0+; before: every state kept)."""
@@ -174,6 +185,19 @@ def workloads() -> list[Workload]:
     scarce = _load(seed=12, count=12, spread=20)
     aborted = _load(seed=13, count=12, spread=25)
     ranked = _load(seed=14, count=10, spread=14, late_priority=True)
+    admission = []
+    if admission_setting():
+        # Two running at once and 16 arrivals over 8 steps, so a queue forms;
+        # siblings of cached prefixes behind cold prompts get admitted ahead of
+        # them (2 such admissions in stock and every mode on 0.34.0).
+        admission = [
+            Workload(
+                "cache-aware admission",
+                replace(drafter, max_num_seqs=2, admission_window=8),
+                _load(seed=16, count=16, spread=8),
+                expects=("cache_hits", "admitted_ahead"),
+            )
+        ]
     retention = []
     if retention_setting():
         retention = [
@@ -191,6 +215,7 @@ def workloads() -> list[Workload]:
     return [
         Workload("concurrent", drafter, concurrent, expects=("cache_hits",)),
         *retention,
+        *admission,
         Workload("scarce pool", scarce_pool, scarce, expects=(PREEMPTED,)),
         Workload("aborts", drafter, aborted, _aborts(13, aborted), expects=ABORTED),
         Workload(
@@ -237,6 +262,7 @@ def drive(workload: Workload) -> tuple[Findings, Events]:
     aborted: set[str] = set()
     added: dict[str, Any] = {}
     in_flight: deque[tuple[Any, Any]] = deque()
+    started: set[str] = set()
     step = 0
     try:
         while pending or scheduler.has_requests() or in_flight:
@@ -267,6 +293,7 @@ def drive(workload: Workload) -> tuple[Findings, Events]:
             for new in output.scheduled_new_reqs:
                 if new.num_computed_tokens > 0:
                     events.cache_hits += 1
+            count_admitted_ahead(scheduler, added, started, chunks, events)
             witness.run_step(output, chunks)
             witness.forget_evicted()
             count_preemptions(scheduler, running, chunks, events, RequestStatus)
@@ -292,6 +319,27 @@ def drive(workload: Workload) -> tuple[Findings, Events]:
         if req_id not in aborted and request.num_output_tokens < request.max_tokens:
             events.unfinished.append(req_id)
     return witness.findings, events
+
+
+def count_admitted_ahead(
+    scheduler: Any,
+    added: dict[str, Any],
+    started: set[str],
+    chunks: dict[str, tuple[int, int]],
+    events: Events,
+) -> None:
+    """Count the requests this step schedules first that overtook an earlier
+    arrival still waiting (``added`` is in arrival order)."""
+    firsts = [r for r in chunks if r not in started]
+    for req_id in firsts:
+        for earlier in added:
+            if earlier == req_id:
+                break
+            if earlier not in started and earlier not in chunks:
+                if earlier in scheduler.requests:  # neither aborted nor done
+                    events.admitted_ahead += 1
+                    break
+    started.update(firsts)
 
 
 def _abort_due(
