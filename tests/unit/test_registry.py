@@ -19,14 +19,14 @@ from maintainers import registry
 def scan_through(folder: Path, *lasts: str) -> Path:
     """A recorded nightly scan whose bodies' stretches end at ``lasts``."""
     scan = folder / "nightlies.json"
-    bodies = [{"body": "x", "stretches": [["0.1.dev202601010000", last]]} for last in lasts]
+    bodies = [
+        {"body": "x", "stretches": [["0.1.dev202601010000", last]]} for last in lasts
+    ]
     scan.write_text(json.dumps({"bodies": bodies}))
     return scan
 
 
-def answering(
-    monkeypatch: pytest.MonkeyPatch, releases: str, builds: str
-) -> None:
+def answering(monkeypatch: pytest.MonkeyPatch, releases: str, builds: str) -> None:
     """pip index versions answers with these versions (vllm, then the nightly
     distribution)."""
 
@@ -56,8 +56,7 @@ def test_the_newest_release_and_build_are_named_with_what_the_project_lacks(
     assert f"newest vLLM release {newest} (NOT in the release table)" in line
     assert "build 0.31.1.dev202610020101 (NOT read by the recorded" in line
     assert line.endswith(
-        f"the project lacks releases {newest} and nightly builds "
-        "0.31.1.dev202610020101"
+        f"the project lacks releases {newest} and nightly builds 0.31.1.dev202610020101"
     )
 
 

@@ -335,10 +335,10 @@ def count_admitted_ahead(
         for earlier in added:
             if earlier == req_id:
                 break
-            if earlier not in started and earlier not in chunks:
-                if earlier in scheduler.requests:  # neither aborted nor done
-                    events.admitted_ahead += 1
-                    break
+            waiting = earlier not in started and earlier not in chunks
+            if waiting and earlier in scheduler.requests:  # not aborted or done
+                events.admitted_ahead += 1
+                break
     started.update(firsts)
 
 
