@@ -30,6 +30,7 @@ from .engine import (
     prompt,
     retention_interval,
     runner_output,
+    supports_admission_window,
 )
 from .oracle import KeepDecision, Poisoned
 from .states import Chunk, RequestRecord, StateId, prefix_state_ids, state_id
@@ -57,5 +58,6 @@ __all__ = [
     "prompt",
     "retention_interval",
     "runner_output",
+    "supports_admission_window",
     "state_id",
 ]

@@ -273,6 +273,18 @@ class Geometry:
     the scheduler drops EAGLE's last block (``use_eagle_block_drop``). Releases
     without lookahead hashes always drop (``use_eagle``); there it changes
     nothing."""
+    admission_window: int = 0
+    """0.34.0+: cache-aware admission (``cache_aware_admission_window``): within
+    the first N waiting requests, those whose prefix is cached are admitted
+    first, at any cache usage (``cache_aware_admission_threshold`` 0.0); 0,
+    vLLM's default: arrival order."""
+
+
+def supports_admission_window() -> bool:
+    """Whether the installed vLLM has cache-aware admission (0.34.0+)."""
+    from vllm.config import SchedulerConfig
+
+    return "cache_aware_admission_window" in SchedulerConfig.__dataclass_fields__
 
 
 CHECKPOINT_BACKENDS = tuple(CHECKPOINT_BACKEND_FILES)
@@ -484,6 +496,11 @@ def build_scheduler(geometry: Geometry) -> Any:
         block_sizes = {"block_size": config.cache_config.block_size}
     if geometry.async_scheduling:
         sched.async_scheduling = True
+    if geometry.admission_window:
+        if not supports_admission_window():
+            raise NotImplementedError("cache-aware admission needs vLLM 0.34.0+")
+        sched.cache_aware_admission_window = geometry.admission_window
+        sched.cache_aware_admission_threshold = 0.0
     with retention_environment(geometry):
         scheduler = Scheduler(
             vllm_config=config,
