@@ -74,7 +74,8 @@ def _readme_doctor_sample() -> list[str]:
 def test_the_readme_shows_doctors_real_output(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The README's sample is doctor's output on 0.33.0, line for line, except
+    """The README's sample is doctor's output on the newest verified release,
+    line for line, except
     for the header's Python and the lines that depend on the machine."""
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     monkeypatch.delenv("VLLM_MAMBA_ALIGN_MODE", raising=False)
