@@ -58,6 +58,6 @@ __all__ = [
     "prompt",
     "retention_interval",
     "runner_output",
-    "supports_admission_window",
     "state_id",
+    "supports_admission_window",
 ]
