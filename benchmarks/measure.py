@@ -45,7 +45,7 @@ from vllm_mamba_align.tools.sim import (
     chunk_starts,
     prompt,
 )
-from vllm_mamba_align.tools.sim.engine import model_dir
+from vllm_mamba_align.tools.sim.engine import model_dir, runner_output
 from vllm_mamba_align.tools.sim.states import state_id
 
 C, B, H = 816, 1648, 16
@@ -73,14 +73,8 @@ Pairs = dict[str, list[tuple[float, float]]]
 
 
 def _runner_output(output: Any, finishing: set[str]) -> Any:
-    from vllm.v1.outputs import ModelRunnerOutput
-
     ids = list(output.num_scheduled_tokens)
-    return ModelRunnerOutput(
-        req_ids=ids,
-        req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=[[7] if r in finishing else [] for r in ids],
-    )
+    return runner_output(ids, [[7] if r in finishing else [] for r in ids])
 
 
 BATCH_SIZES = (64, 256, 1024)

@@ -121,8 +121,31 @@ transformers lacks is left out; its tests fail alike in every run."""
 # -- the pytest plugin ------------------------------------------------------------
 
 
+TEST_PLUGINS_VARIABLE = "MAMBA_ALIGN_TEST_PLATFORM_PLUGINS"
+
+
+def register_environment_plugins() -> list[str]:
+    """Call the test-only general plugins the environment names (its pinned
+    file's ``# PLATFORM:`` line, passed as :data:`TEST_PLUGINS_VARIABLE`): on
+    0.34.0, ``cpu_without_triton``, without which vLLM's CPU platform refuses
+    every config on x86 (no triton-cpu on the registry). They belong to the
+    environment, not to the plugin under judgment: every run, stock included,
+    gets them. vLLM's tests build configs without its plugin loader."""
+    from importlib.metadata import entry_points
+
+    wanted = {n for n in os.environ.get(TEST_PLUGINS_VARIABLE, "").split(",") if n}
+    called = []
+    for entry in entry_points(group="vllm.general_plugins"):
+        if entry.name in wanted:
+            entry.load()()
+            called.append(entry.name)
+    return called
+
+
 def pytest_configure(config: object) -> None:
-    """Register the plugin for this run when the session asks for it."""
+    """The environment's test-only plugins, then the plugin for this run when
+    the session asks for it."""
+    register_environment_plugins()
     if os.environ.get("MAMBA_ALIGN_SUITE_REGISTER") == "1":
         import vllm_mamba_align
 

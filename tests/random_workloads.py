@@ -47,6 +47,7 @@ from vllm_mamba_align.tools.sim import (
     available_checkpoint_backends,
     base_vllm_config,
     prompt,
+    supports_admission_window,
 )
 
 T = TypeVar("T")
@@ -387,6 +388,11 @@ def draw_workload(
     # drafter adds k lookahead slots and k speculative state blocks.
     need = -(-(longest + drafts) // cache_block) + -(-longest // state_block) + 4
     need += drafts
+    # Cache-aware admission (0.34.0+, off by default): one case in three
+    # reorders the waiting queue by cached prefix.
+    admission = 0
+    if supports_admission_window():
+        admission = d.choice([0, 0, d.integer(1, 4)])
     geometry = Geometry(
         cache_block=cache_block,
         state_block=state_block,
@@ -410,6 +416,7 @@ def draw_workload(
         async_scheduling=kv_connector is None
         and not async_republishes_partial_tail()
         and d.choice([False, True]),
+        admission_window=admission,
     )
     return Workload(
         geometry=geometry,
@@ -563,6 +570,8 @@ def dimensions(workload: Workload, sim: Simulation) -> list[str]:
             labels.append("a KV connector hit was loaded")
     if geometry.async_scheduling:
         labels.append("async scheduling")
+    if geometry.admission_window:
+        labels.append("cache-aware admission")
     if any(r.request.num_preemptions for r in sim.records.values()):
         labels.append("a request was preempted and resumed")
     if any(r.reused_tokens for r in sim.records.values()):

@@ -74,7 +74,8 @@ def _readme_doctor_sample() -> list[str]:
 def test_the_readme_shows_doctors_real_output(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The README's sample is doctor's output on 0.33.0, line for line, except
+    """The README's sample is doctor's output on the newest verified release,
+    line for line, except
     for the header's Python and the lines that depend on the machine."""
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     monkeypatch.delenv("VLLM_MAMBA_ALIGN_MODE", raising=False)
@@ -105,7 +106,7 @@ def test_doctor_recognizes_the_installed_release(
     assert "visible -> vllm_mamba_align:register" in out
     assert "VLLM_PLUGINS is unset" in out
     assert "mode            lean (the default: VLLM_MAMBA_ALIGN_MODE unset)" in out
-    assert "batch-invariant vLLM 0.33.0 refuses batch-invariant mode" in out
+    assert f"batch-invariant vLLM {REFERENCE} refuses batch-invariant mode" in out
     assert "worker seed     not needed (0.32.0+" in out
     assert "upstream fix    not present" in out
     assert (
@@ -154,8 +155,14 @@ def test_doctor_json_names_the_default_mode(
         "stops at every B boundary vLLM keeps (only replay boundaries"
     )
     assert "serial traffic" in report["retention_by_mode"]["full"]
+    accepting = releases.mamba_backends_accepting_batch_invariance()
+    exception = (
+        f" other than {', '.join(accepting)} (which vLLM lets run batch-invariant)"
+        if accepting
+        else ""
+    )
     assert report["batch_invariance"].startswith(
-        "vLLM 0.33.0 refuses batch-invariant mode for Mamba backends: "
+        f"vLLM {REFERENCE} refuses batch-invariant mode for Mamba backends{exception}: "
     )
 
 

@@ -40,9 +40,11 @@ def _site() -> SeedSite:
 def _new_request(num_computed: int) -> Any:
     from vllm.v1.core.sched.output import NewRequestData
 
+    prompt = list(range(RESUMED_AT + 10))
     values = {
         "req_id": "resumed",
-        "prompt_token_ids": list(range(RESUMED_AT + 10)),
+        "prompt_token_ids": prompt,
+        "prefill_token_ids": prompt,  # 0.34.0+: every token to prefill
         "mm_features": [],
         "sampling_params": None,
         "pooling_params": None,

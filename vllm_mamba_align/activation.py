@@ -37,6 +37,7 @@ from .releases import (
     describe_mismatch,
     describe_version,
     expected_body,
+    mamba_backends_accepting_batch_invariance,
     refuses_batch_invariance_for_mamba,
 )
 from .retention import Retention, read_retention
@@ -600,10 +601,10 @@ def batch_invariance_note(
     if refuses_batch_invariance_for_mamba():
         return (
             f"{BATCH_INVARIANT_VARIABLE}=1: vLLM {release} refuses batch-invariant "
-            "mode for Mamba backends (RuntimeError while the model loads, before "
-            "any scheduler starts), so hybrid models run without it and cached "
-            "equals fresh for serial traffic only, in every mode; unset "
-            f"{BATCH_INVARIANT_VARIABLE} to serve hybrid models"
+            f"mode for Mamba backends{_except_accepting()} (RuntimeError while the "
+            "model loads, before any scheduler starts), so hybrid models run "
+            "without it and cached equals fresh for serial traffic only, in every "
+            f"mode; unset {BATCH_INVARIANT_VARIABLE} to serve hybrid models"
         )
     if mode is Mode.FULL or (mode in (Mode.KEPT, Mode.LEAN) and retention_dense):
         return (
@@ -619,6 +620,15 @@ def batch_invariance_note(
     )
 
 
+def _except_accepting() -> str:
+    """`` other than SHORT_CONV (it accepts it)`` where the installed vLLM's
+    selector lets some Mamba backends run batch-invariant (0.34.0), else ""."""
+    accepting = mamba_backends_accepting_batch_invariance()
+    if not accepting:
+        return ""
+    return f" other than {', '.join(accepting)} (which vLLM lets run batch-invariant)"
+
+
 def describe_batch_invariance(version: str | None) -> str:
     """What vLLM's batch-invariant mode means for the modes on this release, for
     ``doctor`` (set or not)."""
@@ -627,6 +637,7 @@ def describe_batch_invariance(version: str | None) -> str:
     if refuses_batch_invariance_for_mamba():
         return (
             f"vLLM {release} refuses batch-invariant mode for Mamba backends"
+            + _except_accepting()
             + (
                 f" and {BATCH_INVARIANT_VARIABLE}=1 is set: a hybrid model will "
                 f"not load (unset {BATCH_INVARIANT_VARIABLE})"

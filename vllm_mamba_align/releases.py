@@ -254,7 +254,7 @@ BODIES: tuple[SplitBody, ...] = (
         checkpoint_grid=CheckpointGrid.CACHE_HIT_ALIGNMENT,
     ),
     _body(
-        "0.33.0",
+        "0.33.0 0.34.0",
         "f3405419e904a2f8",
         internal_checkpoint=InternalCheckpoint.OBSERVED,
         wide_block_exemption=True,
@@ -445,7 +445,9 @@ BATCH_INVARIANCE_CHECK = "supports_batch_invariance"
 """The backend method vLLM's Mamba backend selector asks when
 ``VLLM_BATCH_INVARIANT=1`` (``get_mamba_attn_backend``;
 ``_cached_get_mamba_attn_backend`` in 0.33.0): the base class answers False and no
-Mamba/GDN backend overrides it through 0.33.0, so where the selector asks, vLLM
+Mamba/GDN backend overrides it through 0.33.0 (0.34.0: the short-convolution
+backend answers True, :func:`mamba_backends_accepting_batch_invariance`), so where
+the selector asks, vLLM
 raises ``RuntimeError("VLLM batch_invariant mode is not supported for …")`` while
 the worker loads the model, before the engine core builds its scheduler and before
 the plugin's start line. 0.20.2-0.33.0 ask; 0.15.1-0.19.1 have the mode and do not."""
@@ -494,6 +496,71 @@ def refuses_batch_invariance_for_mamba() -> bool:
     return True if answer is None else answer
 
 
+BACKEND_REGISTRY_FILE = "v1/attention/backends/registry.py"
+"""Where vLLM 0.27.1+ names its Mamba attention backends
+(``MambaAttentionBackendEnum``: member name = ``"module.path.ClassName"``)."""
+MAMBA_BACKEND_ENUM = "MambaAttentionBackendEnum"
+
+
+def _answers_true(function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    returns = [n for n in ast.walk(function) if isinstance(n, ast.Return)]
+    return bool(returns) and all(
+        isinstance(r.value, ast.Constant) and r.value.value is True for r in returns
+    )
+
+
+@functools.cache
+def _backends_accepting(root: Path) -> tuple[str, ...]:
+    try:
+        registry = ast.parse((root / BACKEND_REGISTRY_FILE).read_text("utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return ()
+    paths: dict[str, str] = {}
+    for node in ast.walk(registry):
+        if isinstance(node, ast.ClassDef) and node.name == MAMBA_BACKEND_ENUM:
+            for item in node.body:
+                if (
+                    isinstance(item, ast.Assign)
+                    and len(item.targets) == 1
+                    and isinstance(item.targets[0], ast.Name)
+                    and isinstance(item.value, ast.Constant)
+                    and isinstance(item.value.value, str)
+                ):
+                    paths[item.targets[0].id] = item.value.value
+    accepting = []
+    for name, path in paths.items():
+        module, _, class_name = path.rpartition(".")
+        relative = module.removeprefix("vllm.").replace(".", "/") + ".py"
+        try:
+            tree = ast.parse((root / relative).read_text("utf-8"))
+        except (OSError, SyntaxError, ValueError):
+            continue
+        if any(
+            isinstance(node, ast.ClassDef)
+            and node.name == class_name
+            and any(
+                isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
+                and item.name == BATCH_INVARIANCE_CHECK
+                and _answers_true(item)
+                for item in node.body
+            )
+            for node in tree.body
+        ):
+            accepting.append(name)
+    return tuple(accepting)
+
+
+def mamba_backends_accepting_batch_invariance() -> tuple[str, ...]:
+    """The installed vLLM's Mamba attention backends whose class answers
+    :data:`BATCH_INVARIANCE_CHECK` with True, by their enum names: none through
+    0.33.0; ``SHORT_CONV`` (short convolutions, LFM2's layers) from 0.34.0. vLLM's
+    selector lets those run batch-invariant while it refuses the others. Read
+    from the code (:data:`BACKEND_REGISTRY_FILE` and each backend's module);
+    () when it cannot be read or vLLM is not installed."""
+    root = vllm_package_dir()
+    return () if root is None else _backends_accepting(root)
+
+
 # -- Model Runner V2's running-state seed (worker side) -----------------------------
 
 WORKER_MODULE = "vllm.v1.worker.gpu.model_states.mamba_hybrid"
@@ -530,11 +597,11 @@ SEED_BODIES: tuple[SeedCode, ...] = (
     SeedCode("0.25.0-0.25.1", "15fe6a31bda00318", SeedSite.SEEDS_WITH_CACHE_BLOCK),
     SeedCode("0.26.0", "9be463981ada6b80", SeedSite.SEEDS_WITH_CACHE_BLOCK),
     SeedCode("0.27.0-0.31.0", "c440bde5f6af797c", SeedSite.SEEDS_WITH_CACHE_BLOCK),
-    SeedCode("0.32.0-0.33.0", "855d57fbda65b32d", SeedSite.SEEDS_WITH_MAMBA_BLOCK),
+    SeedCode("0.32.0-0.34.0", "855d57fbda65b32d", SeedSite.SEEDS_WITH_MAMBA_BLOCK),
 )
 GROUP_INFO_BODIES: dict[str, str] = {
     "e9850e0b37703e2e": "0.25.0-0.28.0",
-    "ab92c2fce7e1af45": "0.29.0-0.33.0",
+    "ab92c2fce7e1af45": "0.29.0-0.34.0",
 }
 """``_get_mamba_group_info`` fingerprints whose contract the deferred seed relies
 on: it binds ``self._mamba_spec`` from the KV-cache config and returns

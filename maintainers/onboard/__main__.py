@@ -318,7 +318,11 @@ def _environment(
         )
     if fresh:
         text = pinned_text_for(
-            release, template.read_text(), environment.freeze(), args.torch
+            release,
+            template.read_text(),
+            environment.freeze(),
+            args.torch,
+            environment.platform_plugins,
         )
         committed = pinned.exists()
         if args.pretend_unknown or args.dry_run or committed:

@@ -28,7 +28,18 @@ from maintainers import drafting
 from maintainers.onboard import REPO, OnboardError
 
 ENVS = REPO / "envs"
-PLATFORM_PLUGIN = REPO / "tests" / "support" / "cpu_platform_plugin"
+PLATFORM_PLUGINS = {
+    "cpu_platform": REPO / "tests" / "support" / "cpu_platform_plugin",
+    "cpu_without_triton": REPO / "tests" / "support" / "cpu_without_triton_plugin",
+}
+"""The test-only plugins a pinned file's ``# PLATFORM:`` line may name (the
+noxfile installs the same ones)."""
+TEST_PLUGINS = ("vllm-test-cpu-platform", "vllm-test-cpu-without-triton")
+"""Their distributions' names."""
+WITHOUT_TRITON = "cpu_without_triton"
+TRITON_REFUSAL = "requires Triton (triton-cpu)"
+"""vLLM 0.34.0+'s CPU platform on x86 without triton-cpu: the smoke check adds
+the :data:`WITHOUT_TRITON` plugin by trial when it meets this refusal."""
 TEST_TOOLS = ("pytest>=8", "hypothesis>=6.100")
 DEFAULT_TORCH = "torch==2.13.0"
 STAGE_IGNORE = shutil.ignore_patterns(
@@ -240,6 +251,7 @@ class Environment:
         self.env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_TARGET_DEVICE="cpu")
         self.env.pop("VLLM_PLUGINS", None)
         self.log: list[str] = []
+        self.platform_plugins: list[str] = []
 
     def pip(self, *args: str) -> subprocess.CompletedProcess[str]:
         command = [self.python, "-m", "pip", "install", "-q", *args]
@@ -269,11 +281,24 @@ class Environment:
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as stack:
             stack.write(pinned_text)
         self.pip("--no-deps", "-r", stack.name)
+        # A kept environment may hold a test-only plugin an earlier run added
+        # by trial: start from none, so the smoke check finds the need again
+        # and the pinned file written says so.
+        subprocess.run(
+            [self.python, "-m", "pip", "uninstall", "-q", "-y", *TEST_PLUGINS],
+            capture_output=True,
+        )
         platform = _marker(pinned_text, "PLATFORM")
-        if platform:
-            self.pip("--no-deps", str(PLATFORM_PLUGIN))
-            self.env["MAMBA_ALIGN_TEST_PLATFORM_PLUGINS"] = ",".join(platform)
+        for name in platform:
+            self.add_platform_plugin(name)
         return platform
+
+    def add_platform_plugin(self, name: str) -> None:
+        """Install the test-only plugin ``name`` (:data:`PLATFORM_PLUGINS`) and
+        name it to the tests, as the noxfile does for a pinned file's line."""
+        self.pip("--no-deps", str(PLATFORM_PLUGINS[name]))
+        self.platform_plugins.append(name)
+        self.env["MAMBA_ALIGN_TEST_PLATFORM_PLUGINS"] = ",".join(self.platform_plugins)
 
     def install_vllm(self, wheel: Path) -> None:
         """vLLM from ``wheel``, installed as a release is (``pip freeze`` says
@@ -309,6 +334,11 @@ class Environment:
                 if line.startswith("SMOKE "):
                     answer: dict[str, object] = json.loads(line[len("SMOKE ") :])
                     return answer, added
+            refused = TRITON_REFUSAL in result.stderr
+            if refused and WITHOUT_TRITON not in self.platform_plugins:
+                self.add_platform_plugin(WITHOUT_TRITON)
+                added.append(f"the test-only plugin {WITHOUT_TRITON}")
+                continue
             missing = _MISSING.search(result.stderr)
             if missing is None:
                 raise OnboardError(
@@ -351,13 +381,21 @@ class Environment:
         return result.stdout.splitlines()
 
 
-def pinned_text_for(release: str, template: str, frozen: list[str], torch: str) -> str:
-    """A pinned file for ``release`` from an environment's ``pip freeze``."""
+def pinned_text_for(
+    release: str,
+    template: str,
+    frozen: list[str],
+    torch: str,
+    platform: list[str] | None = None,
+) -> str:
+    """A pinned file for ``release`` from an environment's ``pip freeze``;
+    ``platform``: the test-only plugins its environment needed (its
+    ``# PLATFORM:`` line), when they differ from the template's."""
     skip = {"torch", "vllm", "vllm-mamba-align", "pip", "setuptools", "wheel"}
     skip |= {"pytest", "hypothesis", "iniconfig", "pluggy", "sortedcontainers"}
     nodeps = _marker(template, "NODEPS")
     skip |= {word.split("==")[0].lower() for word in nodeps}
-    skip |= {"vllm-mamba-align-test-cpu-platform", "cpu-platform-plugin"}
+    skip |= set(TEST_PLUGINS)
     header = [
         line.replace(_template_release(template), release)
         for line in template.splitlines()
@@ -367,6 +405,11 @@ def pinned_text_for(release: str, template: str, frozen: list[str], torch: str) 
         f"# vLLM {release} scheduler stack on CPU ({torch.replace('==', ' ')} CPU "
         "build), exact versions."
     )
+    if platform is not None and platform != _marker(template, "PLATFORM"):
+        header = [line for line in header if not line.startswith("# PLATFORM:")]
+        if platform:
+            why = "; ".join(PLATFORM_WHY[name] for name in platform)
+            header.append(f"# PLATFORM: {' '.join(platform)}  ({why})")
     installed = {_distribution(line): line for line in frozen if "==" in line}
     for word in nodeps:  # the versions the environment has (vLLM's requirements)
         header = [
@@ -380,6 +423,15 @@ def pinned_text_for(release: str, template: str, frozen: list[str], torch: str) 
         key=str.lower,
     )
     return "\n".join([*header, *packages]) + "\n"
+
+
+PLATFORM_WHY = {
+    "cpu_platform": "vLLM < 0.28.0 selects no CPU platform by itself: "
+    "tests/support/cpu_platform_plugin",
+    "cpu_without_triton": "vLLM 0.34.0+ on x86 refuses a config without "
+    "triton-cpu: tests/support/cpu_without_triton_plugin",
+}
+"""Why a pinned file names each test-only plugin (its ``# PLATFORM:`` line)."""
 
 
 def _distribution(pin: str) -> str:

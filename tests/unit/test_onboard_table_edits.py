@@ -68,9 +68,9 @@ def test_a_rendered_entry_evaluates_to_the_entry(body: SplitBody) -> None:
 
 def test_a_release_joins_its_known_body_in_release_order() -> None:
     newest = BODIES[-1]
-    edited = table.add_release_to_body(TABLE, newest.fingerprint, "0.34.0")
+    edited = table.add_release_to_body(TABLE, newest.fingerprint, "0.35.0")
     after = _entries(edited)
-    assert after[newest.fingerprint].releases == (*newest.releases, "0.34.0")
+    assert after[newest.fingerprint].releases == (*newest.releases, "0.35.0")
     assert {k: v for k, v in after.items() if k != newest.fingerprint} == {
         b.fingerprint: b for b in BODIES if b is not newest
     }
@@ -81,7 +81,7 @@ def test_a_release_joins_its_known_body_in_release_order() -> None:
     ]
     assert len(changed) == 2  # one line out, one line in
     # A release listed already: no change; an older one goes first.
-    assert table.add_release_to_body(edited, newest.fingerprint, "0.34.0") == edited
+    assert table.add_release_to_body(edited, newest.fingerprint, "0.35.0") == edited
     shared = BODIES[1]
     older = table.add_release_to_body(TABLE, shared.fingerprint, "0.17.0")
     assert _entries(older)[shared.fingerprint].releases[0] == "0.17.0"
@@ -89,7 +89,7 @@ def test_a_release_joins_its_known_body_in_release_order() -> None:
 
 def test_a_drafted_body_is_appended_to_the_table() -> None:
     draft = SplitBody(
-        ("0.34.0",),
+        ("0.35.0",),
         "0123456789abcdef",
         PrefillRule.BEFORE_PREFILL_END,
         InternalCheckpoint.OBSERVED,
@@ -142,9 +142,9 @@ def test_seed_ranges_stretch_to_a_new_release() -> None:
     seed = drafting.SeedReading(
         newest.site, newest.fingerprint, "ab92c2fce7e1af45", True, ""
     )
-    edited = table.extend_seed_ranges(TABLE, seed, "0.34.0")
-    assert f'"{newest.releases.split("-")[0]}-0.34.0"' in edited
-    assert '"0.29.0-0.34.0"' in edited  # _get_mamba_group_info's range
+    edited = table.extend_seed_ranges(TABLE, seed, "0.35.0")
+    assert f'"{newest.releases.split("-")[0]}-0.35.0"' in edited
+    assert '"0.29.0-0.35.0"' in edited  # _get_mamba_group_info's range
 
 
 def test_a_one_release_seed_range_is_found_by_its_fingerprint() -> None:
@@ -164,7 +164,7 @@ def test_the_table_without_a_release() -> None:
     assert len(without) == len(BODIES) - 1  # 0.29.0 had a body of its own
     assert len(drafting.table_without("0.28.0")) == len(BODIES)  # shared body
     assert drafting.nearest_release("0.29.0", without) == "0.28.0"
-    assert drafting.nearest_release("0.34.0", BODIES) == "0.33.0"
+    assert drafting.nearest_release("0.35.0", BODIES) == "0.34.0"
     assert drafting.nearest_release("0.14.0", BODIES) == BODIES[0].releases[0]
 
 
@@ -203,7 +203,7 @@ def test_a_new_release_starts_from_the_nearest_pinned_file(
     for release in ("0.15.1", "0.20.2", "0.33.0"):
         (tmp_path / f"vllm-{release}.txt").write_text(f"# vllm=={release}\n")
     monkeypatch.setattr(environment, "ENVS", tmp_path)
-    assert environment.newest_pinned("0.34.0").name == "vllm-0.33.0.txt"
+    assert environment.newest_pinned("0.35.0").name == "vllm-0.33.0.txt"
     assert environment.newest_pinned("0.22.0").name == "vllm-0.20.2.txt"
     assert environment.newest_pinned("0.20.2").name == "vllm-0.15.1.txt"
     assert environment.newest_pinned("0.15.0").name == "vllm-0.15.1.txt"
@@ -287,6 +287,28 @@ def test_a_new_pinned_file_meets_the_releases_requirements() -> None:
         "# NODEPS: xgrammar==0.2.9",
         "apache_tvm_ffi==0.1.11",
     ]
+
+
+def test_a_pinned_file_names_the_test_only_plugin_its_environment_needed() -> None:
+    """0.34.0's environment needed cpu_without_triton, found by trial: the pinned
+    file written from 0.33.0's (which names none) says so, and a file written
+    from one that names a plugin no longer needed drops its line."""
+    template = (
+        "# vLLM 0.33.0 scheduler stack\n"
+        "# Installed with --no-deps after: vllm==0.33.0.\n"
+        "pydantic==2.13.0\n"
+    )
+    frozen = ["pydantic==2.13.0", "vllm==0.34.0"]
+    text = environment.pinned_text_for(
+        "0.34.0", template, frozen, "torch==2.13.0", ["cpu_without_triton"]
+    )
+    assert environment._marker(text, "PLATFORM") == ["cpu_without_triton"]
+    assert "tests/support/cpu_without_triton_plugin" in text
+    old = template + "# PLATFORM: cpu_platform  (before 0.28.0)\n"
+    text = environment.pinned_text_for("0.34.0", old, frozen, "torch==2.13.0", [])
+    assert environment._marker(text, "PLATFORM") == []
+    kept = environment.pinned_text_for("0.18.0", old, frozen, "torch==2.13.0")
+    assert environment._marker(kept, "PLATFORM") == ["cpu_platform"]
 
 
 def test_the_version_is_read_where_vllm_writes_it(tmp_path: Path) -> None:

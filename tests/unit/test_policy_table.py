@@ -197,12 +197,12 @@ EXPECTED = [
     "0.32.0        ckpt+draft|bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw   |bawc  bwe   bwe",
     "0.32.0        rekeys    |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw   |bawc  bwey  bwey",
     "0.32.0        narrow    |baw   baw   baw  |baw   bw    bw   |a     -     -    |baw   bwe   bwe",
-    "0.33.0        plain     |bawc  bawc  bawc |bawc  bw    bw   |a     -     -    |bawc  bwe   bwe",
-    "0.33.0        ckpt      |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw   |bawc  bwe   bwe",
-    "0.33.0        draft     |bawc  bawc  bawc |bawc  bw    bw   |a     -     -    |bawc  bwe   bwe",
-    "0.33.0        ckpt+draft|bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw   |bawc  bwe   bwe",
-    "0.33.0        rekeys    |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw   |bawc  bwey  bwey",
-    "0.33.0        narrow    |baw   baw   baw  |baw   bw    bw   |a     -     -    |baw   bwe   bwe",
+    "0.33.0-0.34.0 plain     |bawc  bawc  bawc |bawc  bw    bw   |a     -     -    |bawc  bwe   bwe",
+    "0.33.0-0.34.0 ckpt      |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw   |bawc  bwe   bwe",
+    "0.33.0-0.34.0 draft     |bawc  bawc  bawc |bawc  bw    bw   |a     -     -    |bawc  bwe   bwe",
+    "0.33.0-0.34.0 ckpt+draft|bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw   |bawc  bwe   bwe",
+    "0.33.0-0.34.0 rekeys    |bawc  bawc  bawc |bawc  bw    bw   |amw   mw    mw   |bawc  bwey  bwey",
+    "0.33.0-0.34.0 narrow    |baw   baw   baw  |baw   bw    bw   |a     -     -    |baw   bwe   bwe",
 ]
 
 

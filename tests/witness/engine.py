@@ -67,6 +67,12 @@ class Shape:
     reserve_full_input: bool = True
     """``scheduler_reserve_full_isl`` where vLLM has it; False admits more
     requests than the pool can finish: running ones get preempted."""
+    admission_window: int = 0
+    """``cache_aware_admission_window`` (vLLM 0.34.0+): within the first N
+    waiting requests, those whose prefix is cached are admitted first; 0 (vLLM's
+    default) admits in arrival order. When set, it engages at any cache usage
+    (``cache_aware_admission_threshold`` 0.0; vLLM's default 0.5 would leave it
+    idle in a pool this load fills less than half)."""
 
 
 @functools.cache
@@ -173,6 +179,11 @@ def build_scheduler(shape: Shape) -> Any:
         config.scheduler_config.scheduler_reserve_full_isl = shape.reserve_full_input
     if hasattr(config.scheduler_config, "async_scheduling"):
         config.scheduler_config.async_scheduling = shape.async_scheduling
+    if shape.admission_window:
+        if not hasattr(config.scheduler_config, "cache_aware_admission_window"):
+            raise NotImplementedError("this vLLM has no cache-aware admission")
+        config.scheduler_config.cache_aware_admission_window = shape.admission_window
+        config.scheduler_config.cache_aware_admission_threshold = 0.0
     if shape.retention != "default" and not hasattr(
         kv, "prefix_cache_retention_interval"
     ):
@@ -209,6 +220,21 @@ def _hash_function() -> Any:
 
     init_none_hash(sha256)
     return sha256
+
+
+def step_output(req_ids: list[str], sampled: list[list[int]]) -> Any:
+    """The worker's output of one step (``ModelRunnerOutput``): vLLM up to
+    0.33.0 also wants each id's index (``req_id_to_index``); 0.34.0 has no such
+    field, the order of ``req_ids`` is the index."""
+    from dataclasses import fields
+
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    indexed = "req_id_to_index" in {f.name for f in fields(ModelRunnerOutput)}
+    index = {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}}
+    return ModelRunnerOutput(
+        req_ids=req_ids, sampled_token_ids=sampled, **(index if indexed else {})
+    )
 
 
 def new_request(

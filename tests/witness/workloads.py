@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from witness.engine import Shape, build_scheduler, new_request
+from witness.engine import Shape, build_scheduler, new_request, step_output
 from witness.judge import Findings, Witness
 
 SAMPLED = 7
@@ -78,6 +78,10 @@ class Events:
     while its request waited)."""
     cache_hits: int = 0
     """Requests admitted with computed tokens (a prefix-cache hit)."""
+    admitted_ahead: int = 0
+    """Requests scheduled for the first time while one that arrived before them
+    still waited, never scheduled (cache-aware admission reordering the queue;
+    arrival order admits none)."""
     unfinished: list[str] = field(default_factory=list)
     """Requests neither aborted nor given all their tokens (must stay empty)."""
 
@@ -182,6 +186,13 @@ def drafter_block() -> int | None:
     return None
 
 
+def admission_setting() -> bool:
+    """Whether the installed vLLM has cache-aware admission (0.34.0+)."""
+    from vllm.config import SchedulerConfig
+
+    return "cache_aware_admission_window" in SchedulerConfig.__dataclass_fields__
+
+
 def retention_setting() -> bool:
     """Whether the installed vLLM takes a retention interval for Mamba states
     from the KV-cache config (0.29.0+; before: every state kept)."""
@@ -223,6 +234,19 @@ def workloads() -> list[Workload]:
     scarce += _siblings(12, scarce, 3, scarce_aborts[12] + scarce_aborts[15])
     ranked += _siblings(14, ranked, 3, ranked_aborts)
     aborted += _siblings(13, aborted, 2, aborted_aborts)
+    admission = []
+    if admission_setting():
+        # Two running at once and 16 arrivals over 8 steps, so a queue forms;
+        # siblings of cached prefixes behind cold prompts get admitted ahead of
+        # them (2 such admissions in stock and every mode on 0.34.0).
+        admission = [
+            Workload(
+                "cache-aware admission",
+                replace(drafter, max_num_seqs=2, admission_window=8),
+                _load(seed=16, count=16, spread=8),
+                expects=("cache_hits", "admitted_ahead"),
+            )
+        ]
     retention = []
     if retention_setting():
         retention = [
@@ -240,6 +264,7 @@ def workloads() -> list[Workload]:
     listed = [
         Workload("concurrent", drafter, concurrent),
         *retention,
+        *admission,
         Workload("scarce pool", scarce_pool, scarce, expects=(PREEMPTED,)),
         Workload("aborts", drafter, aborted, aborted_aborts, expects=ABORTED),
         Workload(
@@ -278,7 +303,6 @@ def tokens_of(request: Any) -> list[int]:
 
 def drive(workload: Workload) -> tuple[Findings, Events]:
     """Run ``workload`` to the end under the witness."""
-    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import RequestStatus
 
     scheduler = build_scheduler(workload.shape)
@@ -289,6 +313,7 @@ def drive(workload: Workload) -> tuple[Findings, Events]:
     aborted: set[str] = set()
     added: dict[str, Any] = {}
     in_flight: deque[tuple[Any, Any]] = deque()
+    started: set[str] = set()
     step = 0
     try:
         while pending or scheduler.has_requests() or in_flight:
@@ -319,6 +344,7 @@ def drive(workload: Workload) -> tuple[Findings, Events]:
             for new in output.scheduled_new_reqs:
                 if new.num_computed_tokens > 0:
                     events.cache_hits += 1
+            count_admitted_ahead(scheduler, added, started, chunks, events)
             witness.run_step(output, chunks)
             witness.forget_evicted()
             count_preemptions(scheduler, running, chunks, events, RequestStatus)
@@ -326,11 +352,7 @@ def drive(workload: Workload) -> tuple[Findings, Events]:
                 [SAMPLED] if end >= scheduler.requests[r].num_tokens else []
                 for r, (_, end) in chunks.items()
             ]
-            runner = ModelRunnerOutput(
-                req_ids=list(chunks),
-                req_id_to_index={r: i for i, r in enumerate(chunks)},
-                sampled_token_ids=sampled,
-            )
+            runner = step_output(list(chunks), sampled)
             in_flight.appendleft((output, runner))
             if (
                 workload.shape.async_scheduling
@@ -364,6 +386,27 @@ def _due(arrival: Arrival, step: int, added: dict[str, Any], scheduler: Any) -> 
         arrival.after not in scheduler.requests
         or base.num_computed_tokens >= base.num_prompt_tokens
     )
+
+
+def count_admitted_ahead(
+    scheduler: Any,
+    added: dict[str, Any],
+    started: set[str],
+    chunks: dict[str, tuple[int, int]],
+    events: Events,
+) -> None:
+    """Count the requests this step schedules first that overtook an earlier
+    arrival still waiting (``added`` is in arrival order)."""
+    firsts = [r for r in chunks if r not in started]
+    for req_id in firsts:
+        for earlier in added:
+            if earlier == req_id:
+                break
+            waiting = earlier not in started and earlier not in chunks
+            if waiting and earlier in scheduler.requests:  # not aborted or done
+                events.admitted_ahead += 1
+                break
+    started.update(firsts)
 
 
 def _abort_due(

@@ -29,6 +29,8 @@ from .engine import (
     kv_cache_config,
     prompt,
     retention_interval,
+    runner_output,
+    supports_admission_window,
 )
 from .oracle import KeepDecision, Poisoned
 from .states import Chunk, RequestRecord, StateId, prefix_state_ids, state_id
@@ -55,5 +57,7 @@ __all__ = [
     "prefix_state_ids",
     "prompt",
     "retention_interval",
+    "runner_output",
     "state_id",
+    "supports_admission_window",
 ]

@@ -9,7 +9,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ...releases import requests_need_eos_token_id
-from .engine import SAMPLED_TOKEN, Geometry, _init_hashing, build_scheduler
+from .engine import (
+    SAMPLED_TOKEN,
+    Geometry,
+    _init_hashing,
+    build_scheduler,
+    runner_output,
+)
 from .oracle import Oracle
 from .states import Chunk, RequestRecord
 from .worker import Worker
@@ -105,8 +111,6 @@ class Simulation(Worker, Oracle):
     # -- stepping ---------------------------------------------------------------
     def step(self) -> dict[str, Chunk]:
         """One schedule(), the modeled forward pass, and update_from_output()."""
-        from vllm.v1.outputs import ModelRunnerOutput
-
         if self._in_flight and not self.scheduler.has_requests():
             # Async scheduling, all requests done: drain the queued steps' outputs.
             self.scheduler.update_from_output(*self._in_flight.pop())
@@ -183,22 +187,17 @@ class Simulation(Worker, Oracle):
             extra["kv_connector_output"] = KVConnectorOutput(
                 finished_recving=finished_loads
             )
-        runner_output = ModelRunnerOutput(
-            req_ids=list(chunks),
-            req_id_to_index={req_id: i for i, req_id in enumerate(chunks)},
-            sampled_token_ids=sampled,
-            **extra,
-        )
+        runner = runner_output(list(chunks), sampled, **extra)
         if self.geometry.async_scheduling:
             # vLLM's engine core with a batch queue of two
             # (EngineCore.step_with_batch_queue, v1/engine/core.py:708-790 in
             # 0.33.0): a new step is queued, and the oldest one's output is
             # processed only once the queue is full or nothing more was scheduled.
-            self._in_flight.appendleft((output, runner_output))
+            self._in_flight.appendleft((output, runner))
             if len(self._in_flight) < 2 and (chunks or self.scheduler.has_requests()):
                 return chunks
-            output, runner_output = self._in_flight.pop()
-        self.scheduler.update_from_output(output, runner_output)
+            output, runner = self._in_flight.pop()
+        self.scheduler.update_from_output(output, runner)
         for req_id in chunks:
             self._name_new_hashes(self.records[req_id].request)
         if self.drafts:

@@ -273,6 +273,18 @@ class Geometry:
     the scheduler drops EAGLE's last block (``use_eagle_block_drop``). Releases
     without lookahead hashes always drop (``use_eagle``); there it changes
     nothing."""
+    admission_window: int = 0
+    """0.34.0+: cache-aware admission (``cache_aware_admission_window``): within
+    the first N waiting requests, those whose prefix is cached are admitted
+    first, at any cache usage (``cache_aware_admission_threshold`` 0.0); 0,
+    vLLM's default: arrival order."""
+
+
+def supports_admission_window() -> bool:
+    """Whether the installed vLLM has cache-aware admission (0.34.0+)."""
+    from vllm.config import SchedulerConfig
+
+    return "cache_aware_admission_window" in SchedulerConfig.__dataclass_fields__
 
 
 CHECKPOINT_BACKENDS = tuple(CHECKPOINT_BACKEND_FILES)
@@ -484,6 +496,11 @@ def build_scheduler(geometry: Geometry) -> Any:
         block_sizes = {"block_size": config.cache_config.block_size}
     if geometry.async_scheduling:
         sched.async_scheduling = True
+    if geometry.admission_window:
+        if not supports_admission_window():
+            raise NotImplementedError("cache-aware admission needs vLLM 0.34.0+")
+        sched.cache_aware_admission_window = geometry.admission_window
+        sched.cache_aware_admission_threshold = 0.0
     with retention_environment(geometry):
         scheduler = Scheduler(
             vllm_config=config,
@@ -495,6 +512,24 @@ def build_scheduler(geometry: Geometry) -> Any:
     for hook in SCHEDULER_BUILT_HOOKS:
         hook(scheduler)
     return scheduler
+
+
+def runner_output(
+    req_ids: list[str], sampled_token_ids: list[list[int]], **extra: Any
+) -> Any:
+    """vLLM's ``ModelRunnerOutput`` for one step: ``req_ids`` in the worker's
+    order, each one's sampled tokens. Up to 0.33.0 the output also maps each id
+    to its index (``req_id_to_index``); 0.34.0 dropped that field (the order of
+    ``req_ids`` is the index)."""
+    from dataclasses import fields
+
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    if "req_id_to_index" in {f.name for f in fields(ModelRunnerOutput)}:
+        extra["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+    return ModelRunnerOutput(
+        req_ids=req_ids, sampled_token_ids=sampled_token_ids, **extra
+    )
 
 
 def prompt(length: int, seed: int) -> list[int]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -431,14 +431,31 @@ class Oracle(SchedulerView):
     def _hashed_blocks(self) -> Iterator[Any]:
         """Every block of the pool that carries a hash: those in the pool's
         hash map (every release 0.15.1+ keeps one, ``BlockHashToBlockMap``), a
-        few dozen, rather than a scan of all blocks each step."""
-        cache = getattr(self.block_pool.cached_block_hash_to_block, "_cache", None)
+        few dozen, rather than a scan of all blocks each step.
+
+        Up to 0.33.0 the map's ``_cache`` holds a block, or a dict of blocks by
+        id for a key several blocks carry; 0.34.0 holds block ids: one id per
+        key in ``_cache``, every id of a key several blocks carry in
+        ``_dup_ids``."""
+        table = self.block_pool.cached_block_hash_to_block
+        cache = getattr(table, "_cache", None)
         if cache is None:
             yield from self.block_pool.blocks
             return
+        blocks = self.block_pool.blocks
         seen: set[int] = set()
-        for entry in list(cache.values()):
-            for block in entry.values() if isinstance(entry, dict) else (entry,):
+        entries = [*cache.values(), *getattr(table, "_dup_ids", {}).values()]
+        for entry in entries:
+            if isinstance(entry, int):
+                members: Iterable[Any] = (blocks[entry],)
+            elif isinstance(entry, dict):
+                members = (
+                    blocks[key] if isinstance(key, int) and value is None else value
+                    for key, value in entry.items()
+                )
+            else:
+                members = (entry,)
+            for block in members:
                 if block.block_id not in seen:
                     seen.add(block.block_id)
                     yield block
