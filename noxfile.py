@@ -500,10 +500,11 @@ def e2e(session: nox.Session) -> None:
     # test_probe.py with the default-retention engines, "engines",
     # test_engine.py's engines with the image recipe and the headless refusal's
     # handshake, "distributed", test_distributed.py's two-node and
-    # two-API-server deployments, "moe", test_moe_dp.py's hybrid MoE model,
-    # "witness", test_witness_served.py's server (its long version: e2e_witness),
-    # and "ray", test_ray_dp.py's Ray cluster and its three deployments.
-    # Each spends much of its time waiting on engine processes.
+    # two-API-server deployments, and "witness", test_witness_served.py's
+    # server (its long version: e2e_witness). Each spends much of its time
+    # waiting on engine processes. Collected and skipped here, each naming its
+    # session: e2e_deployments ("moe", test_moe_dp.py's hybrid MoE model, and
+    # "ray", test_ray_dp.py's Ray cluster) and e2e_headless.
     # What each costs: docs/maintaining (the measured runs of .ci/run).
     pytest(
         session,
@@ -526,6 +527,24 @@ def e2e_headless(session: nox.Session) -> None:
         *("-k", "test_headless_engine_refusal"),
         *session.posargs,
         env={"MAMBA_ALIGN_E2E_HEADLESS_ENGINE": "1"},
+    )
+
+
+@nox.session(venv_backend="none")
+@timed
+def e2e_deployments(session: nox.Session) -> None:
+    """Two data-parallel deployments (not in CI's default list: 6-13 minutes of
+    one worker on 2 cores; docs/maintaining, "What CI runs"), in e2e's
+    environment: tests/e2e/test_moe_dp.py, a hybrid MoE model's lockstep ranks
+    (C = B: the plugin's start, fix and audit there, no wrong state stock would
+    serve), and tests/e2e/test_ray_dp.py, vLLM's Ray data-parallel backend
+    (engine cores as Ray actors, a refusal inside one)."""
+    session.run(
+        sys.executable,
+        *("-m", "nox", "-s", "e2e", "--"),
+        *("-k", "test_moe_dp or test_ray_dp"),
+        *session.posargs,
+        env={"MAMBA_ALIGN_E2E_DEPLOYMENTS": "1"},
     )
 
 

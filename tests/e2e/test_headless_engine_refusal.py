@@ -24,7 +24,6 @@ refusal runs in CI (test_headless_refusal.py).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import textwrap
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from .geometry import PLUGIN, WORKAROUNDS
+from .sessions import outside_ci
 from .test_distributed import (
     REFUSAL_BOUND,
     Deployment,
@@ -47,10 +47,7 @@ LONG_SESSION = "MAMBA_ALIGN_E2E_HEADLESS_ENGINE"
 """Set by ``nox -s e2e_headless``: run these deployments."""
 pytestmark = [
     pytest.mark.xdist_group("headless-engine"),
-    pytest.mark.skipif(
-        os.environ.get(LONG_SESSION) != "1",
-        reason="two head + headless deployments: nox -s e2e_headless",
-    ),
+    outside_ci(LONG_SESSION, "two head + headless deployments", "e2e_headless"),
 ]
 
 HEAD_BOUND = 120.0

@@ -1,5 +1,8 @@
 """A hybrid MoE model with ``vllm serve --data-parallel-size 2`` on one node.
 
+Run by ``nox -s e2e_deployments`` (outside CI's default list, which collects
+and skips these tests: docs/maintaining says why and when to run them).
+
 vLLM runs the data-parallel ranks of an MoE model in lockstep: each rank is a
 ``DPEngineCoreProc`` (``vllm/v1/engine/core.py``), a ``DPCoordinator``
 (``vllm/v1/engine/coordinator.py``) starts and ends request "waves" across the
@@ -33,6 +36,7 @@ import pytest
 from .models import write_model
 from .probe_run import ProbeRun, run_probe
 from .server import VLLM_CLI, Server, samples, stop_together, write_tokenizer
+from .sessions import outside_ci
 from .test_serve import (
     COUNTER_NAMES,
     SERVE_OPTIONS,
@@ -45,7 +49,16 @@ from .test_serve import (
     last_summary,
 )
 
-pytestmark = pytest.mark.xdist_group("moe")
+LONG_SESSION = "MAMBA_ALIGN_E2E_DEPLOYMENTS"
+"""Set by ``nox -s e2e_deployments``: run these deployments."""
+pytestmark = [
+    pytest.mark.xdist_group("moe"),
+    outside_ci(
+        LONG_SESSION,
+        "a hybrid MoE model's lockstep data-parallel ranks, two deployments",
+        "e2e_deployments",
+    ),
+]
 
 DRAFTER = "speculative_config"
 MOE_OPTIONS: dict[str, Any] = {

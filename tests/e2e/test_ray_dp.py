@@ -1,5 +1,8 @@
 """vLLM's Ray data-parallel backend with the plugin (vLLM's CPU build 0.32.0).
 
+Run by ``nox -s e2e_deployments`` (outside CI's default list, which collects
+and skips these tests: docs/maintaining says why and when to run them).
+
 ``vllm serve --data-parallel-size 2 --data-parallel-backend ray`` on a local
 Ray cluster (``ray start --head``) that the test starts: vLLM's
 ``CoreEngineActorManager`` places each rank in a Ray placement group and runs
@@ -63,6 +66,7 @@ import pytest
 from .netns import Forward, Namespace, NamespaceUnavailable
 from .probe_run import ProbeRun, run_probe
 from .server import VLLM_CLI, Server, stop_together
+from .sessions import outside_ci
 from .test_serve import (
     COUNTER_NAMES,
     SERVE_OPTIONS,
@@ -75,7 +79,16 @@ from .test_serve import (
     write_served_model,
 )
 
-pytestmark = pytest.mark.xdist_group("ray")
+LONG_SESSION = "MAMBA_ALIGN_E2E_DEPLOYMENTS"
+"""Set by ``nox -s e2e_deployments``: run these deployments."""
+pytestmark = [
+    pytest.mark.xdist_group("ray"),
+    outside_ci(
+        LONG_SESSION,
+        "vLLM's Ray data-parallel backend, three deployments",
+        "e2e_deployments",
+    ),
+]
 
 RAY_OPTIONS: dict[str, Any] = {
     **SERVE_OPTIONS,
