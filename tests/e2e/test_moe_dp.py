@@ -26,6 +26,7 @@ nothing.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,9 +169,20 @@ def test_each_lockstep_rank_starts_with_the_fix(moe: MoeRun) -> None:
     ]
     for line in lines:
         assert line["status"].startswith("ACTIVE, mode=lean"), line
-        assert int(line["c"]) == int(line["b"])  # no drafter: C = B
-    # vLLM ran the MoE path: a coordinator for the waves.
+        assert line["c"] == line["b"] == "64", line  # no drafter: C = B = 64
+    # vLLM ran the MoE path: a coordinator for the waves (vLLM starts one for
+    # any DP > 1 behind its own balancer) and each rank's engine core in
+    # lockstep: the start line ends with "of 2" only where the scheduler's
+    # data-parallel size is above 1, which vLLM leaves so for lockstep ranks
+    # alone (a dense model's ranks get 1: test_serve.py's "dp" server).
     assert "Started DP Coordinator process" in moe.run.log
+    for rank in (0, 1):
+        lockstep = re.compile(
+            rf"^\(EngineCore_DP{rank} pid=\d+\)[^\n]*vllm-mamba-align [^\n]*"
+            rf"; data-parallel rank {rank} of 2$",
+            re.MULTILINE,
+        )
+        assert lockstep.search(moe.run.log), f"rank {rank}: no lockstep start line"
 
 
 def test_the_fix_holds_on_each_rank_after_the_other_ran_alone(moe: MoeRun) -> None:
