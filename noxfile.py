@@ -82,6 +82,9 @@ class Leg:
     ran_tests: bool = False
     failures: list[str] = field(default_factory=list)
     """Each failed or erroring test's id and the first line of its reason."""
+    moved: dict[str, int] = field(default_factory=dict)
+    """Skip reasons that name the nox session running those tests instead
+    (tests outside CI's default list), each with its count of tests."""
 
 
 LEGS: list[Leg] = []
@@ -140,6 +143,8 @@ def pytest(
                 leg.skipped += skipped
                 leg.ran_tests = True
             leg.failures += failure_lines(junit)
+            for reason in moved_reasons(junit):
+                leg.moved[reason] = leg.moved.get(reason, 0) + 1
 
 
 def failure_lines(junit: Path) -> list[str]:
@@ -155,6 +160,18 @@ def failure_lines(junit: Path) -> list[str]:
             first = reason.splitlines()[0] if reason else "(no message)"
             lines.append(f"{where}: {first[:300]}")
     return lines
+
+
+def moved_reasons(junit: Path) -> list[str]:
+    """The reason of each test skipped because another nox session runs it
+    (its reason names ``nox -s``), so the closing table says where it runs."""
+    reasons = []
+    for case in ElementTree.parse(junit).getroot().iter("testcase"):
+        for skip in case.iter("skipped"):
+            reason = (skip.get("message") or "").strip()
+            if "nox -s " in reason:
+                reasons.append(reason.splitlines()[0][:200])
+    return reasons
 
 
 def _minutes(seconds: float) -> str:
@@ -194,6 +211,9 @@ def print_legs() -> None:
     )
     if any(leg.ran_tests for leg in LEGS):
         print(f"tests: {passed} passed, {failed} failed, {skipped} skipped")
+    for leg in LEGS:
+        for reason, count in leg.moved.items():
+            print(f"skipped in {leg.name}: {count} run elsewhere: {reason}")
     for leg in LEGS:
         for line in leg.failures:
             print(f"failed in {leg.name}: {line}")

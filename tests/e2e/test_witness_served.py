@@ -240,7 +240,10 @@ def test_served_engines_under_load_long(
     key: str, served_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     if not os.environ.get(LONG_SESSION):
-        pytest.skip(f"the long served witness runs in nox -s e2e_witness ({key})")
+        pytest.skip(
+            "the served witness's long version (stock, full, grid, DP = 2): "
+            "nox -s e2e_witness (not in CI's default list)"
+        )
     deployment = LONG[key]
     verdict = watched(key, deployment, served_model, tmp_path_factory.mktemp("w"))
     if deployment.mode == "stock":
