@@ -31,7 +31,7 @@ What this machine needs that a GPU cluster does not, each test-only:
   ranks' start lines among them.
 
 The Ray node (``ray start``) is given ``VLLM_MAMBA_ALIGN_MODE=bogus`` in its
-environment. Three deployments, in turn, on that one cluster: ``full``: the mode
+environment. Four deployments, in turn, on that one cluster: ``full``: the mode
 set only in the launching process reaches each actor (vLLM copies ``VLLM_*``
 variables into the actors' runtime environment, over the node's); the scenario
 on rank 0, then rank 1, each reusing what a fresh run computes; the probe with
@@ -41,7 +41,10 @@ forwarded by Ray to the launching process's output, and not on the API server's
 directory the API server reads, as the docs advise), and Ray actors do not
 receive it. ``refused``: no mode in the launching process, so each actor reads
 the node's ``bogus`` and the plugin refuses inside the actor; ``vllm serve``
-exits with the plugin's message. After each deployment no engine-core actor may
+exits with the plugin's message. ``executor``: Ray's executor instead
+(``--distributed-executor-backend ray``, one rank, the CPU platform without
+the test-only Ray device): vLLM's CPU build fails building it, before any
+scheduler, and ``vllm serve`` exits. After each deployment no engine-core actor may
 be left in the namespace. Then every process in the namespace (Ray's daemons and
 idle workers) is ended by process id, SIGTERM and SIGKILL after 10 s, as ``ray
 stop`` does (which is not used: it finds Ray's processes by name on the whole
@@ -85,7 +88,7 @@ pytestmark = [
     pytest.mark.xdist_group("ray"),
     outside_ci(
         LONG_SESSION,
-        "vLLM's Ray data-parallel backend, three deployments",
+        "vLLM's Ray backends, four deployments",
         "e2e_deployments",
     ),
 ]
@@ -100,8 +103,24 @@ RAY_OPTIONS: dict[str, Any] = {
     # start; the scenario pins each request to its rank anyway.
     "api_server_count": 1,
 }
+EXECUTOR_OPTIONS: dict[str, Any] = {
+    **SERVE_OPTIONS,
+    "distributed_executor_backend": "ray",
+}
+"""One rank, its engine core an ordinary process, its workers Ray actors."""
+EXECUTOR_REFUSAL = "ValueError: current platform cpu does not support ray."
+"""vLLM's CPU build, building the Ray executor (``initialize_ray_cluster``)."""
 RAY_PORT = 6379  # Ray's default: the namespace is the test's alone
 NODE_MODE = "bogus"  # in the Ray node's environment only
+DEPLOYMENTS = (
+    ("full", "full"),
+    ("audit", "audit"),
+    ("refused", None),
+    ("executor", "full"),
+)
+"""Each deployment's name and the mode set where ``vllm serve`` is launched."""
+EXITING = ("refused", "executor")
+"""Deployments expected to exit on their own, never to answer /health."""
 REFUSAL = "VLLM_MAMBA_ALIGN_MODE='bogus' is not a valid mode"
 REFUSAL_BOUND = 300.0  # seconds for the refused deployment to exit
 ACTOR = r"\x1b\[\d+m|\x1b\[0m"  # Ray colours the actor tag
@@ -233,18 +252,24 @@ def _settle_actors(namespace: Namespace, bound: float = 60.0) -> list[str]:
 def _serve(
     cluster: RayCluster, root: Path, key: str, mode: str | None, model: Path
 ) -> RayRun:
+    environment = _launch_environment(mode, root)
+    options = RAY_OPTIONS
+    if key == "executor":
+        # vLLM's own CPU platform, without the test-only Ray device.
+        options = EXECUTOR_OPTIONS
+        del environment["MAMBA_ALIGN_E2E_RAY_DEVICE_KEY"]
     server = NamespacedServer(
         cluster.namespace,
         model,
-        RAY_OPTIONS,
-        _launch_environment(mode, root),
+        options,
+        environment,
         root / f"{key}.log",
         entry=VLLM_CLI,
     )
     found = RayRun(RayServeRun(key))
     started = time.monotonic()
     try:
-        if key == "refused":
+        if key in EXITING:
             server.launch()
             assert server.process is not None
             try:
@@ -330,7 +355,7 @@ def _run_all(root: Path) -> RayCluster:
         cluster.start_log = (root / "ray-start.log").read_text(errors="replace")
         cluster.start_seconds = time.monotonic() - started
         assert done.returncode == 0, cluster.start_log[-3000:]
-        for key, mode in (("full", "full"), ("audit", "audit"), ("refused", None)):
+        for key, mode in DEPLOYMENTS:
             cluster.runs[key] = _serve(cluster, root / key, key, mode, model)
     except BaseException as problem:
         cluster.failure = f"{type(problem).__name__}: {problem}"[:3000]
@@ -347,7 +372,7 @@ def _run_all(root: Path) -> RayCluster:
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> RayCluster:
     if not _cluster:
         root = tmp_path_factory.mktemp("ray")
-        for key in ("full", "audit", "refused"):
+        for key, _ in DEPLOYMENTS:
             (root / key).mkdir()
         with pytest.MonkeyPatch.context() as monkeypatch:
             for name in list(os.environ):
@@ -440,6 +465,22 @@ def test_a_refusal_inside_an_actor_stops_the_deployment_with_its_message(
     assert not found.run.plugin_lines()  # no scheduler started
 
 
+def test_the_ray_executor_does_not_start_on_the_cpu_build(
+    ray_cluster: RayCluster,
+) -> None:
+    """``--distributed-executor-backend ray`` with one rank (the engine core an
+    ordinary process, its workers Ray actors), as vLLM's CPU build ships it:
+    the engine core fails building the Ray executor, before any scheduler
+    exists, so the plugin never starts there; ``vllm serve`` exits 1 with
+    vLLM's reason. Where a platform names a Ray device this path runs; the
+    docs list it as not run (docs/production.md, "The Ray backend")."""
+    found = _run(ray_cluster, "executor")
+    assert found.exit_code == 1, found.exit_code
+    log = _plain(found.run.log)
+    assert EXECUTOR_REFUSAL in log, log[-6000:]
+    assert not found.run.plugin_lines() and "vllm-mamba-align" not in log
+
+
 def test_every_ray_deployment_and_the_cluster_stop_leaving_nothing(
     ray_cluster: RayCluster,
 ) -> None:
@@ -447,7 +488,7 @@ def test_every_ray_deployment_and_the_cluster_stop_leaving_nothing(
     for key, found in ray_cluster.runs.items():
         assert not found.group_left, (key, found.stop_report)
         assert not found.actors_left, (key, found.actors_left)
-        if key != "refused":
+        if key not in EXITING:
             assert found.stopped_cleanly, (key, found.stop_report)
     assert not ray_cluster.left, ray_cluster.left
     assert not ray_cluster.namespace_left
@@ -464,7 +505,7 @@ def summary_lines() -> list[str]:
             lines.append(
                 f"ray {key}: {found.seconds:.1f} s in all (ready in "
                 f"{found.run.start_seconds:.1f} s)"
-                + (f"; exit {found.exit_code}" if key == "refused" else "")
+                + (f"; exit {found.exit_code}" if key in EXITING else "")
                 + (
                     f"; probe exit {found.probe.exit_code} in "
                     f"{found.probe.seconds:.1f} s: {found.probe.report['verdict']}"
