@@ -186,8 +186,11 @@ def test_each_lockstep_rank_starts_with_the_fix(moe: MoeRun) -> None:
 
 
 def test_the_fix_holds_on_each_rank_after_the_other_ran_alone(moe: MoeRun) -> None:
-    """Rank 1 stepped dummy batches while rank 0 prefilled, then served the
-    same scenario: each rank reuses what a fresh run computes, bit for bit."""
+    """Rank 1 had nothing to schedule while rank 0 prefilled (in lockstep it
+    steps dummy batches then: read from code; vLLM 0.32.0 reports dummy
+    iterations only where no DP coordinator runs, and lockstep ranks have
+    one), then served the same scenario: each rank reuses what a fresh run
+    computes, bit for bit."""
     for rank in (0, 1):
         check_fix(moe.run, rank)
     # While rank 0 served, rank 1 scheduled nothing of its own (it logged no
