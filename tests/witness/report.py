@@ -103,6 +103,7 @@ COLUMNS = (
     ("wrong read", "findings", "wrong_reads"),
     ("reads", "findings", "reads"),
     ("lost kept", "findings", "lost_kept_states"),
+    ("ckpt", "findings", "backend_checkpoints"),
     ("preempt", "events", "preemptions"),
     ("prio preempt", "events", "priority_preemptions"),
     ("abort prefill", "events", "aborts_in_prefill"),

@@ -65,8 +65,9 @@ def test_no_wrong_state_published_or_read_under_load(mode: str) -> None:
     its own prefix's, every request not aborted finished; ``kept``, ``full``
     and the default also leave no state vLLM keeps unwritten. And the load
     really happened: preemptions, priority preemptions of prefills in
-    progress, aborts in prefill and decode, where each workload expects them,
-    and cache hits in every workload."""
+    progress, aborts in prefill and decode, the backend's prefill checkpoints
+    written (GPU backends' Mamba spec, vLLM 0.32.0-0.34.0), where each
+    workload expects them, and cache hits in every workload."""
     _needs_witness_release()
     results = run_mode(mode)
     for workload in workloads():
@@ -80,8 +81,9 @@ def test_no_wrong_state_published_or_read_under_load(mode: str) -> None:
         if mode in MATERIALIZING:
             assert findings["lost_kept_states"] == 0, where
         assert events["unfinished"] == [], where
+        counts = {**findings, **events}
         for event in workload.expects:
-            assert events[event] > 0, f"{mode}, {workload.name}: no {event}"
+            assert counts[event] > 0, f"{mode}, {workload.name}: no {event}"
 
 
 def test_the_witness_fails_a_broken_retention_model() -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from witness.engine import Shape, build_scheduler, new_request, step_output
-from witness.judge import Findings, Witness
+from witness.judge import Findings, Witness, mirrors_backend_checkpoints
 
 SAMPLED = 7
 """The token the modelled model samples, always: tokens in flight are known."""
@@ -56,7 +56,9 @@ class Workload:
     arrivals: tuple[Arrival, ...]
     aborts: tuple[Abort, ...] = ()
     expects: tuple[str, ...] = ()
-    """Events (fields of :class:`Events`) that must occur, in every mode."""
+    """Events (fields of :class:`Events`, or counts of the witness's
+    :class:`Findings` such as ``backend_checkpoints``) that must occur, in
+    every mode."""
     stock_wrong: bool = True
     """Whether stock vLLM publishes wrong states here (C < B: it ends chunks
     on C's grid). With C = B it does not on these loads."""
@@ -201,11 +203,22 @@ def retention_setting() -> bool:
     return "prefix_cache_retention_interval" in KVCacheConfig.__dataclass_fields__
 
 
+def checkpoint_setting() -> bool:
+    """Whether the installed vLLM takes backend prefill checkpoints with an
+    alignment (``MambaSpec.prefill_checkpoint_alignment``) and the judge knows
+    where its backends write them (0.32.0-0.34.0)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    fields = MambaSpec.__dataclass_fields__
+    return "prefill_checkpoint_alignment" in fields and mirrors_backend_checkpoints()
+
+
 STATE_BLOCK = 96
 """B, the Mamba group's block (and the attention group's)."""
 PREEMPTED = "preemptions"
 HITS = "cache_hits"
 ABORTED = ("aborts_in_prefill", "aborts_in_decode")
+CHECKPOINTS = "backend_checkpoints"
 
 
 def workloads() -> list[Workload]:
@@ -261,10 +274,36 @@ def workloads() -> list[Workload]:
                 concurrent,
             ),
         ]
+    checkpoints = []
+    if checkpoint_setting():
+        # The Mamba group as GPU backends declare it: one checkpoint block,
+        # Mamba2's alignment 1 (a GDN layer on FlashInfer aligns on the
+        # prefix-cache grid instead); the backend writes a state inside
+        # chunks (the prompt checkpoint in a prompt's final chunk), the
+        # manager re-keys the reserved block at it.
+        backend = replace(
+            drafter, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1
+        )
+        checkpoints = [
+            Workload(
+                "concurrent, backend checkpoints",
+                backend,
+                concurrent,
+                expects=(CHECKPOINTS,),
+            ),
+            Workload(
+                "scarce pool, backend checkpoints",
+                replace(backend, num_blocks=40, reserve_full_input=False),
+                scarce,
+                scarce_aborts[12],
+                expects=(CHECKPOINTS, PREEMPTED, *ABORTED),
+            ),
+        ]
     listed = [
         Workload("concurrent", drafter, concurrent),
         *retention,
         *admission,
+        *checkpoints,
         Workload("scarce pool", scarce_pool, scarce, expects=(PREEMPTED,)),
         Workload("aborts", drafter, aborted, aborted_aborts, expects=ABORTED),
         Workload(
