@@ -276,27 +276,54 @@ def workloads() -> list[Workload]:
         ]
     checkpoints = []
     if checkpoint_setting():
-        # The Mamba group as GPU backends declare it: one checkpoint block,
-        # Mamba2's alignment 1 (a GDN layer on FlashInfer aligns on the
-        # prefix-cache grid instead); the backend writes a state inside
-        # chunks (the prompt checkpoint in a prompt's final chunk), the
-        # manager re-keys the reserved block at it.
-        backend = replace(
-            drafter, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1
-        )
+        # The Mamba group as GPU backends declare it: one checkpoint block and
+        # Mamba2's alignment 1; the backend writes a state inside chunks (the
+        # prompt checkpoint in a prompt's final chunk) and the manager re-keys
+        # the reserved block at it. Beside the concurrent load: preemptions
+        # and aborts in a scarce pool, async steps, late high-priority
+        # arrivals, and the alignment 0.34.0's GDN layer declares without a
+        # prefix-match unit (the Mamba block, B).
+        def backend(shape: Shape, alignment: int = 1) -> Shape:
+            return replace(
+                shape,
+                num_prefill_checkpoint_blocks=1,
+                prefill_checkpoint_alignment=alignment,
+            )
+
+        scarcer = replace(scarce_pool, num_blocks=30)  # the block it reserves
         checkpoints = [
             Workload(
                 "concurrent, backend checkpoints",
-                backend,
+                backend(drafter),
+                concurrent,
+                expects=(CHECKPOINTS,),
+            ),
+            Workload(
+                "concurrent, checkpoints on B",
+                backend(drafter, STATE_BLOCK),
                 concurrent,
                 expects=(CHECKPOINTS,),
             ),
             Workload(
                 "scarce pool, backend checkpoints",
-                replace(backend, num_blocks=40, reserve_full_input=False),
+                backend(scarcer),
                 scarce,
                 scarce_aborts[12],
                 expects=(CHECKPOINTS, PREEMPTED, *ABORTED),
+            ),
+            Workload(
+                "async, backend checkpoints",
+                backend(replace(scarce_pool, async_scheduling=True)),
+                scarce,
+                scarce_aborts[15],
+                expects=(CHECKPOINTS, PREEMPTED, "aborts_in_decode"),
+            ),
+            Workload(
+                "priority, backend checkpoints",
+                backend(replace(scarce_pool, priority=True)),
+                ranked,
+                ranked_aborts,
+                expects=(CHECKPOINTS, "priority_preemptions", "aborts_in_prefill"),
             ),
         ]
     listed = [
