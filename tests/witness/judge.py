@@ -266,10 +266,10 @@ class Witness:
         wrong one.
 
         Live requests' tables cover every block the worker can still write:
-        the mirror writes only running slots and copy targets, both in a
-        live request's table, and a block that leaves every table keeps its
-        state until it is reallocated, which drops its hash
-        (:meth:`forget_evicted`)."""
+        the mirror writes only running slots, backend checkpoints' columns
+        and copy targets, all in a live request's table, and a block that
+        leaves every table keeps its state until it is reallocated, which
+        drops its hash (:meth:`forget_evicted`)."""
         from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
 
         for request, group, blocks in self._mamba_tables():

@@ -104,8 +104,9 @@ def test_the_witness_catches_a_plugin_that_publishes_wrong_states(fault: str) ->
     """The default mode broken on purpose (tests/support/witness_fault_plugin,
     built from the plugin's own stop policy, outside its serving code): its
     split on C's grid instead of B's, or lean without its stops at junctions
-    or at replay boundaries (the CPU scheduler's backend checkpoints no
-    prompt, so none covers a replay boundary). Each publishes Mamba blocks
+    or at replay boundaries (where the Mamba spec declares no backend
+    prefill checkpoints, as CPU engines run, none covers a replay boundary).
+    Each publishes Mamba blocks
     as states they do not hold, and the witness counts them, where the intact
     default mode publishes none (the test above, "mode unset")."""
     _needs_witness_release()

@@ -3,7 +3,8 @@ whose decodes share the step budget with other requests' prefills, siblings
 sharing prefixes (cache hits), a scarce block pool (preemption and
 resumption), aborts in prefill and in decode, late high-priority arrivals under
 ``scheduling_policy="priority"``, async scheduling, a drafter's smaller block
-(C < B) and vLLM's state retention 0 (its default), dense and R > 0.
+(C < B), vLLM's state retention 0 (its default), dense and R > 0, and a Mamba
+group declaring backend prefill checkpoints as GPU backends do.
 
 Each workload is driven the way vLLM's engine core drives its scheduler:
 ``schedule()``, the forward pass (here: the witness's mirror of the worker's
