@@ -15,15 +15,21 @@ plugin is checked without vLLM: tests/unit/test_witness_independence.py.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from witness.report import FIXING, MATERIALIZING, PUBLISHING_FAULTS, run_mode
 from witness.workloads import (
     STATE_BLOCK,
+    checkpoint_setting,
     drafter_block,
     retention_setting,
+    tokens_of,
     workloads,
 )
+
+CHECKPOINT_WORKLOAD = "concurrent, backend checkpoints"
 
 pytestmark = pytest.mark.random_workloads
 
@@ -125,3 +131,49 @@ def test_the_witness_catches_a_plugin_that_publishes_wrong_states(fault: str) ->
         name: line["findings"]["wrong_publications"] for name, line in broken.items()
     }
     assert sum(wrong.values()) > 0, wrong
+
+
+@pytest.mark.parametrize("alignment", [1, STATE_BLOCK])
+def test_the_judge_places_checkpoints_where_vllm_does(alignment: int) -> None:
+    """The judge's own statement of where the backend writes its prefill
+    checkpoint (``Witness.backend_checkpoint``) agrees with vLLM's
+    ``compute_mamba_prefill_checkpoints`` on every chunk ``[start, end)`` of
+    the first 8 Mamba blocks, for the witness's scheduler of a checkpoint
+    workload (its hash block, cache-hit alignment and B)."""
+    if not checkpoint_setting():
+        pytest.skip("no backend checkpoint rule the judge follows in this vLLM")
+    from vllm.model_executor.layers.mamba.checkpoint import (
+        compute_mamba_prefill_checkpoints,
+    )
+
+    from witness.engine import build_scheduler
+    from witness.judge import Witness
+
+    (workload,) = (w for w in workloads() if w.name == CHECKPOINT_WORKLOAD)
+    shape = replace(workload.shape, prefill_checkpoint_alignment=alignment)
+    scheduler = build_scheduler(shape)
+    try:
+        witness = Witness(scheduler, tokens_of)
+        kv = scheduler.kv_cache_config
+        limit = 8 * STATE_BLOCK
+        found = 0
+        for start in range(limit):
+            for end in range(start + 1, limit + 1):
+                (offset,), (column,) = compute_mamba_prefill_checkpoints(
+                    [end],
+                    [end - start],
+                    hash_block_size=kv.hash_block_size,
+                    mamba_block_size=STATE_BLOCK,
+                    checkpoint_alignment=alignment,
+                    drop_eagle_block=False,
+                    cache_hit_alignment_tokens=kv.cache_hit_alignment_tokens,
+                )
+                expected = (start + offset, column) if offset else None
+                assert witness.backend_checkpoint(start, end) == expected, (
+                    start,
+                    end,
+                )
+                found += expected is not None
+        assert found > 0
+    finally:
+        scheduler.shutdown()
