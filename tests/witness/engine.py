@@ -73,6 +73,14 @@ class Shape:
     default) admits in arrival order. When set, it engages at any cache usage
     (``cache_aware_admission_threshold`` 0.0; vLLM's default 0.5 would leave it
     idle in a pool this load fills less than half)."""
+    num_prefill_checkpoint_blocks: int = 0
+    """``MambaSpec.num_prefill_checkpoint_blocks`` (vLLM 0.29.0+): 1 as GPU
+    GDN and Mamba2 layers declare it, so the manager reserves a block for a
+    state the backend writes inside a prefill chunk; 0 as CPU engines run."""
+    prefill_checkpoint_alignment: int | None = None
+    """``MambaSpec.prefill_checkpoint_alignment`` (in 0.32.0-0.34.0): the token
+    alignment of the checkpoint's offset into its chunk (1 for Mamba2); None
+    takes no checkpoint at all on those releases."""
 
 
 @functools.cache
@@ -122,6 +130,20 @@ def kv_cache_config(shape: Shape, config: Any) -> Any:
             block_size=block, num_kv_heads=1, head_size=16, dtype=torch.float32
         )
 
+    checkpoints: dict[str, Any] = {}
+    if shape.num_prefill_checkpoint_blocks:
+        fields = MambaSpec.__dataclass_fields__
+        if "num_prefill_checkpoint_blocks" not in fields:
+            raise NotImplementedError("this vLLM has no backend prefill checkpoints")
+        checkpoints["num_prefill_checkpoint_blocks"] = (
+            shape.num_prefill_checkpoint_blocks
+        )
+        if shape.prefill_checkpoint_alignment is not None:
+            if "prefill_checkpoint_alignment" not in fields:
+                raise NotImplementedError("this vLLM has no checkpoint alignment")
+            checkpoints["prefill_checkpoint_alignment"] = (
+                shape.prefill_checkpoint_alignment
+            )
     groups = [
         KVCacheGroupSpec(
             ["model.layers.3.self_attn.attn"], attention(shape.attention_block)
@@ -133,6 +155,7 @@ def kv_cache_config(shape: Shape, config: Any) -> Any:
                 shapes=((1,),),
                 dtypes=(torch.float32,),
                 mamba_cache_mode="align",
+                **checkpoints,
             ),
         ),
     ]
@@ -195,6 +218,14 @@ def build_scheduler(shape: Shape) -> Any:
         if hasattr(kv, "hash_block_size"):
             kv.hash_block_size = hash_block
         sizes = {"block_size": scheduler_block, "hash_block_size": hash_block}
+        alignment = getattr(kv_cache_utils, "resolve_cache_hit_alignment_tokens", None)
+        if alignment is not None and hasattr(kv, "cache_hit_alignment_tokens"):
+            # As vLLM's engine core (0.32.0-0.34.0): where prefix-cache hits land,
+            # handed to the workers, whose backends place their prefill
+            # checkpoints on it (the witness's judge reads it from here).
+            kv.cache_hit_alignment_tokens = alignment(
+                kv, config, scheduler_block, hash_block
+            )
     return Scheduler(
         vllm_config=config,
         kv_cache_config=kv,

@@ -17,6 +17,10 @@ plugin, and imports nothing of it):
   ``(j + 1) * hash_block`` tokens. It must hold exactly that state once the
   step that published it has run, and after every later step while it
   carries the hash.
+- Where the Mamba spec declares backend prefill checkpoints, the forward pass
+  also leaves ONE more state inside a prefill chunk: the state at the
+  checkpoint position, in the column vLLM computes for it, unless that column
+  holds the null block (:meth:`Witness.backend_checkpoint`).
 - Every Mamba block vLLM's prefix cache decides to keep (its block mask, or
   every block where it has none) must be a real block when it is cached: a
   null block there is a boundary state vLLM keeps that no chunk ever wrote.
@@ -52,6 +56,12 @@ class Findings:
     wrong_reads: int = 0
     kept_decisions: int = 0
     lost_kept_states: int = 0
+    backend_checkpoints: int = 0
+    """States the backend wrote inside a prefill chunk (its prefill
+    checkpoints), into a real block."""
+    backend_checkpoints_on_null: int = 0
+    """Checkpoints the backend's rule places in a column holding the null
+    block: not written."""
     examples: list[str] = field(default_factory=list)
 
     def note(self, line: str) -> None:
@@ -92,6 +102,9 @@ class Witness:
             or getattr(scheduler, "hash_block_size", 0)
             or scheduler.cache_config.block_size
         )
+        self.checkpoints = _backend_checkpoints(scheduler, found)
+        """The backend's prefill-checkpoint rule's inputs, or None where the
+        Mamba spec declares no checkpoint blocks."""
         self.holds: dict[int, StateName] = {}
         """Block id -> the state the worker last wrote there."""
         self.findings = Findings()
@@ -168,6 +181,7 @@ class Witness:
             for mamba in self.mambas.values():
                 if start > 0:
                     self._judge_read(mamba, req_id, tokens, start)
+                self._write_checkpoint(mamba, req_id, tokens, start, end)
                 column = -(-end // self.state_block) - 1
                 running = self._column(mamba, req_id, column)
                 assert running is not None and not running.is_null, (
@@ -175,6 +189,57 @@ class Witness:
                 )
                 self.holds[running.block_id] = state_name(tokens, end)
         self._judge_published()
+
+    def backend_checkpoint(self, start: int, end: int) -> tuple[int, int] | None:
+        """Where the backend writes its prefill checkpoint in a chunk
+        ``[start, end)``: (the position whose state it writes, the block-table
+        column it writes it into), or None for a chunk it writes none in.
+
+        The rule of vLLM's ``compute_mamba_prefill_checkpoints``
+        (vllm/model_executor/layers/mamba/checkpoint.py, with
+        ``get_mamba_prefill_checkpoint_position`` and
+        ``is_mamba_prefill_checkpoint_valid`` of vllm/v1/kv_cache_interface.py),
+        as vLLM 0.34.0 has it (0.32.0 and 0.33.0 the same without a drafter),
+        for an engine without speculative decoding (no EAGLE block drop, no
+        hash lookahead): the position is the last multiple of the cache-hit
+        alignment short of the chunk's end; the chunk must start on the hash
+        block, lie at least one hash block before the position, hold the
+        position strictly inside it at a multiple of the checkpoint alignment
+        from its start, and have the position's column ``ceil(end / B) - 2``
+        after the column it reads (``(start - 1) // B``). The worker applies
+        it to every row, prefill or not, whatever the scheduler decided."""
+        rule = self.checkpoints
+        if rule is None:
+            return None
+        hash_block, unit, alignment = rule
+        position = max((end - 1) // unit * unit, 0)
+        column = -(-end // self.state_block) - 2
+        if (
+            start % hash_block == 0
+            and column > (start - 1) // self.state_block
+            and start + hash_block <= position
+            and start < position < end
+            and (position - start) % alignment == 0
+        ):
+            return position, column
+        return None
+
+    def _write_checkpoint(
+        self, mamba: Any, req_id: str, tokens: Sequence[int], start: int, end: int
+    ) -> None:
+        """The backend's prefill checkpoint of one chunk, if it writes one:
+        skipped where its column holds the null block, as the backend's store
+        skips ``NULL_BLOCK_ID``."""
+        checkpoint = self.backend_checkpoint(start, end)
+        if checkpoint is None:
+            return
+        position, column = checkpoint
+        block = self._column(mamba, req_id, column)
+        if block is None or block.is_null:
+            self.findings.backend_checkpoints_on_null += 1
+            return
+        self.findings.backend_checkpoints += 1
+        self.holds[block.block_id] = state_name(tokens, position)
 
     def _judge_read(
         self, mamba: Any, req_id: str, tokens: Sequence[int], start: int
@@ -201,10 +266,10 @@ class Witness:
         wrong one.
 
         Live requests' tables cover every block the worker can still write:
-        the mirror writes only running slots and copy targets, both in a
-        live request's table, and a block that leaves every table keeps its
-        state until it is reallocated, which drops its hash
-        (:meth:`forget_evicted`)."""
+        the mirror writes only running slots, backend checkpoints' columns
+        and copy targets, all in a live request's table, and a block that
+        leaves every table keeps its state until it is reallocated, which
+        drops its hash (:meth:`forget_evicted`)."""
         from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
 
         for request, group, blocks in self._mamba_tables():
@@ -278,3 +343,46 @@ class Witness:
         self._wrong = {
             pair for pair in self._wrong if blocks[pair[0]].block_hash is not None
         }
+
+
+CHECKPOINT_RULE_RELEASES = ((0, 32), (0, 33), (0, 34))
+"""The vLLM releases whose backend prefill-checkpoint rule
+:meth:`Witness.backend_checkpoint` follows, read from each release's wheel.
+Others (0.29.0-0.31.0 declare checkpoint blocks under other rules; a newer
+release may change it) are not judged with checkpoints."""
+
+
+def mirrors_backend_checkpoints() -> bool:
+    """Whether the judge knows where the installed vLLM's backends write their
+    prefill checkpoints (:data:`CHECKPOINT_RULE_RELEASES`)."""
+    import vllm
+    from packaging.version import Version
+
+    return Version(vllm.__version__).release[:2] in CHECKPOINT_RULE_RELEASES
+
+
+def _backend_checkpoints(
+    scheduler: Any, mambas: Sequence[tuple[int, Any]]
+) -> tuple[int, int, int] | None:
+    """(hash block, cache-hit alignment, checkpoint alignment) as the worker
+    reads them when its Mamba spec declares prefill checkpoint blocks; None
+    where it declares none, or where the worker takes none (an alignment or
+    block size left unresolved)."""
+    specs = [manager.kv_cache_spec for _, manager in mambas]
+    if not any(getattr(spec, "num_prefill_checkpoint_blocks", 0) for spec in specs):
+        return None
+    if not mirrors_backend_checkpoints():
+        raise NotImplementedError(
+            "the witness does not know this vLLM's backend checkpoint rule"
+        )
+    if scheduler.vllm_config.speculative_config is not None:
+        raise NotImplementedError(
+            "the witness mirrors backend checkpoints without speculative decoding"
+        )
+    (alignment,) = {spec.prefill_checkpoint_alignment for spec in specs}
+    kv = scheduler.kv_cache_config
+    hash_block = getattr(kv, "hash_block_size", None)
+    unit = getattr(kv, "cache_hit_alignment_tokens", None)
+    if alignment is None or hash_block is None or unit is None:
+        return None
+    return int(hash_block), int(unit), int(alignment)

@@ -103,6 +103,7 @@ COLUMNS = (
     ("wrong read", "findings", "wrong_reads"),
     ("reads", "findings", "reads"),
     ("lost kept", "findings", "lost_kept_states"),
+    ("ckpt written", "findings", "backend_checkpoints"),
     ("preempt", "events", "preemptions"),
     ("prio preempt", "events", "priority_preemptions"),
     ("abort prefill", "events", "aborts_in_prefill"),
@@ -113,18 +114,19 @@ COLUMNS = (
 
 def table(modes: tuple[str, ...]) -> str:
     """One row per workload and mode."""
-    header = f"{'workload':<30} {'mode':<30} " + " ".join(
+    results = {mode: run_mode(mode) for mode in modes}
+    width = max(len("workload"), *(len(name) for name in results[modes[0]]))
+    header = f"{'workload':<{width}} {'mode':<30} " + " ".join(
         f"{name:>{len(name)}}" for name, _, _ in COLUMNS
     )
     rows = [header]
-    results = {mode: run_mode(mode) for mode in modes}
     for workload in results[modes[0]]:
         for mode in modes:
             line = results[mode][workload]
             cells = " ".join(
                 f"{line[part][key]:>{len(name)}}" for name, part, key in COLUMNS
             )
-            rows.append(f"{workload:<30} {mode:<30} {cells}")
+            rows.append(f"{workload:<{width}} {mode:<30} {cells}")
     return "\n".join(rows)
 
 

@@ -3,7 +3,8 @@ whose decodes share the step budget with other requests' prefills, siblings
 sharing prefixes (cache hits), a scarce block pool (preemption and
 resumption), aborts in prefill and in decode, late high-priority arrivals under
 ``scheduling_policy="priority"``, async scheduling, a drafter's smaller block
-(C < B) and vLLM's state retention 0 (its default), dense and R > 0.
+(C < B), vLLM's state retention 0 (its default), dense and R > 0, and a Mamba
+group declaring backend prefill checkpoints as GPU backends do.
 
 Each workload is driven the way vLLM's engine core drives its scheduler:
 ``schedule()``, the forward pass (here: the witness's mirror of the worker's
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from witness.engine import Shape, build_scheduler, new_request, step_output
-from witness.judge import Findings, Witness
+from witness.judge import Findings, Witness, mirrors_backend_checkpoints
 
 SAMPLED = 7
 """The token the modelled model samples, always: tokens in flight are known."""
@@ -56,7 +57,9 @@ class Workload:
     arrivals: tuple[Arrival, ...]
     aborts: tuple[Abort, ...] = ()
     expects: tuple[str, ...] = ()
-    """Events (fields of :class:`Events`) that must occur, in every mode."""
+    """Events (fields of :class:`Events`, or counts of the witness's
+    :class:`Findings` such as ``backend_checkpoints``) that must occur, in
+    every mode."""
     stock_wrong: bool = True
     """Whether stock vLLM publishes wrong states here (C < B: it ends chunks
     on C's grid). With C = B it does not on these loads."""
@@ -201,11 +204,22 @@ def retention_setting() -> bool:
     return "prefix_cache_retention_interval" in KVCacheConfig.__dataclass_fields__
 
 
+def checkpoint_setting() -> bool:
+    """Whether the installed vLLM takes backend prefill checkpoints with an
+    alignment (``MambaSpec.prefill_checkpoint_alignment``) and the judge knows
+    where its backends write them (0.32.0-0.34.0)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    fields = MambaSpec.__dataclass_fields__
+    return "prefill_checkpoint_alignment" in fields and mirrors_backend_checkpoints()
+
+
 STATE_BLOCK = 96
 """B, the Mamba group's block (and the attention group's)."""
 PREEMPTED = "preemptions"
 HITS = "cache_hits"
 ABORTED = ("aborts_in_prefill", "aborts_in_decode")
+CHECKPOINTS = "backend_checkpoints"
 
 
 def workloads() -> list[Workload]:
@@ -261,10 +275,63 @@ def workloads() -> list[Workload]:
                 concurrent,
             ),
         ]
+    checkpoints = []
+    if checkpoint_setting():
+        # The Mamba group as GPU backends declare it: one checkpoint block and
+        # Mamba2's alignment 1; the backend writes a state inside chunks (the
+        # prompt checkpoint in a prompt's final chunk) and the manager re-keys
+        # the reserved block at it. Beside the concurrent load: preemptions
+        # and aborts in a scarce pool, async steps, late high-priority
+        # arrivals, and the alignment 0.34.0's GDN layer declares without a
+        # prefix-match unit (the Mamba block, B).
+        def backend(shape: Shape, alignment: int = 1) -> Shape:
+            return replace(
+                shape,
+                num_prefill_checkpoint_blocks=1,
+                prefill_checkpoint_alignment=alignment,
+            )
+
+        scarcer = replace(scarce_pool, num_blocks=30)  # the block it reserves
+        checkpoints = [
+            Workload(
+                "concurrent, backend checkpoints",
+                backend(drafter),
+                concurrent,
+                expects=(CHECKPOINTS,),
+            ),
+            Workload(
+                "concurrent, checkpoints on B",
+                backend(drafter, STATE_BLOCK),
+                concurrent,
+                expects=(CHECKPOINTS,),
+            ),
+            Workload(
+                "scarce pool, backend checkpoints",
+                backend(scarcer),
+                scarce,
+                scarce_aborts[12],
+                expects=(CHECKPOINTS, PREEMPTED, *ABORTED),
+            ),
+            Workload(
+                "async, backend checkpoints",
+                backend(replace(scarce_pool, async_scheduling=True)),
+                scarce,
+                scarce_aborts[15],
+                expects=(CHECKPOINTS, PREEMPTED, "aborts_in_decode"),
+            ),
+            Workload(
+                "priority, backend checkpoints",
+                backend(replace(scarce_pool, priority=True)),
+                ranked,
+                ranked_aborts,
+                expects=(CHECKPOINTS, "priority_preemptions", "aborts_in_prefill"),
+            ),
+        ]
     listed = [
         Workload("concurrent", drafter, concurrent),
         *retention,
         *admission,
+        *checkpoints,
         Workload("scarce pool", scarce_pool, scarce, expects=(PREEMPTED,)),
         Workload("aborts", drafter, aborted, aborted_aborts, expects=ABORTED),
         Workload(
