@@ -67,6 +67,19 @@ MOE_OPTIONS: dict[str, Any] = {
     "data_parallel_size": 2,
 }
 PROBE_ARGUMENTS = ("--rounding", "0")  # fp32 on CPU: chunk-invariant
+DUMMY_STEPS = "MAMBA_ALIGN_E2E_DUMMY_STEPS"
+"""tests/support/cpu_e2e_workarounds prints a line per dummy batch stepped."""
+DUMMY_STEP_LINE = "e2e: dummy batch stepped on data-parallel rank"
+
+
+def dummy_steps(log: str, rank: int) -> int:
+    """Dummy batches rank ``rank`` stepped, by its engine core's lines."""
+    tag = f"(EngineCore_DP{rank} "
+    return sum(
+        1
+        for line in log.splitlines()
+        if tag in line and line.endswith(f"{DUMMY_STEP_LINE} {rank}")
+    )
 
 
 @dataclass
@@ -97,6 +110,7 @@ def _deploy(root: Path, mode: str | None, both_ranks: bool) -> MoeRun:
     # `vllm serve` starts one API server per rank and sets up multiprocess
     # Prometheus itself.
     del env["PROMETHEUS_MULTIPROC_DIR"]
+    env[DUMMY_STEPS] = "1"  # each dummy batch a rank steps, printed
     server = Server(model, MOE_OPTIONS, env, root / "server.log", entry=VLLM_CLI)
     found = MoeRun(ServeRun(mode or "default"))
     started = time.monotonic()
@@ -186,11 +200,13 @@ def test_each_lockstep_rank_starts_with_the_fix(moe: MoeRun) -> None:
 
 
 def test_the_fix_holds_on_each_rank_after_the_other_ran_alone(moe: MoeRun) -> None:
-    """Rank 1 had nothing to schedule while rank 0 prefilled (in lockstep it
-    steps dummy batches then: read from code; vLLM 0.32.0 reports dummy
-    iterations only where no DP coordinator runs, and lockstep ranks have
-    one), then served the same scenario: each rank reuses what a fresh run
-    computes, bit for bit."""
+    """Rank 1 had nothing to schedule while rank 0 prefilled, and stepped
+    dummy batches in lockstep with it (seen through the test-only plugin's
+    line per ``execute_dummy_batch``: vLLM 0.32.0 reports dummy iterations only
+    where no DP coordinator runs, and lockstep ranks have one), then served
+    the same scenario: each rank reuses what a fresh run computes, bit for
+    bit."""
+    assert dummy_steps(moe.idle_log, 1) > 0, "rank 1 stepped no dummy batch"
     for rank in (0, 1):
         check_fix(moe.run, rank)
     # While rank 0 served, rank 1 scheduled nothing of its own (it logged no
@@ -226,6 +242,7 @@ def test_an_idle_lockstep_rank_counts_nothing_in_audit(moe_audit: MoeRun) -> Non
     assert idle == dict.fromkeys(COUNTER_NAMES, 0.0), idle
     idle_summary = last_summary(run.engine_log(1))
     assert idle_summary is None or not any(idle_summary.values()), idle_summary
+    assert dummy_steps(run.log, 1) > 0, "the idle rank stepped no dummy batch"
     info = {
         labels["engine"]
         for labels, value in samples(run.metrics, "vllm_mamba_align_info")

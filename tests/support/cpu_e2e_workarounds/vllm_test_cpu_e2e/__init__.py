@@ -60,6 +60,14 @@ test can check where chunks end.
 
 Also (not a workaround): with ``MAMBA_ALIGN_E2E_BF16_STATES`` set, the CPU
 engine emulates a GPU's rounding of resumed states (``_round_stored_states``).
+
+Also (not a workaround): with ``MAMBA_ALIGN_E2E_DUMMY_STEPS`` set, every dummy
+batch an engine core steps (vLLM's ``EngineCore.execute_dummy_batch``; a
+lockstep data-parallel rank calls it from its busy loop when the wave goes on
+and it ran nothing of its own) prints one line naming the rank, so a test can
+see an idle lockstep rank step. vLLM's own report of dummy iterations
+(``--enable-logging-iteration-details``) is sent only where no DP coordinator
+runs (0.32.0's ``DPEngineCoreProc.run_busy_loop``), and lockstep ranks have one.
 """
 
 from __future__ import annotations
@@ -81,6 +89,9 @@ TRACE_VARIABLE = "MAMBA_ALIGN_E2E_TRACE"
 BF16_STATES_VARIABLE = "MAMBA_ALIGN_E2E_BF16_STATES"
 CPU_PLATFORM_MODULE = "vllm.platforms.cpu"
 RAY_DEVICE_VARIABLE = "MAMBA_ALIGN_E2E_RAY_DEVICE_KEY"
+ENGINE_CORE_MODULE = "vllm.v1.engine.core"
+DUMMY_STEPS_VARIABLE = "MAMBA_ALIGN_E2E_DUMMY_STEPS"
+DUMMY_STEP_LINE = "e2e: dummy batch stepped on data-parallel rank"
 _registered = False
 
 
@@ -318,6 +329,21 @@ def _patch_cpu_platform(module: ModuleType) -> None:
         module.CpuPlatform.ray_device_key = key  # type: ignore[attr-defined]
 
 
+def _print_dummy_steps(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    output = wrapped(*args, **kwargs)
+    if os.environ.get(DUMMY_STEPS_VARIABLE):
+        print(f"{DUMMY_STEP_LINE} {getattr(instance, 'dp_rank', '?')}", flush=True)
+    return output
+
+
+def _patch_engine_core(module: ModuleType) -> None:
+    wrapt.wrap_function_wrapper(
+        module, "EngineCore.execute_dummy_batch", _print_dummy_steps
+    )
+
+
 def register() -> None:
     """Entry point (group ``vllm.general_plugins``); idempotent."""
     global _registered
@@ -329,3 +355,4 @@ def register() -> None:
     wrapt.register_post_import_hook(_patch_scheduler, SCHEDULER_MODULE)
     wrapt.register_post_import_hook(_patch_cpu_communicator, CPU_COMMUNICATOR_MODULE)
     wrapt.register_post_import_hook(_patch_cpu_platform, CPU_PLATFORM_MODULE)
+    wrapt.register_post_import_hook(_patch_engine_core, ENGINE_CORE_MODULE)
