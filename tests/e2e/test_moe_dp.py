@@ -188,7 +188,8 @@ def test_each_lockstep_rank_starts_with_the_fix(moe: MoeRun) -> None:
     # any DP > 1 behind its own balancer) and each rank's engine core in
     # lockstep: the start line ends with "of 2" only where the scheduler's
     # data-parallel size is above 1, which vLLM leaves so for lockstep ranks
-    # alone (a dense model's ranks get 1: test_serve.py's "dp" server).
+    # alone (ranks of a model vLLM does not count as MoE get 1: read from
+    # code; test_serve.py's NemotronH counts as MoE and runs in lockstep too).
     assert "Started DP Coordinator process" in moe.run.log
     for rank in (0, 1):
         lockstep = re.compile(
