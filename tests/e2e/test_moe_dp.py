@@ -73,12 +73,10 @@ DUMMY_STEP_LINE = "e2e: dummy batch stepped on data-parallel rank"
 
 
 def dummy_steps(log: str, rank: int) -> int:
-    """Dummy batches rank ``rank`` stepped, by its engine core's lines."""
-    tag = f"(EngineCore_DP{rank} "
+    """Dummy batches rank ``rank`` stepped: the plugin's lines name the rank
+    (the engine core's own ``dp_rank``; a bare print carries no process tag)."""
     return sum(
-        1
-        for line in log.splitlines()
-        if tag in line and line.endswith(f"{DUMMY_STEP_LINE} {rank}")
+        1 for line in log.splitlines() if line.endswith(f"{DUMMY_STEP_LINE} {rank}")
     )
 
 
