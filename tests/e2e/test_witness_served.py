@@ -12,9 +12,13 @@ Mamba block holds the state its hash names, every chunk reads its own
 prefix's state, no state vLLM keeps is left unwritten. The judge shares no code
 with the plugin; the plugin is loaded only by vLLM's loader.
 
-CI runs one server (the default mode, :data:`SHORT`); ``nox -s e2e_witness``
-runs :data:`LONG` as well: stock vLLM (the control: wrong states published),
-``full``, ``grid`` and the default with ``--data-parallel-size 2``.
+CI runs one server (the default mode, :data:`SHORT`) and the drafter pair
+(:data:`DRAFTER_PAIR`): stock vLLM beside the default mode on a server whose
+drafter makes C < B (test_serve.py's geometry), where stock publishes wrong
+states, under a prefill-only load (``max_tokens=1``: no draft token is ever
+scheduled, so every step is mirrored). ``nox -s e2e_witness`` runs :data:`LONG`
+as well: stock vLLM without a drafter (C = B: the judge runs on stock's
+steps), ``full``, ``grid`` and the default with ``--data-parallel-size 2``.
 """
 
 from __future__ import annotations
@@ -65,9 +69,25 @@ class Deployment:
     mode: str | None
     """VLLM_MAMBA_ALIGN_MODE (None: unset); "stock": the plugin not loaded."""
     options: dict[str, Any]
+    prefill_only: bool = False
+    """The load's requests each want one token: no decode step, so no draft
+    token is scheduled where the server has a drafter."""
 
 
 SHORT = {"default": Deployment(None, {})}
+WITH_DRAFTER: dict[str, Any] = {
+    "speculative_config": SERVE_OPTIONS["speculative_config"],
+    # Not a multiple of B (32): a chunk cut by the budget ends off B's grid
+    # unless the split moves it there.
+    "max_num_batched_tokens": 264,
+    # The drafter's hidden-state group takes its share of every block: 128
+    # blocks hold 768 tokens of a request here, 384 the 2,048 vLLM requires.
+    "num_gpu_blocks_override": 384,
+}
+DRAFTER_PAIR = {
+    "stock, drafter": Deployment("stock", WITH_DRAFTER, prefill_only=True),
+    "default, drafter": Deployment(None, WITH_DRAFTER, prefill_only=True),
+}
 LONG = {
     "stock": Deployment("stock", {}),
     "full": Deployment("full", {}),
@@ -78,11 +98,12 @@ LONG_SESSION = "MAMBA_ALIGN_E2E_WITNESS_LONG"
 """Set by ``nox -s e2e_witness``: run :data:`LONG` too."""
 
 
-def _load(server: Server) -> dict[str, int]:
+def _load(server: Server, prefill_only: bool = False) -> dict[str, int]:
     """Concurrent requests: siblings of one base (cache hits), decodes sharing
     the budget, late high-priority requests, and clients that close their
     connection in prefill (a timeout shorter than the prefill) or in decode (a
-    stream closed after a few tokens). Returns what the clients saw."""
+    stream closed after a few tokens). ``prefill_only``: every request wants
+    one token and none closes in decode. Returns what the clients saw."""
     rng = random.Random(7)
     base = [rng.randrange(3, 500) for _ in range(1400)]
     url = f"{server.base}/v1/completions"
@@ -93,7 +114,7 @@ def _load(server: Server) -> dict[str, int]:
         return {
             "model": SERVED_NAME,
             "prompt": prompt,
-            "max_tokens": max_tokens,
+            "max_tokens": 1 if prefill_only else max_tokens,
             "temperature": 0.0,
             "ignore_eos": True,
             "priority": priority,
@@ -135,7 +156,8 @@ def _load(server: Server) -> dict[str, int]:
     for index in range(3):
         long = [rng.randrange(3, 500) for _ in range(1900)]  # nothing cached
         plan.append((index * 0.01, close_in_prefill, (long,)))
-        plan.append((0.15 + index * 0.1, close_in_decode, (sibling(),)))
+        if not prefill_only:
+            plan.append((0.15 + index * 0.1, close_in_decode, (sibling(),)))
     for index in range(10):
         plan.append((0.05 + index * 0.02, complete, (sibling(), 8 + index, 5)))
     for index in range(4):  # late, high priority (vLLM: lower value first)
@@ -188,7 +210,7 @@ def watched(key: str, deployment: Deployment, model: Path, workdir: Path) -> Ver
     options = {key: value for key, value in options.items() if value is not OMIT}
     server = Server(model, options, env, folder.with_suffix(".log"))
     with server:
-        clients = _load(server)
+        clients = _load(server, deployment.prefill_only)
     totals: dict[str, int] = {}
     files = sorted(folder.glob("witness-*.json"))
     for path in files:
@@ -233,6 +255,32 @@ def test_served_engine_under_load_publishes_and_reads_only_right_states(
     _check_fixed(verdict)
     lost = verdict.totals["lost_kept_states"]
     assert lost == 0, ("lost_kept_states", verdict.totals)
+
+
+def test_served_drafter_stock_publishes_wrong_states_and_the_default_none(
+    served_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Where a drafter makes C < B, stock vLLM serving the prefill-only load
+    publishes Mamba blocks as states they do not hold; the default mode on the
+    same server and load publishes and reads none. Every step of both is
+    mirrored (no draft token scheduled)."""
+    found = {
+        key: watched(key, deployment, served_model, tmp_path_factory.mktemp("w"))
+        for key, deployment in DRAFTER_PAIR.items()
+    }
+    for key, verdict in found.items():
+        totals = {**verdict.totals, "clients": verdict.clients, "server": key}
+        assert verdict.engines >= 1, (key, verdict.log[-3000:])
+        assert totals["unmirrored_steps"] == 0, ("unmirrored_steps", totals)
+        assert totals["publications"] > 0, ("publications", totals)
+        assert totals["reads"] > 0, ("reads", totals)
+    # (Clients closing in prefill are sent, not required here: stock prefills
+    # the load in a quarter of the default mode's steps, often within their
+    # timeout.)
+    stock, fixed = found["stock, drafter"].totals, found["default, drafter"].totals
+    assert stock["wrong_publications"] > 0, ("stock wrong_publications", stock)
+    assert fixed["wrong_publications"] == 0, ("wrong_publications", fixed)
+    assert fixed["wrong_reads"] == 0, ("wrong_reads", fixed)
 
 
 @pytest.mark.parametrize("key", list(LONG))
