@@ -12,6 +12,9 @@ import os
 
 import pytest
 
+DEPLOYMENTS_VARIABLE = "MAMBA_ALIGN_E2E_DEPLOYMENTS"
+"""Set by ``nox -s e2e_deployments``: run test_moe_dp.py and test_ray_dp.py."""
+
 
 def outside_ci(variable: str, what: str, session: str) -> pytest.MarkDecorator:
     """Skip unless ``session`` (which sets ``variable`` to 1) runs the test."""

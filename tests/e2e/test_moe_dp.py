@@ -26,7 +26,6 @@ nothing.
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +36,7 @@ import pytest
 from .models import write_model
 from .probe_run import ProbeRun, run_probe
 from .server import VLLM_CLI, Server, samples, stop_together, write_tokenizer
-from .sessions import outside_ci
+from .sessions import DEPLOYMENTS_VARIABLE, outside_ci
 from .test_serve import (
     COUNTER_NAMES,
     SERVE_OPTIONS,
@@ -48,14 +47,13 @@ from .test_serve import (
     counters,
     expected_prefill_tokens,
     last_summary,
+    starts_in_lockstep,
 )
 
-LONG_SESSION = "MAMBA_ALIGN_E2E_DEPLOYMENTS"
-"""Set by ``nox -s e2e_deployments``: run these deployments."""
 pytestmark = [
     pytest.mark.xdist_group("moe"),
     outside_ci(
-        LONG_SESSION,
+        DEPLOYMENTS_VARIABLE,
         "a hybrid MoE model's lockstep data-parallel ranks, two deployments",
         "e2e_deployments",
     ),
@@ -190,12 +188,7 @@ def test_each_lockstep_rank_starts_with_the_fix(moe: MoeRun) -> None:
     # code; test_serve.py's NemotronH counts as MoE and runs in lockstep too).
     assert "Started DP Coordinator process" in moe.run.log
     for rank in (0, 1):
-        lockstep = re.compile(
-            rf"^\(EngineCore_DP{rank} pid=\d+\)[^\n]*vllm-mamba-align [^\n]*"
-            rf"; data-parallel rank {rank} of 2$",
-            re.MULTILINE,
-        )
-        assert lockstep.search(moe.run.log), f"rank {rank}: no lockstep start line"
+        assert starts_in_lockstep(moe.run.log, rank), f"rank {rank}: no lockstep line"
 
 
 def test_the_fix_holds_on_each_rank_after_the_other_ran_alone(moe: MoeRun) -> None:

@@ -69,7 +69,7 @@ import pytest
 from .netns import Forward, Namespace, NamespaceUnavailable
 from .probe_run import ProbeRun, run_probe
 from .server import VLLM_CLI, Server, stop_together
-from .sessions import outside_ci
+from .sessions import DEPLOYMENTS_VARIABLE, outside_ci
 from .test_serve import (
     COUNTER_NAMES,
     SERVE_OPTIONS,
@@ -82,12 +82,10 @@ from .test_serve import (
     write_served_model,
 )
 
-LONG_SESSION = "MAMBA_ALIGN_E2E_DEPLOYMENTS"
-"""Set by ``nox -s e2e_deployments``: run these deployments."""
 pytestmark = [
     pytest.mark.xdist_group("ray"),
     outside_ci(
-        LONG_SESSION,
+        DEPLOYMENTS_VARIABLE,
         "vLLM's Ray backends, four deployments",
         "e2e_deployments",
     ),

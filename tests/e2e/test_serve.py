@@ -85,6 +85,18 @@ PLUGIN_LINE = re.compile(
 )
 
 
+def starts_in_lockstep(log: str, rank: int, size: int = 2) -> bool:
+    """Whether engine core ``rank``'s start line ends with the suffix the
+    plugin gives a lockstep data-parallel rank (``; data-parallel rank R of
+    N``)."""
+    line = re.compile(
+        rf"^\(EngineCore_DP{rank} pid=\d+\)[^\n]*hash block \d+"
+        rf"; data-parallel rank {rank} of {size}$",
+        re.MULTILINE,
+    )
+    return line.search(log) is not None
+
+
 @dataclass
 class ServeRun:
     key: str
@@ -413,12 +425,7 @@ def test_data_parallel_both_engine_cores_run_the_fix(
     # vLLM counts this NemotronH as MoE (its config can route experts) and
     # runs its ranks in lockstep: each start line ends with its rank "of 2".
     for rank in (0, 1):
-        start = re.compile(
-            rf"^\(EngineCore_DP{rank} pid=\d+\)[^\n]*hash block \d+"
-            rf"; data-parallel rank {rank} of 2$",
-            re.MULTILINE,
-        )
-        assert start.search(run.log), f"rank {rank}: no lockstep start line"
+        assert starts_in_lockstep(run.log, rank), f"rank {rank}: no lockstep line"
     for rank in (0, 1):
         check_fix(run, rank)  # each rank has its own prefix cache
     info = sorted(
