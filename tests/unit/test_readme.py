@@ -48,3 +48,18 @@ def test_readme_links_into_docs_resolve() -> None:
     assert links, "the README links into the manual"
     missing = [link for link in links if not (REPO / link).exists()]
     assert not missing, missing
+
+
+def test_every_mode_names_where_it_is_the_best_choice() -> None:
+    """A mode ships only with a measured row in docs/modes.md saying where it is
+    the one to run; a mode added without one (or a row for a mode that no longer
+    exists) fails here."""
+    from vllm_mamba_align.settings import Mode
+
+    page = (REPO / "docs" / "modes.md").read_text()
+    section = page.split("## Where each mode is the best choice", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| (.+?) \| (.+?) \|$", section, re.MULTILINE)
+    assert sorted(name for name, _, _ in rows) == sorted(m.value for m in Mode)
+    for name, _, measured in rows:
+        assert re.search(r"\d", measured), f"{name}: no measured figure"
