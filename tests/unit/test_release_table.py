@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from helpers import CacheBlockRule, cache_block_rule
 from packaging.version import Version
 
 from vllm_mamba_align import releases
@@ -15,13 +16,11 @@ from vllm_mamba_align.releases import (
     BODIES,
     SEED_BODIES,
     SUPPORTED_RELEASES,
-    CacheBlockRule,
     CheckpointGrid,
     InternalCheckpoint,
     PrefillRule,
     SeedSite,
     body_for,
-    cache_block_rule,
     checkpoint_backends_in,
     classify_seed,
     expected_body,
