@@ -32,6 +32,7 @@ __all__ = [
     "run_python",
     "scheduler_mode",
     "stock_vllm",
+    "supports_retention_setting",
     "vllm_refuses",
 ]
 
@@ -126,6 +127,15 @@ def cache_block_rule(version: str | None) -> CacheBlockRule:
     if (0, 15) <= public < (0, 20):
         return CacheBlockRule.DIVISOR
     return CacheBlockRule.EQUAL
+
+
+def supports_retention_setting() -> bool:
+    """Whether this vLLM has a state retention setting for Mamba states (0.24.0+:
+    an environment variable until 0.28.0, the cache config from 0.29.0)."""
+    from vllm_mamba_align.releases import retention_in_kv_config
+    from vllm_mamba_align.retention import retention_variable_reaches_mamba
+
+    return retention_in_kv_config() or retention_variable_reaches_mamba()
 
 
 def geometry_rule() -> str:

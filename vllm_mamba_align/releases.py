@@ -271,12 +271,6 @@ SUPPORTED_RELEASES: tuple[str, ...] = tuple(
     sorted((r for body in BODIES for r in body.releases), key=Version)
 )
 
-VERIFIED_NIGHTLIES: tuple[str, ...] = tuple(
-    build for body in BODIES for build in body.nightlies
-)
-"""Nightly builds of vLLM main whose split no release has
-(:attr:`SplitBody.nightlies`)."""
-
 _BY_FINGERPRINT = {body.fingerprint: body for body in BODIES}
 
 
@@ -624,14 +618,6 @@ def retention_in_kv_config() -> bool:
     return "prefix_cache_retention_interval" in getattr(
         KVCacheConfig, "__dataclass_fields__", {}
     )
-
-
-def supports_retention_setting() -> bool:
-    """Whether this vLLM has a state retention setting for Mamba states (0.24.0+:
-    an environment variable until 0.28.0, the cache config from 0.29.0)."""
-    from .retention import retention_variable_reaches_mamba
-
-    return retention_in_kv_config() or retention_variable_reaches_mamba()
 
 
 def supports_hash_block() -> bool:
