@@ -18,17 +18,24 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field, fields, replace
+from contextlib import nullcontext
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
+from ablation import (
+    Change,
+    LeanStop,
+    keeping_replay_over_checkpoint,
+    policy_changed,
+    without,
+)
+
 from vllm_mamba_align import settings
 from vllm_mamba_align.plugin import SPLIT_METHOD
-from vllm_mamba_align.policy import LeanStop, StopPolicy
 from vllm_mamba_align.releases import requests_need_eos_token_id
 from vllm_mamba_align.settings import Mode
 from vllm_mamba_align.tools.modes import (
@@ -1055,52 +1062,12 @@ def summed(tallies: Iterable[LoadTally]) -> LoadTally:
     return total
 
 
-PolicyChange = Callable[[StopPolicy], StopPolicy]
-"""A change to lean's shipped policy, for the ablation (benchmark only)."""
-
-
-@contextmanager
-def lean_changed(change: PolicyChange | None) -> Iterator[None]:
-    """Lean schedulers built inside run ``change`` of their shipped policy
-    (:attr:`StopPolicy.without`, which no setting reaches, or a decision
-    turned off): the ablation of the concurrent-load report. None: lean as
-    it ships."""
-    if change is None:
-        yield
-        return
-    shipped = StopPolicy.__dict__["for_scheduler"]
-
-    def for_scheduler(cls: type[StopPolicy], *args: Any, **kwargs: Any) -> Any:
-        policy = shipped.__func__(cls, *args, **kwargs)
-        if not policy.stock_chunk_ends:
-            return policy
-        return change(policy)
-
-    StopPolicy.for_scheduler = classmethod(for_scheduler)  # type: ignore[method-assign,assignment]
-    try:
-        yield
-    finally:
-        StopPolicy.for_scheduler = shipped  # type: ignore[method-assign]
-
-
-def without(stop: LeanStop) -> PolicyChange:
-    """Lean leaving out its stops of kind ``stop``."""
-    return lambda policy: replace(policy, without=frozenset({stop}))
-
-
-def keeping_replay_over_checkpoint(policy: StopPolicy) -> StopPolicy:
-    """Lean stopping at the replay boundary also where vLLM gives its column
-    to the prompt checkpoint (:attr:`StopPolicy.yield_replay_to_checkpoint`
-    off): the boundary's state kept as well, as ``kept`` keeps it."""
-    return replace(policy, yield_replay_to_checkpoint=False)
-
-
 def load_run(
-    mode: str, case: LoadCase, seed: int, change: PolicyChange | None = None
+    mode: str, case: LoadCase, seed: int, change: Change | None = None
 ) -> LoadTally:
     """One mode serving one workload on the real scheduler, requests added
     at their arrival step, one output token per step per decoding request;
-    lean's policy changed by ``change`` (:func:`lean_changed`)."""
+    lean changed by ``change`` (ablation.py)."""
     items = load_workload(seed, case.families)
     geometry = Geometry(
         cache_block=C,
@@ -1112,7 +1079,7 @@ def load_run(
         prefill_checkpoint=case.checkpoint,
     )
     tally = LoadTally(requests=len(items))
-    with scheduler_mode(mode), lean_changed(change):
+    with scheduler_mode(mode), change() if change else nullcontext():
         sim = Simulation(geometry)
         scheduler = sim.scheduler
         preempt = scheduler._preempt_request
@@ -1152,10 +1119,10 @@ def load_run(
     return tally
 
 
-LEAN_ABLATION: tuple[tuple[str, PolicyChange, bool], ...] = (
+LEAN_ABLATION: tuple[tuple[str, Change, bool], ...] = (
     (
         "lean with a replay-boundary stop where the backend checkpoints",
-        keeping_replay_over_checkpoint,
+        policy_changed(keeping_replay_over_checkpoint),
         False,
     ),
     (f"lean without its {LeanStop.REPLAY.value}", without(LeanStop.REPLAY), False),

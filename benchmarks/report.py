@@ -475,8 +475,10 @@ def ablation_section(ablations: dict[str, dict[str, list[LoadTally]]]) -> list[s
         "### What each of lean's stops costs, with backend checkpoints",
         "",
         "The same workloads and seeds, lean run again with one change each "
-        "(benchmark-only: `StopPolicy.without`, which no setting reaches, or "
-        "one decision of the policy turned off). The backend's in-chunk write "
+        "(composed outside the package in benchmarks/ablation.py from the "
+        "split's public pieces: lean's rule reading a retention blind to the "
+        "replay boundaries or the junctions, its route run past the tail stop, "
+        "or one decision of the policy turned off). The backend's in-chunk write "
         "is the prompt checkpoint (vLLM's partial tail, the prompt length "
         "minus one floored to the hash block), into the slot of the replay "
         "boundary (the same length floored to B); vLLM then publishes that "

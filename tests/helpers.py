@@ -9,12 +9,14 @@ compare modes with the same code as the tests.
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from packaging.version import InvalidVersion, Version
 
 from vllm_mamba_align.releases import SplitBody
 from vllm_mamba_align.tools.modes import scheduler_mode, stock_vllm
@@ -23,12 +25,14 @@ __all__ = [
     "async_republishes_partial_tail",
     "built_or_skipped",
     "cache_block_for",
+    "cache_block_rule",
     "geometry_rule",
     "installed_body",
     "plugins",
     "run_python",
     "scheduler_mode",
     "stock_vllm",
+    "supports_retention_setting",
     "vllm_refuses",
 ]
 
@@ -99,14 +103,49 @@ def built_or_skipped() -> Iterator[None]:
         raise
 
 
+class CacheBlockRule(enum.Enum):
+    """Which cache blocks C < B a release's engine starts a hybrid model with."""
+
+    ANY = "any"
+    """0.28.0+: any C (sliding-window drafters, hidden-state and ring-buffer groups)."""
+    DIVISOR = "divisor"
+    """0.15.1-0.19.1: C must divide B (a drafter whose per-token KV is k times the
+    target's)."""
+    EQUAL = "equal"
+    """0.20.2-0.27.1: the hybrid KV coordinator asserts C == B at startup; only the
+    aligned-start defect (a chunk crossing several boundaries) exists there."""
+
+
+def cache_block_rule(version: str | None) -> CacheBlockRule:
+    """The rule for a release; EQUAL (what every release starts) when unknown."""
+    try:
+        public = Version(version or "").release
+    except InvalidVersion:
+        return CacheBlockRule.EQUAL
+    if public >= (0, 28):
+        return CacheBlockRule.ANY
+    if (0, 15) <= public < (0, 20):
+        return CacheBlockRule.DIVISOR
+    return CacheBlockRule.EQUAL
+
+
+def supports_retention_setting() -> bool:
+    """Whether this vLLM has a state retention setting for Mamba states (0.24.0+:
+    an environment variable until 0.28.0, the cache config from 0.29.0)."""
+    from vllm_mamba_align.releases import retention_in_kv_config
+    from vllm_mamba_align.retention import retention_variable_reaches_mamba
+
+    return retention_in_kv_config() or retention_variable_reaches_mamba()
+
+
 def geometry_rule() -> str:
-    """Which C < B geometries the installed vLLM starts with (releases.py).
+    """Which C < B geometries the installed vLLM starts with (:func:`cache_block_rule`).
 
     "any" (0.28.0+), "divisor" (C must divide B: 0.15.1-0.19.1) or "equal"
     (0.20.2-0.27.1 refuse C < B at startup). Read from the version: nothing is
     built to find out.
     """
-    from vllm_mamba_align.releases import cache_block_rule, installed_version
+    from vllm_mamba_align.releases import installed_version
 
     return cache_block_rule(installed_version()).value
 

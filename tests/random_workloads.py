@@ -24,6 +24,7 @@ from helpers import (
     installed_body,
     lost_kept_states,
     scheduler_mode,
+    supports_retention_setting,
     vllm_refuses,
 )
 
@@ -34,7 +35,6 @@ from vllm_mamba_align.releases import (
     PrefillRule,
     supports_hash_block,
     supports_lookahead_hashes,
-    supports_retention_setting,
 )
 from vllm_mamba_align.retention import read_retention
 from vllm_mamba_align.settings import DEFAULT_MODE

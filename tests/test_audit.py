@@ -190,7 +190,7 @@ def test_audit_counts_what_vllm_publishes_under_each_retention(
     state_block: int, retention: int | str | None
 ) -> None:
     """Only states vLLM's retention keeps can be published wrong or lost."""
-    from vllm_mamba_align.releases import supports_retention_setting
+    from helpers import supports_retention_setting
 
     if retention not in ("default", None) and not supports_retention_setting():
         pytest.skip("this vLLM has no retention setting")

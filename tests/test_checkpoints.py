@@ -12,13 +12,12 @@ boundary whose state the backend writes.
 from __future__ import annotations
 
 import pytest
-from helpers import installed_body, scheduler_mode
+from helpers import installed_body, scheduler_mode, supports_retention_setting
 
 from vllm_mamba_align.releases import (
     CheckpointGrid,
     InternalCheckpoint,
     supports_hash_block,
-    supports_retention_setting,
 )
 from vllm_mamba_align.tools.sim import (
     CHECKPOINT_BACKENDS,

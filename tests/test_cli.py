@@ -631,7 +631,7 @@ def test_simulate_the_serving_default_async_scheduling_with_mtp(
 def test_simulate_reports_vllms_reason_for_an_interval_it_rejects(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from vllm_mamba_align.releases import supports_retention_setting
+    from helpers import supports_retention_setting
 
     if not supports_retention_setting():
         pytest.skip("this vLLM has no retention setting")

@@ -21,7 +21,7 @@ cases per test). The 10^5-workload sweep is ``test_sweep.py``.
 from __future__ import annotations
 
 import pytest
-from helpers import geometry_rule, installed_body
+from helpers import geometry_rule, installed_body, supports_retention_setting
 from hypothesis import Phase, event, find, given, reject, settings
 from hypothesis import strategies as st
 from random_workloads import (
@@ -40,7 +40,7 @@ from random_workloads import (
 )
 from random_workloads import simulate as run_case
 
-from vllm_mamba_align.releases import CheckpointGrid, supports_retention_setting
+from vllm_mamba_align.releases import CheckpointGrid
 from vllm_mamba_align.settings import DEFAULT_MODE
 from vllm_mamba_align.tools.modes import DEFAULT
 from vllm_mamba_align.tools.sim import Simulation

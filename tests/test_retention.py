@@ -14,9 +14,8 @@ import inspect
 from dataclasses import dataclass
 
 import pytest
-from helpers import geometry_rule, scheduler_mode
+from helpers import geometry_rule, scheduler_mode, supports_retention_setting
 
-from vllm_mamba_align.releases import supports_retention_setting
 from vllm_mamba_align.retention import (
     RETENTION_VARIABLE,
     installed_setting,

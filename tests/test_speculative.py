@@ -27,6 +27,7 @@ from helpers import (
     installed_body,
     lost_kept_states,
     scheduler_mode,
+    supports_retention_setting,
 )
 from random_workloads import drafters_build
 
@@ -35,7 +36,6 @@ from vllm_mamba_align.releases import (
     InternalCheckpoint,
     supports_hash_block,
     supports_lookahead_hashes,
-    supports_retention_setting,
 )
 from vllm_mamba_align.tools.sim import (
     Geometry,

@@ -14,8 +14,7 @@ Importing this module needs neither vLLM nor torch.
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 from .checkpoints import (
     FLASHKDA_CHUNK_SIZE,
@@ -32,21 +31,6 @@ from .settings import Mode
 
 FIXING_MODES = (Mode.FULL, Mode.KEPT, Mode.GRID, Mode.LEAN)
 """The modes that bind the fix (``off`` and ``audit`` leave vLLM's split as it is)."""
-
-
-class LeanStop(enum.Enum):
-    """The kinds of stop lean adds to, or keeps from, vLLM's own chunk ends:
-    what ``benchmarks/bench.py --load`` drops one at a time to show what each
-    costs and what goes wrong without it (:attr:`StopPolicy.without`)."""
-
-    REPLAY = "replay-boundary stops"
-    """At the replay boundary (where a re-ask or a longer sibling resumes)."""
-    JUNCTION = "junction stops"
-    """At a detected shared-prefix junction."""
-    TAIL = "tail stops after a kept stop"
-    """vLLM's own stop at the prompt's partial tail, in the chunk after a stop
-    at a kept boundary (no backend can checkpoint that chunk: the tail's column
-    is the boundary's own)."""
 
 
 def step_budget(scheduler: Scheduler) -> tuple[int, str]:
@@ -247,11 +231,6 @@ backend_off_manager_grid`, 0.30.0-0.31.0) a longer chunk gets a wrongly
     re-keys the column (:attr:`SchedulerFacts.rekeys_checkpoint`) and the
     scheduler decides internal checkpoints. Delete when: as
     :attr:`stop_at_boundaries`."""
-    without: frozenset[LeanStop] = frozenset()
-    """Benchmark only: lean's stops of these kinds are left out, to count what
-    each one buys (``benchmarks/measure.py``, the concurrent-load ablation).
-    :meth:`decide` never sets it, and no setting reaches it: a scheduler
-    serving users always has it empty."""
 
     @property
     def any_stop(self) -> bool:
@@ -342,11 +321,3 @@ backend_off_manager_grid`, 0.30.0-0.31.0) a longer chunk gets a wrongly
         """The policy for one freshly built scheduler (bind time)."""
         facts = SchedulerFacts.of(scheduler, body, grid)
         return cls.decide(mode, body, retention, facts, grid)
-
-    def active(self) -> tuple[str, ...]:
-        """The names of the stop decisions that are on, in field order."""
-        return tuple(
-            field.name
-            for field in fields(self)
-            if field.type == "bool" and getattr(self, field.name)
-        )

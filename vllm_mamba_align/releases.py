@@ -18,8 +18,6 @@ facts.
 - **Worker-seed sites**: the fingerprints of Model Runner V2's
   ``MambaHybridModelState.add_request`` and ``_get_mamba_group_info`` per
   release, and what each means (:func:`classify_seed`).
-- **Geometries a release starts with** (:func:`cache_block_rule`): which C < B
-  the engine accepts, for the tests and ``simulate``.
 
 An entry is added only once the test suite has run the fix on that release.
 Importing this module needs neither vLLM nor torch.
@@ -65,6 +63,13 @@ def in_prefill(rule: PrefillRule, request: Request, start: int) -> bool:
     if rule is PrefillRule.NO_OUTPUT_YET:
         return not request.num_output_tokens
     return bool(start < prefill_end(request))
+
+
+def chunk_start(request: Request, local_hit: int, external_hit: int) -> int:
+    """Where the chunk vLLM asks the split about starts: the tokens computed
+    before it plus this step's local and external cache hits (the split's
+    ``num_new_local_computed_tokens`` and ``num_external_computed_tokens``)."""
+    return request.num_computed_tokens + local_hit + external_hit
 
 
 def prefill_end(request: Request) -> int:
@@ -266,12 +271,6 @@ SUPPORTED_RELEASES: tuple[str, ...] = tuple(
     sorted((r for body in BODIES for r in body.releases), key=Version)
 )
 
-VERIFIED_NIGHTLIES: tuple[str, ...] = tuple(
-    build for body in BODIES for build in body.nightlies
-)
-"""Nightly builds of vLLM main whose split no release has
-(:attr:`SplitBody.nightlies`)."""
-
 _BY_FINGERPRINT = {body.fingerprint: body for body in BODIES}
 
 
@@ -405,35 +404,6 @@ def installed_version() -> str | None:
         except metadata.PackageNotFoundError:
             continue
     return None
-
-
-# -- which geometries the engine starts with ----------------------------------------
-
-
-class CacheBlockRule(enum.Enum):
-    """Which cache blocks C < B a release's engine starts a hybrid model with."""
-
-    ANY = "any"
-    """0.28.0+: any C (sliding-window drafters, hidden-state and ring-buffer groups)."""
-    DIVISOR = "divisor"
-    """0.15.1-0.19.1: C must divide B (a drafter whose per-token KV is k times the
-    target's)."""
-    EQUAL = "equal"
-    """0.20.2-0.27.1: the hybrid KV coordinator asserts C == B at startup; only the
-    aligned-start defect (a chunk crossing several boundaries) exists there."""
-
-
-def cache_block_rule(version: str | None) -> CacheBlockRule:
-    """The rule for a release; EQUAL (what every release starts) when unknown."""
-    try:
-        public = Version(version or "").release
-    except InvalidVersion:
-        return CacheBlockRule.EQUAL
-    if public >= (0, 28):
-        return CacheBlockRule.ANY
-    if (0, 15) <= public < (0, 20):
-        return CacheBlockRule.DIVISOR
-    return CacheBlockRule.EQUAL
 
 
 # -- vLLM's batch-invariant mode --------------------------------------------------
@@ -648,26 +618,6 @@ def retention_in_kv_config() -> bool:
     return "prefix_cache_retention_interval" in getattr(
         KVCacheConfig, "__dataclass_fields__", {}
     )
-
-
-MAMBA_RETENTION_CODE = "MambaManager.reachable_block_mask"
-"""The code that makes vLLM's retention setting reach Mamba states: the Mamba
-manager's own mask of which blocks to publish (vllm/v1/core/
-single_type_kv_cache_manager.py, 0.24.0 onwards: the replay boundary and the
-segments; 0.26.0 adds shared-prefix junctions). 0.23.0 already reads
-``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``, for sliding-window groups only: its
-Mamba manager inherits the generic mask (every block kept), and vLLM refuses the
-variable for a model without a sliding window (kv_cache_coordinator.py:46 in
-0.23.0). Read from the class the scheduler runs, never from the version: a dev
-or vendor build says nothing reliable by its number."""
-
-
-def supports_retention_setting() -> bool:
-    """Whether this vLLM has a state retention setting for Mamba states (0.24.0+:
-    an environment variable until 0.28.0, the cache config from 0.29.0)."""
-    from .retention import retention_variable_reaches_mamba
-
-    return retention_in_kv_config() or retention_variable_reaches_mamba()
 
 
 def supports_hash_block() -> bool:

@@ -68,11 +68,6 @@ class _FifthArgument(threading.local):
     value: Any = 0
 
 
-FULL_ROUTE = "full_route"
-"""The attribute of a bound route holding the same route without the
-past-prefill shortcut (for the test that holds the two equal)."""
-
-
 def _no_output_yet_shortcut(full: SplitFunction) -> SplitFunction:
     """:data:`PrefillRule.NO_OUTPUT_YET` (0.15.1-0.16.0, four parameters)."""
 
@@ -178,8 +173,8 @@ def bind_route(
 
     ``extra_parameter`` is the body's fifth parameter (None: four). With one,
     the shell passes its fifth argument on to vLLM's call unchanged, and its
-    default is vLLM's own (0). The route without the shortcut stays reachable
-    as the bound route's :data:`FULL_ROUTE` attribute.
+    default is vLLM's own (0). The shortcut holds the route as ``full`` (the
+    name its closure gives it).
     """
     full: SplitFunction
     if extra_parameter is None:
@@ -213,5 +208,4 @@ def bind_route(
     if shortcut is None:
         return present_as(full, stock)
     answered = _past_prefill_shortcut(full, shortcut, extra_parameter is not None)
-    setattr(answered, FULL_ROUTE, present_as(full, stock))
     return present_as(answered, stock)

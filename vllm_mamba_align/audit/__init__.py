@@ -62,7 +62,7 @@ from .. import settings
 from ..checkpoints import own_slot_write
 from ..errors import MambaAlignError
 from ..protocols import Request, Scheduler, SchedulerOutput
-from ..releases import PrefillRule, SplitBody
+from ..releases import PrefillRule, SplitBody, chunk_start
 from ..retention import Retention
 from ..signature import Route, SplitFunction, StockCall, bind_route
 from .counting import (
@@ -292,12 +292,14 @@ def _observe_split(
                 num_external_computed_tokens,
             )
             if num_new_tokens > 1 and num_tokens > 0:
-                start = (
-                    request.num_computed_tokens
-                    + num_new_local_computed_tokens
-                    + num_external_computed_tokens
+                note(
+                    request,
+                    chunk_start(
+                        request,
+                        num_new_local_computed_tokens,
+                        num_external_computed_tokens,
+                    ),
                 )
-                note(request, start)
             return num_tokens
 
         return observed_split

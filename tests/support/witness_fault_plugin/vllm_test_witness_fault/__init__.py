@@ -15,22 +15,24 @@ its judge, which shares no code with the plugin, fails a plugin that breaks.
   too. Chunks end where no Mamba state boundary is, and blocks get published
   as states they do not hold wherever the plugin stops on every boundary
   (dense retention, ``full``).
-- ``no-junction-stop``: lean leaves out its stops at shared-prefix junctions
-  (:class:`vllm_mamba_align.policy.LeanStop` ``JUNCTION``): a chunk runs past
-  a junction vLLM keeps, and the junction's block, written mid-block by an
-  earlier chunk that ended on C's grid, is published as the junction's state.
-- ``no-replay-stop``: lean leaves out its stops at replay boundaries
-  (``LeanStop.REPLAY``). The witness's workloads run on the CPU scheduler,
-  whose backend declares no prefill checkpoint, so no checkpoint covers the
-  replay boundary there, and its block is published over another state.
+- ``no-junction-stop``: lean leaves out its stops at shared-prefix junctions:
+  a chunk runs past a junction vLLM keeps, and the junction's block, written
+  mid-block by an earlier chunk that ended on C's grid, is published as the
+  junction's state.
+- ``no-replay-stop``: lean leaves out its stops at replay boundaries. The
+  witness's workloads run on the CPU scheduler, whose backend declares no
+  prefill checkpoint, so no checkpoint covers the replay boundary there, and
+  its block is published over another state.
 
-Each fault is built from the plugin's own pieces, outside its serving code:
-the stop policy it builds per scheduler (``StopPolicy.for_scheduler``,
-wrapped here to return a changed policy: its ``grid`` or its ``without``, the
-composition the benchmarks' ablation uses) and the retention model's class.
-vLLM loads every general plugin before it builds a scheduler, and the plugin
-builds its policy when a scheduler starts, so the order in which the two
-plugins load does not matter.
+Each fault is built from the plugin's own public pieces, outside its serving
+code: the stop policy it builds per scheduler (``StopPolicy.for_scheduler``,
+wrapped here to return a policy on another ``grid``), lean's rule
+(``split.lean_route``, which the plugin looks up when it binds a scheduler:
+here given a view of vLLM's retention blind to the junctions or the replay
+boundaries, as the benchmarks' ablation does in benchmarks/ablation.py) and
+the retention model's class. vLLM loads every general plugin before it builds
+a scheduler, and the plugin binds its route when a scheduler starts, so the
+order in which the two plugins load does not matter.
 
 Inert unless the switch is set: with ``VLLM_PLUGINS`` unset vLLM loads every
 installed general plugin, and the suites' environments have this one
@@ -42,7 +44,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 SWITCH = "MAMBA_ALIGN_WITNESS_FAULT"
@@ -77,21 +79,49 @@ def _on_cache_grid(policy: Any, scheduler: Any) -> Any:
     return replace(policy, grid=int(scheduler.cache_config.block_size))
 
 
-def _lean_without(stop_name: str) -> Callable[[Any, Any], Any]:
-    def change(policy: Any, scheduler: Any) -> Any:
-        from vllm_mamba_align.policy import LeanStop
+def _lean_blind_to(replay: bool) -> None:
+    """Lean reads a retention blind to the replay boundaries (``replay``) or
+    to the junctions: its rule runs vLLM's own chunk past them."""
+    from vllm_mamba_align import split
+    from vllm_mamba_align.retention import Retention
 
-        stop = LeanStop[stop_name]
-        return replace(policy, without=policy.without | {stop})
+    @dataclass(frozen=True)
+    class Blind(Retention):
+        def first_kept_after(self, request: Any, start: int) -> int | None:
+            if self.dense:
+                return super().first_kept_after(request, start)
+            replays = set(self.replay_boundaries(request))
+            candidates = [
+                boundary
+                for boundary in self.reachable(request)
+                if boundary > start and (boundary in replays) != replay
+            ]
+            if self.interval:
+                candidates.append((start // self.interval + 1) * self.interval)
+            return min(candidates, default=None)
 
-    return change
+    shipped = split.lean_route
+
+    def lean_route(
+        scheduler: Any,
+        call: Any,
+        policy: Any,
+        retention: Any,
+        kept: Any,
+        checkpoint_at: Any,
+    ) -> Any:
+        values = {f.name: getattr(retention, f.name) for f in fields(retention)}
+        blind = Blind(**values)
+        return shipped(scheduler, call, policy, blind, kept, checkpoint_at)
+
+    split.lean_route = lean_route
 
 
 FAULTS: dict[str, Callable[[], None]] = {
     "retention": _break_retention,
     "cache-grid": lambda: _change_policy(_on_cache_grid),
-    "no-junction-stop": lambda: _change_policy(_lean_without("JUNCTION")),
-    "no-replay-stop": lambda: _change_policy(_lean_without("REPLAY")),
+    "no-junction-stop": lambda: _lean_blind_to(replay=False),
+    "no-replay-stop": lambda: _lean_blind_to(replay=True),
 }
 
 
