@@ -348,17 +348,26 @@ def workloads() -> list[Workload]:
     drafting = []
     if draft_setting():
         # A real speculative config (Qwen3-Next's MTP module) whose drafter's
-        # group has block C beside B: decodes verify 1 or 3 draft tokens, the
+        # group has block C beside B: decodes verify 1 to 3 draft tokens, the
         # runner accepts a drawn number of them; siblings read what the
         # drafted requests left, in a scarce pool behind preemptions too.
+        # Under dense retention vLLM keeps the boundaries decodes cross, so
+        # the worker's copy after a step (the state a boundary's accepted
+        # tokens reached) is judged too; vLLM's default retention keeps none.
         drafted = _load(seed=17, count=8, spread=16)
         drafted += _siblings(17, drafted, 2)
         drafting = [
             Workload(
-                "drafter, 1 draft token",
-                replace(drafter, drafts=1),
+                "drafter, 1 draft token, dense retention",
+                replace(drafter, drafts=1, retention=None),
                 drafted,
                 expects=DRAFTED,
+            ),
+            Workload(
+                "drafter, 2 draft tokens, scarce pool, dense retention",
+                replace(scarce_pool, drafts=2, retention=None),
+                drafted,
+                expects=(*DRAFTED, PREEMPTED),
             ),
             Workload(
                 "drafter, 3 draft tokens, scarce pool",
