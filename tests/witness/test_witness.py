@@ -23,6 +23,7 @@ from witness.report import FIXING, MATERIALIZING, PUBLISHING_FAULTS, run_mode
 from witness.workloads import (
     STATE_BLOCK,
     checkpoint_setting,
+    draft_setting,
     drafter_block,
     retention_setting,
     tokens_of,
@@ -177,3 +178,84 @@ def test_the_judge_places_checkpoints_where_vllm_does(alignment: int) -> None:
         assert found > 0
     finally:
         scheduler.shutdown()
+
+
+def _drafter_workloads() -> list[str]:
+    return [w.name for w in workloads() if w.shape.drafts]
+
+
+def test_draft_steps_are_judged_where_mirrored() -> None:
+    """Workloads with a real speculative config (MTP, 1 to 3 draft tokens)
+    run where the judge mirrors the worker's rule for speculative Mamba states
+    (vLLM 0.33.0 and 0.34.0): stock vLLM publishes wrong states in each (C =
+    64 does not divide B = 96), and the fixing modes' verdicts, with draft
+    steps and rejected drafts in each, are checked above
+    (``Workload.expects``)."""
+    if not draft_setting():
+        pytest.skip(
+            "the judge mirrors speculative Mamba states on vLLM 0.33.0 and "
+            "0.34.0 only (witness.judge.DRAFT_RULE_RELEASES); refused elsewhere"
+        )
+    names = _drafter_workloads()
+    assert len(names) == 3, names
+    stock = run_mode("stock")
+    for name in names:
+        findings = stock[name]["findings"]
+        assert findings["wrong_publications"] > 0, (name, findings)
+        assert findings["draft_steps"] > 0 and findings["drafts_rejected"] > 0
+
+
+def test_the_judge_refuses_draft_steps_it_does_not_mirror(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A scheduler with a speculative config on a release whose worker rule
+    the judge has not mirrored is refused, never judged by a guess: here
+    every release is made unknown to it."""
+    _needs_witness_release()
+    from witness import judge
+    from witness.engine import Shape, build_scheduler
+
+    try:
+        scheduler = build_scheduler(
+            Shape(STATE_BLOCK, STATE_BLOCK, drafter_block(), drafts=1)
+        )
+    except Exception as error:  # noqa: BLE001 - vLLM's own refusal
+        pytest.skip(f"this vLLM builds no speculative scheduler here: {error}")
+    try:
+        monkeypatch.setattr(judge, "DRAFT_RULE_RELEASES", ())
+        with pytest.raises(NotImplementedError, match="speculative"):
+            judge.Witness(scheduler, tokens_of)
+    finally:
+        scheduler.shutdown()
+
+
+def test_the_judge_copies_after_a_step_where_vllm_does() -> None:
+    """The judge's copy after a verify step (``judge.post_step_copy``)
+    agrees with vLLM's own ``mamba_state_copy_boundary`` (0.34.0,
+    vllm/v1/worker/replayssm_utils.py; a Triton function, called here as the
+    plain Python it is without Triton, or through its ``fn``) for every
+    running-state length and accepted count of the first 8 blocks, B = 96 and
+    64. vLLM 0.33.0 has the same arithmetic inline in
+    ``postprocess_mamba_fused_kernel`` (mamba_utils.py), where no function
+    can be called."""
+    try:
+        from vllm.v1.worker.replayssm_utils import mamba_state_copy_boundary
+    except ImportError:
+        pytest.skip("this vLLM has no mamba_state_copy_boundary (0.34.0+)")
+    from witness.judge import post_step_copy
+
+    boundary = getattr(mamba_state_copy_boundary, "fn", mamba_state_copy_boundary)
+    copies = 0
+    for grid in (STATE_BLOCK, 64):
+        for running in range(1, 8 * grid):
+            for accepted in range(1, 5):
+                computed = running + accepted - 1
+                needs, bias, target = boundary(running, computed, grid)
+                expected = (int(bias), int(target)) if needs else None
+                assert post_step_copy(running, computed, grid) == expected, (
+                    grid,
+                    running,
+                    accepted,
+                )
+                copies += expected is not None and expected[0] > 0
+    assert copies > 0
