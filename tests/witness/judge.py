@@ -310,9 +310,7 @@ class Witness:
                 self._copy(mamba, req_id, previous + num_accepted - 1, column)
             offset = 0 if moved else num_accepted - 1
             if start > 0:
-                self._judge_read(
-                    mamba, req_id, tokens, start, column=column + offset
-                )
+                self._judge_read(mamba, req_id, tokens, start, column=column + offset)
             running = self._column(mamba, req_id, column)
             assert running is not None and not running.is_null, (
                 f"{req_id}: the running slot of a chunk ending at {end} is missing"

@@ -536,10 +536,7 @@ class Drafter:
         live = [r for r in chunks if r in scheduler.requests]
         propose_drafts(
             scheduler,
-            {
-                r: [self.rng.randrange(1, 500) for _ in range(self.drafts)]
-                for r in live
-            },
+            {r: [self.rng.randrange(1, 500) for _ in range(self.drafts)] for r in live},
         )
 
 
