@@ -522,7 +522,7 @@ def post_step_copy(running: int, computed: int, grid: int) -> tuple[int, int] | 
     """After a step, the copy vLLM's worker makes when accepted tokens reach
     a B boundary (0.34.0 ``mamba_state_copy_boundary``,
     vllm/v1/worker/replayssm_utils.py:80-90; 0.33.0 inline in
-    ``postprocess_mamba_fused_kernel``, vllm/v1/worker/mamba_utils.py:457-467):
+    ``postprocess_mamba_fused_kernel``, vllm/v1/worker/mamba_utils.py:458-467):
     with the running state after ``running`` tokens and the request at
     ``computed``, (the offset from the running column of the state to copy,
     the column to copy it into), or None for no copy."""
@@ -556,6 +556,10 @@ def _speculative(scheduler: Any) -> bool:
         raise NotImplementedError(
             "the witness does not know how this vLLM's worker moves speculative "
             "Mamba states"
+        )
+    if getattr(scheduler.vllm_config.scheduler_config, "async_scheduling", False):
+        raise NotImplementedError(
+            "the witness mirrors speculative Mamba states without async scheduling"
         )
     return True
 
