@@ -45,7 +45,8 @@ def _needs_witness_release() -> None:
 def test_stock_vllm_publishes_wrong_states_under_load() -> None:
     """Without the plugin, where C < B, the witness finds Mamba blocks
     hashed as states they do not hold: in every such workload where C does not
-    divide B (0.28.0+), in some where it does (0.18.1: chunks end on C's grid,
+    divide B (0.28.0+; the drafter workloads, verifying and rejecting draft
+    tokens, among them), in some where it does (0.18.1: chunks end on C's grid,
     sometimes on B's too); and chunks that read a wrong state. The process
     never imported the plugin's package (the judge did not either)."""
     _needs_witness_release()
@@ -57,6 +58,9 @@ def test_stock_vllm_publishes_wrong_states_under_load() -> None:
         assert not line["plugin_imported_at_end"], "the witness imported the plugin"
         if workload.stock_wrong:
             wrong[workload.name] = line["findings"]["wrong_publications"]
+        for event in ("draft_steps", "drafts_rejected"):
+            if event in workload.expects:
+                assert line["findings"][event] > 0, (workload.name, event)
     block = drafter_block()
     assert block is not None
     if STATE_BLOCK % block:
@@ -185,24 +189,21 @@ def _drafter_workloads() -> list[str]:
 
 
 def test_draft_steps_are_judged_where_mirrored() -> None:
-    """Workloads with a real speculative config (MTP, 1 to 3 draft tokens)
-    run where the judge mirrors the worker's rule for speculative Mamba states
-    (vLLM 0.33.0 and 0.34.0): stock vLLM publishes wrong states in each (C =
-    64 does not divide B = 96), and the fixing modes' verdicts, with draft
-    steps and rejected drafts in each, are checked above
-    (``Workload.expects``)."""
+    """Workloads with a real speculative config (MTP, 1 to 3 draft tokens) are
+    listed where the judge mirrors the worker's rule for speculative Mamba
+    states (vLLM 0.33.0 and 0.34.0), each required to verify and reject drafts
+    in every mode (``Workload.expects``, checked by the tests above, stock's
+    wrong publications among them)."""
     if not draft_setting():
         pytest.skip(
             "the judge mirrors speculative Mamba states on vLLM 0.33.0 and "
             "0.34.0 only (witness.judge.DRAFT_RULE_RELEASES); refused elsewhere"
         )
-    names = _drafter_workloads()
-    assert len(names) == 3, names
-    stock = run_mode("stock")
-    for name in names:
-        findings = stock[name]["findings"]
-        assert findings["wrong_publications"] > 0, (name, findings)
-        assert findings["draft_steps"] > 0 and findings["drafts_rejected"] > 0
+    drafted = [w for w in workloads() if w.shape.drafts]
+    assert sorted(w.shape.drafts for w in drafted) == [1, 2, 3], drafted
+    for workload in drafted:
+        assert workload.stock_wrong and STATE_BLOCK % (drafter_block() or 1)
+        assert {"draft_steps", "drafts_rejected", "cache_hits"} <= set(workload.expects)
 
 
 def test_the_judge_refuses_draft_steps_it_does_not_mirror(
