@@ -121,8 +121,8 @@ class Witness:
         """The backend's prefill-checkpoint rule's inputs, or None where the
         Mamba spec declares no checkpoint blocks."""
         self.speculative = _speculative(scheduler)
-        """Whether the worker verifies draft tokens (its rule mirrored by
-        :meth:`_draft_step`)."""
+        """Whether the worker's rule for draft steps is mirrored
+        (:meth:`_draft_step`)."""
         self.running_column: dict[str, int] = {}
         """Request -> the worker's running column (``mamba_state_idx``)."""
         self.num_accepted: dict[str, int] = {}
@@ -216,6 +216,13 @@ class Witness:
                 )
             self._judge_published()
             return
+        drafted = getattr(output, "scheduled_spec_decode_tokens", None) or {}
+        if any(drafted.get(req_id) for req_id in chunks):
+            raise NotImplementedError(
+                "the witness does not know how this vLLM's worker moves "
+                "speculative Mamba states (DRAFT_RULE_RELEASES), or mirrors them "
+                "only without async scheduling"
+            )
         for req_id, (start, end) in chunks.items():
             request = requests[req_id]
             tokens = self.tokens_of(request)
@@ -548,20 +555,18 @@ def mirrors_draft_steps() -> bool:
 
 
 def _speculative(scheduler: Any) -> bool:
-    """Whether the scheduler's engine verifies draft tokens; refused where the
-    judge does not know the worker's rule for their Mamba states."""
-    if scheduler.vllm_config.speculative_config is None:
-        return False
-    if not mirrors_draft_steps():
-        raise NotImplementedError(
-            "the witness does not know how this vLLM's worker moves speculative "
-            "Mamba states"
+    """Whether the judge mirrors the worker's rule for draft steps here: a
+    speculative config on a release whose rule it follows, without async
+    scheduling. Elsewhere a step that verifies draft tokens is refused
+    (:meth:`Witness.run_step`); steps without any are the same under either
+    rule (no accepted-token offset, no copy after the step)."""
+    return (
+        scheduler.vllm_config.speculative_config is not None
+        and mirrors_draft_steps()
+        and not getattr(
+            scheduler.vllm_config.scheduler_config, "async_scheduling", False
         )
-    if getattr(scheduler.vllm_config.scheduler_config, "async_scheduling", False):
-        raise NotImplementedError(
-            "the witness mirrors speculative Mamba states without async scheduling"
-        )
-    return True
+    )
 
 
 CHECKPOINT_RULE_RELEASES = ((0, 32), (0, 33), (0, 34))

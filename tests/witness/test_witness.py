@@ -209,25 +209,24 @@ def test_draft_steps_are_judged_where_mirrored() -> None:
 def test_the_judge_refuses_draft_steps_it_does_not_mirror(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A scheduler with a speculative config on a release whose worker rule
-    the judge has not mirrored is refused, never judged by a guess: here
-    every release is made unknown to it."""
+    """A step that verifies draft tokens, on a release whose worker rule the
+    judge has not mirrored, is refused, never judged by a guess: here every
+    release is made unknown to it, and one request decodes with a drafter."""
     _needs_witness_release()
     from witness import judge
-    from witness.engine import Shape, build_scheduler
+    from witness.engine import Shape
+    from witness.workloads import Arrival, Workload, drive
 
+    monkeypatch.setattr(judge, "DRAFT_RULE_RELEASES", ())
+    shape = Shape(STATE_BLOCK, STATE_BLOCK, drafter_block(), drafts=1)
+    prompt = tuple(range(1, 2 * STATE_BLOCK))
+    workload = Workload("refused", shape, (Arrival(0, "r0", prompt, 8),))
     try:
-        scheduler = build_scheduler(
-            Shape(STATE_BLOCK, STATE_BLOCK, drafter_block(), drafts=1)
-        )
-    except Exception as error:  # vLLM's own refusal of the config
-        pytest.skip(f"this vLLM builds no speculative scheduler here: {error}")
-    try:
-        monkeypatch.setattr(judge, "DRAFT_RULE_RELEASES", ())
-        with pytest.raises(NotImplementedError, match="speculative"):
-            judge.Witness(scheduler, tokens_of)
-    finally:
-        scheduler.shutdown()
+        drive(workload)
+    except NotImplementedError as refusal:
+        assert "speculative" in str(refusal)
+    else:
+        pytest.fail("the judge judged draft steps it does not mirror")
 
 
 def test_the_judge_copies_after_a_step_where_vllm_does() -> None:
