@@ -81,6 +81,13 @@ class Shape:
     """``MambaSpec.prefill_checkpoint_alignment`` (in 0.32.0-0.34.0): the token
     alignment of the checkpoint's offset into its chunk (1 for Mamba2); None
     takes no checkpoint at all on those releases."""
+    drafts: int = 0
+    """Draft tokens per step: a ``speculative_config`` with Qwen3-Next's own
+    MTP module (``{"method": "mtp", "num_speculative_tokens": drafts}``, as a
+    user passes it), its attention layer in the drafter's group of block
+    ``drafter_block``, and one speculative state block per draft token in the
+    Mamba spec (``num_speculative_blocks``, as vLLM's Mamba layers declare
+    it). 0: no speculative decoding."""
 
 
 @functools.cache
@@ -100,6 +107,11 @@ def engine_config(shape: Shape) -> Any:
     options: dict[str, Any] = {}
     if shape.priority:
         options["scheduling_policy"] = "priority"
+    if shape.drafts:
+        options["speculative_config"] = {
+            "method": "mtp",
+            "num_speculative_tokens": shape.drafts,
+        }
     args = EngineArgs(
         model=model_dir(),
         skip_tokenizer_init=True,
@@ -131,6 +143,8 @@ def kv_cache_config(shape: Shape, config: Any) -> Any:
         )
 
     checkpoints: dict[str, Any] = {}
+    if shape.drafts:
+        checkpoints["num_speculative_blocks"] = shape.drafts
     if shape.num_prefill_checkpoint_blocks:
         fields = MambaSpec.__dataclass_fields__
         if "num_prefill_checkpoint_blocks" not in fields:
@@ -160,11 +174,12 @@ def kv_cache_config(shape: Shape, config: Any) -> Any:
         ),
     ]
     if shape.drafter_block is not None:
-        groups.append(
-            KVCacheGroupSpec(
-                ["drafter.hidden_states.0"], attention(shape.drafter_block)
-            )
-        )
+        # A drafter's layers: MTP's attention layer with a speculative config,
+        # hidden-state layers without one.
+        layer = "mtp.layers.0.self_attn.attn"
+        if not shape.drafts:
+            layer = "drafter.hidden_states.0"
+        groups.append(KVCacheGroupSpec([layer], attention(shape.drafter_block)))
     kv = KVCacheConfig(
         num_blocks=shape.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
     )
@@ -266,6 +281,18 @@ def step_output(req_ids: list[str], sampled: list[list[int]]) -> Any:
     return ModelRunnerOutput(
         req_ids=req_ids, sampled_token_ids=sampled, **(index if indexed else {})
     )
+
+
+def propose_drafts(scheduler: Any, drafts: dict[str, list[int]]) -> None:
+    """The drafter's proposals after a step, handed to the scheduler as vLLM's
+    engine core does without async scheduling (``update_draft_token_ids``,
+    which ignores them for a request whose chunk was a prefill chunk)."""
+    from vllm.v1.outputs import DraftTokenIds
+
+    if drafts:
+        scheduler.update_draft_token_ids(
+            DraftTokenIds(list(drafts), [list(d) for d in drafts.values()])
+        )
 
 
 def new_request(

@@ -21,6 +21,13 @@ plugin, and imports nothing of it):
   also leaves ONE more state inside a prefill chunk: the state at the
   checkpoint position, in the column vLLM computes for it, unless that column
   holds the null block (:meth:`Witness.backend_checkpoint`).
+- With a speculative config (vLLM 0.33.0 and 0.34.0 only), the worker's
+  own rule for draft steps replaces the two rules above
+  (:meth:`Witness._draft_step`): a running column per request, an
+  accepted-token offset into it, the state after every token of a verify
+  step in its own column, and a copy after the step to the B boundary the
+  accepted tokens reached. The state after a draft token is named by the
+  draft tokens, so a rejected draft's state is no prefix of the request.
 - Every Mamba block vLLM's prefix cache decides to keep (its block mask, or
   every block where it has none) must be a real block when it is cached: a
   null block there is a boundary state vLLM keeps that no chunk ever wrote.
@@ -62,6 +69,14 @@ class Findings:
     backend_checkpoints_on_null: int = 0
     """Checkpoints the backend's rule places in a column holding the null
     block: not written."""
+    draft_steps: int = 0
+    """Rows of a step that verified draft tokens, mirrored (one per request
+    and step, whatever the number of Mamba groups)."""
+    drafts_accepted: int = 0
+    drafts_rejected: int = 0
+    draft_boundary_copies: int = 0
+    """Copies after a step of the state at a B boundary that accepted draft
+    tokens reached (``mamba_state_copy_boundary`` with a bias > 0)."""
     examples: list[str] = field(default_factory=list)
 
     def note(self, line: str) -> None:
@@ -105,6 +120,13 @@ class Witness:
         self.checkpoints = _backend_checkpoints(scheduler, found)
         """The backend's prefill-checkpoint rule's inputs, or None where the
         Mamba spec declares no checkpoint blocks."""
+        self.speculative = _speculative(scheduler)
+        """Whether the worker's rule for draft steps is mirrored
+        (:meth:`_draft_step`)."""
+        self.running_column: dict[str, int] = {}
+        """Request -> the worker's running column (``mamba_state_idx``)."""
+        self.num_accepted: dict[str, int] = {}
+        """Request -> the worker's ``num_accepted_tokens`` (1: no offset)."""
         self.holds: dict[int, StateName] = {}
         """Block id -> the state the worker last wrote there."""
         self.findings = Findings()
@@ -163,9 +185,15 @@ class Witness:
         blocks = mamba.req_to_blocks.get(req_id, ())
         return blocks[column] if column < len(blocks) else None
 
-    def run_step(self, output: Any, chunks: dict[str, tuple[int, int]]) -> None:
+    def run_step(
+        self,
+        output: Any,
+        chunks: dict[str, tuple[int, int]],
+        accepted: dict[str, int] | None = None,
+    ) -> None:
         """The forward pass of one scheduled step: block copies, reads, writes,
-        then the hashes vLLM holds on Mamba blocks judged."""
+        then the hashes vLLM holds on Mamba blocks judged. ``accepted``: how
+        many of each request's scheduled draft tokens the step accepts."""
         self.findings.steps += 1
         for copy in getattr(output, "kv_cache_block_copies", None) or ():
             source, target = copy
@@ -174,6 +202,27 @@ class Witness:
             else:
                 self.holds.pop(target, None)
         requests = self.scheduler.requests
+        if self.speculative:
+            self._forget_worker_states(output)
+            drafts = output.scheduled_spec_decode_tokens
+            for req_id, (start, end) in chunks.items():
+                self._draft_step(
+                    req_id,
+                    requests[req_id],
+                    start,
+                    end,
+                    list(drafts.get(req_id, ())),
+                    (accepted or {}).get(req_id, 0),
+                )
+            self._judge_published()
+            return
+        drafted = getattr(output, "scheduled_spec_decode_tokens", None) or {}
+        if any(drafted.get(req_id) for req_id in chunks):
+            raise NotImplementedError(
+                "the witness does not know how this vLLM's worker moves "
+                "speculative Mamba states (DRAFT_RULE_RELEASES), or mirrors them "
+                "only without async scheduling"
+            )
         for req_id, (start, end) in chunks.items():
             request = requests[req_id]
             tokens = self.tokens_of(request)
@@ -189,6 +238,128 @@ class Witness:
                 )
                 self.holds[running.block_id] = state_name(tokens, end)
         self._judge_published()
+
+    # -- the worker, with draft tokens --------------------------------------
+    def _forget_worker_states(self, output: Any) -> None:
+        """The worker drops a request's running column when it finishes or is
+        preempted, and seeds it afresh when the request is scheduled as new
+        or resumed (0.33.0 ``cleanup_mamba_state_idx``, mamba_utils.py; 0.34.0
+        ``MambaHybridModelState.add_request``, gpu/model_states/mamba_hybrid.py)."""
+        cached = output.scheduled_cached_reqs
+        gone = {
+            *output.finished_req_ids,
+            *(getattr(output, "preempted_req_ids", None) or ()),
+            *(getattr(cached, "resumed_req_ids", None) or ()),
+            *(new.req_id for new in output.scheduled_new_reqs),
+        }
+        for req_id in gone:
+            self.running_column.pop(req_id, None)
+            self.num_accepted.pop(req_id, None)
+
+    def _draft_step(
+        self,
+        req_id: str,
+        request: Any,
+        start: int,
+        end: int,
+        drafts: list[int],
+        accepted: int,
+    ) -> None:
+        """One request's row of a step under speculative decoding, as vLLM's
+        align-mode worker moves its Mamba states (:data:`DRAFT_RULE_RELEASES`):
+
+        1. Before the forward pass (0.34.0 ``preprocess_mamba_align_fused_kernel``
+           and ``precopy_mamba_align_fused_kernel``, vllm/v1/worker/mamba_utils.py
+           :510-558 and :562-646; 0.33.0 ``preprocess_mamba``, mamba_utils.py
+           :1446-1549): the running column becomes ``ceil(end / B) - 1`` (end
+           counts the drafts; a new or resumed request's previous column is
+           ``(start - 1) // B``). If it moved, the state in the previous column
+           plus ``num_accepted - 1`` is copied into it and ``num_accepted``
+           becomes 1 (temporal states read ``bt[src_col + token_bias]``,
+           ``_copy_mamba_state_block``, 0.34.0 mamba_utils.py:344-360).
+        2. The forward pass reads the state in the running column plus
+           ``num_accepted - 1`` (the kernels' initial-state index); a row
+           verifying drafts (one real token, then k drafts) writes the state
+           after its i-th token into the running column plus i (the
+           ``1 + num_speculative_blocks`` aligned state indices from
+           ``(seq_len - 1) // B``, ``get_aligned_state_indices_multi_group_kernel``,
+           0.34.0 mamba_utils.py:39-100); any other row its final state into
+           the running column.
+        3. After sampling (0.34.0 ``postprocess_mamba_fused_kernel`` :364-506
+           with ``mamba_state_copy_boundary``, replayssm_utils.py:80-90; 0.33.0
+           ``postprocess_mamba_align_gpu`` :1552-1605 and the same kernel
+           :369-500): ``num_accepted`` is the sampled count (at least 1); the
+           running state holds ``end - k`` tokens, the request now
+           ``end - k + num_accepted - 1``. If the last B boundary at or below
+           that is at or past the running state's length, the state in the
+           running column plus their difference is copied into the boundary's
+           column, and ``num_accepted`` becomes 1 if that is the running
+           column.
+        """
+        grid = self.state_block
+        tokens = list(self.tokens_of(request))
+        real_end = end - len(drafts)
+        if drafts and real_end - start != 1:
+            raise NotImplementedError(
+                f"{req_id}: draft tokens after {real_end - start} real tokens"
+            )
+        # The tokens this row runs on: a draft's state names the draft tokens.
+        seen = [*tokens[:real_end], *drafts]
+        previous = self.running_column.get(req_id, (start - 1) // grid)
+        num_accepted = self.num_accepted.get(req_id, 1)
+        column = -(-end // grid) - 1
+        moved = previous >= 0 and previous != column
+        if not moved and real_end - start > 1 and num_accepted != 1:
+            raise NotImplementedError(f"{req_id}: a prefill row read at an offset")
+        boundary = post_step_copy(real_end, real_end + accepted, grid)
+        for mamba in self.mambas.values():
+            if moved:
+                self._copy(mamba, req_id, previous + num_accepted - 1, column)
+            offset = 0 if moved else num_accepted - 1
+            if start > 0:
+                self._judge_read(mamba, req_id, tokens, start, column=column + offset)
+            running = self._column(mamba, req_id, column)
+            assert running is not None and not running.is_null, (
+                f"{req_id}: the running slot of a chunk ending at {end} is missing"
+            )
+            if drafts:
+                for i in range(end - start):
+                    block = self._column(mamba, req_id, column + i)
+                    if block is not None and not block.is_null:
+                        self.holds[block.block_id] = state_name(seen, start + 1 + i)
+            else:
+                self.holds[running.block_id] = state_name(tokens, end)
+            if boundary is not None:
+                bias, target = boundary
+                if not (target == column and bias == 0):
+                    self._copy(mamba, req_id, column + bias, target)
+        self.findings.chunks += 1
+        if drafts:
+            self.findings.draft_steps += 1
+            self.findings.drafts_accepted += accepted
+            self.findings.drafts_rejected += len(drafts) - accepted
+        num_accepted = accepted + 1
+        if boundary is not None:
+            bias, target = boundary
+            self.findings.draft_boundary_copies += bias > 0
+            if target == column:
+                num_accepted = 1
+        self.running_column[req_id] = column
+        self.num_accepted[req_id] = num_accepted
+
+    def _copy(self, mamba: Any, req_id: str, source: int, target: int) -> None:
+        """The worker's copy of a state between two columns of a request's
+        Mamba table: from a null or missing block it copies no named state;
+        into one it writes nothing anyone reads."""
+        into = self._column(mamba, req_id, target)
+        if into is None or into.is_null:
+            return
+        out = self._column(mamba, req_id, source)
+        held = None if out is None or out.is_null else self.holds.get(out.block_id)
+        if held is None:
+            self.holds.pop(into.block_id, None)
+        else:
+            self.holds[into.block_id] = held
 
     def backend_checkpoint(self, start: int, end: int) -> tuple[int, int] | None:
         """Where the backend writes its prefill checkpoint in a chunk
@@ -242,10 +413,19 @@ class Witness:
         self.holds[block.block_id] = state_name(tokens, position)
 
     def _judge_read(
-        self, mamba: Any, req_id: str, tokens: Sequence[int], start: int
+        self,
+        mamba: Any,
+        req_id: str,
+        tokens: Sequence[int],
+        start: int,
+        column: int | None = None,
     ) -> None:
+        """The state a chunk from ``start`` reads: in column ``column``, by
+        default the one where the previous chunk left it."""
         self.findings.reads += 1
-        block = self._column(mamba, req_id, (start - 1) // self.state_block)
+        if column is None:
+            column = (start - 1) // self.state_block
+        block = self._column(mamba, req_id, column)
         held = (
             None if block is None or block.is_null else self.holds.get(block.block_id)
         )
@@ -343,6 +523,50 @@ class Witness:
         self._wrong = {
             pair for pair in self._wrong if blocks[pair[0]].block_hash is not None
         }
+
+
+def post_step_copy(running: int, computed: int, grid: int) -> tuple[int, int] | None:
+    """After a step, the copy vLLM's worker makes when accepted tokens reach
+    a B boundary (0.34.0 ``mamba_state_copy_boundary``,
+    vllm/v1/worker/replayssm_utils.py:80-90; 0.33.0 inline in
+    ``postprocess_mamba_fused_kernel``, vllm/v1/worker/mamba_utils.py:458-467):
+    with the running state after ``running`` tokens and the request at
+    ``computed``, (the offset from the running column of the state to copy,
+    the column to copy it into), or None for no copy."""
+    aligned = computed // grid * grid
+    if aligned < running:
+        return None
+    return aligned - running, aligned // grid - 1
+
+
+DRAFT_RULE_RELEASES = ((0, 33), (0, 34))
+"""The vLLM releases whose align-mode worker rule for speculative Mamba states
+:meth:`Witness._draft_step` follows, read from each release's wheel. Others
+are refused (:func:`_speculative`)."""
+
+
+def mirrors_draft_steps() -> bool:
+    """Whether the judge knows how the installed vLLM's worker moves Mamba
+    states under speculative decoding (:data:`DRAFT_RULE_RELEASES`)."""
+    import vllm
+    from packaging.version import Version
+
+    return Version(vllm.__version__).release[:2] in DRAFT_RULE_RELEASES
+
+
+def _speculative(scheduler: Any) -> bool:
+    """Whether the judge mirrors the worker's rule for draft steps here: a
+    speculative config on a release whose rule it follows, without async
+    scheduling. Elsewhere a step that verifies draft tokens is refused
+    (:meth:`Witness.run_step`); steps without any are the same under either
+    rule (no accepted-token offset, no copy after the step)."""
+    return (
+        scheduler.vllm_config.speculative_config is not None
+        and mirrors_draft_steps()
+        and not getattr(
+            scheduler.vllm_config.scheduler_config, "async_scheduling", False
+        )
+    )
 
 
 CHECKPOINT_RULE_RELEASES = ((0, 32), (0, 33), (0, 34))

@@ -109,6 +109,8 @@ COLUMNS = (
     ("abort prefill", "events", "aborts_in_prefill"),
     ("abort decode", "events", "aborts_in_decode"),
     ("hits", "events", "cache_hits"),
+    ("draft steps", "findings", "draft_steps"),
+    ("drafts rejected", "findings", "drafts_rejected"),
 )
 
 

@@ -23,6 +23,7 @@ from witness.report import FIXING, MATERIALIZING, PUBLISHING_FAULTS, run_mode
 from witness.workloads import (
     STATE_BLOCK,
     checkpoint_setting,
+    draft_setting,
     drafter_block,
     retention_setting,
     tokens_of,
@@ -44,7 +45,8 @@ def _needs_witness_release() -> None:
 def test_stock_vllm_publishes_wrong_states_under_load() -> None:
     """Without the plugin, where C < B, the witness finds Mamba blocks
     hashed as states they do not hold: in every such workload where C does not
-    divide B (0.28.0+), in some where it does (0.18.1: chunks end on C's grid,
+    divide B (0.28.0+; the drafter workloads, verifying and rejecting draft
+    tokens, among them), in some where it does (0.18.1: chunks end on C's grid,
     sometimes on B's too); and chunks that read a wrong state. The process
     never imported the plugin's package (the judge did not either)."""
     _needs_witness_release()
@@ -56,6 +58,9 @@ def test_stock_vllm_publishes_wrong_states_under_load() -> None:
         assert not line["plugin_imported_at_end"], "the witness imported the plugin"
         if workload.stock_wrong:
             wrong[workload.name] = line["findings"]["wrong_publications"]
+        for event in ("draft_steps", "drafts_rejected"):
+            if event in workload.expects:
+                assert line["findings"][event] > 0, (workload.name, event)
     block = drafter_block()
     assert block is not None
     if STATE_BLOCK % block:
@@ -177,3 +182,80 @@ def test_the_judge_places_checkpoints_where_vllm_does(alignment: int) -> None:
         assert found > 0
     finally:
         scheduler.shutdown()
+
+
+def _drafter_workloads() -> list[str]:
+    return [w.name for w in workloads() if w.shape.drafts]
+
+
+def test_draft_steps_are_judged_where_mirrored() -> None:
+    """Workloads with a real speculative config (MTP, 1 to 3 draft tokens) are
+    listed where the judge mirrors the worker's rule for speculative Mamba
+    states (vLLM 0.33.0 and 0.34.0), each required to verify and reject drafts
+    in every mode (``Workload.expects``, checked by the tests above, stock's
+    wrong publications among them)."""
+    if not draft_setting():
+        pytest.skip(
+            "the judge mirrors speculative Mamba states on vLLM 0.33.0 and "
+            "0.34.0 only (witness.judge.DRAFT_RULE_RELEASES); refused elsewhere"
+        )
+    drafted = [w for w in workloads() if w.shape.drafts]
+    assert sorted(w.shape.drafts for w in drafted) == [1, 2, 3], drafted
+    for workload in drafted:
+        assert workload.stock_wrong and STATE_BLOCK % (drafter_block() or 1)
+        assert {"draft_steps", "drafts_rejected", "cache_hits"} <= set(workload.expects)
+
+
+def test_the_judge_refuses_draft_steps_it_does_not_mirror(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step that verifies draft tokens, on a release whose worker rule the
+    judge has not mirrored, is refused, never judged by a guess: here every
+    release is made unknown to it, and one request decodes with a drafter."""
+    _needs_witness_release()
+    from witness import judge
+    from witness.engine import Shape
+    from witness.workloads import Arrival, Workload, drive
+
+    monkeypatch.setattr(judge, "DRAFT_RULE_RELEASES", ())
+    shape = Shape(STATE_BLOCK, STATE_BLOCK, drafter_block(), drafts=1)
+    prompt = tuple(range(1, 2 * STATE_BLOCK))
+    workload = Workload("refused", shape, (Arrival(0, "r0", prompt, 8),))
+    try:
+        drive(workload)
+    except NotImplementedError as refusal:
+        assert "speculative" in str(refusal)
+    else:
+        pytest.fail("the judge judged draft steps it does not mirror")
+
+
+def test_the_judge_copies_after_a_step_where_vllm_does() -> None:
+    """The judge's copy after a verify step (``judge.post_step_copy``)
+    agrees with vLLM's own ``mamba_state_copy_boundary`` (0.34.0,
+    vllm/v1/worker/replayssm_utils.py; a Triton function, called here as the
+    plain Python it is without Triton, or through its ``fn``) for every
+    running-state length and accepted count of the first 8 blocks, B = 96 and
+    64. vLLM 0.33.0 has the same arithmetic inline in
+    ``postprocess_mamba_fused_kernel`` (mamba_utils.py), where no function
+    can be called."""
+    try:
+        from vllm.v1.worker.replayssm_utils import mamba_state_copy_boundary
+    except ImportError:
+        pytest.skip("this vLLM has no mamba_state_copy_boundary (0.34.0+)")
+    from witness.judge import post_step_copy
+
+    boundary = getattr(mamba_state_copy_boundary, "fn", mamba_state_copy_boundary)
+    copies = 0
+    for grid in (STATE_BLOCK, 64):
+        for running in range(1, 8 * grid):
+            for accepted in range(1, 5):
+                computed = running + accepted - 1
+                needs, bias, target = boundary(running, computed, grid)
+                expected = (int(bias), int(target)) if needs else None
+                assert post_step_copy(running, computed, grid) == expected, (
+                    grid,
+                    running,
+                    accepted,
+                )
+                copies += expected is not None and expected[0] > 0
+    assert copies > 0

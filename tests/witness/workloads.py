@@ -19,8 +19,19 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from witness.engine import Shape, build_scheduler, new_request, step_output
-from witness.judge import Findings, Witness, mirrors_backend_checkpoints
+from witness.engine import (
+    Shape,
+    build_scheduler,
+    new_request,
+    propose_drafts,
+    step_output,
+)
+from witness.judge import (
+    Findings,
+    Witness,
+    mirrors_backend_checkpoints,
+    mirrors_draft_steps,
+)
 
 SAMPLED = 7
 """The token the modelled model samples, always: tokens in flight are known."""
@@ -214,12 +225,19 @@ def checkpoint_setting() -> bool:
     return "prefill_checkpoint_alignment" in fields and mirrors_backend_checkpoints()
 
 
+def draft_setting() -> bool:
+    """Whether the judge mirrors the installed vLLM's worker under speculative
+    decoding (0.33.0 and 0.34.0) and vLLM runs a drafter's group beside B."""
+    return mirrors_draft_steps() and drafter_block() is not None
+
+
 STATE_BLOCK = 96
 """B, the Mamba group's block (and the attention group's)."""
 PREEMPTED = "preemptions"
 HITS = "cache_hits"
 ABORTED = ("aborts_in_prefill", "aborts_in_decode")
 CHECKPOINTS = "backend_checkpoints"
+DRAFTED = ("draft_steps", "drafts_rejected")
 
 
 def workloads() -> list[Workload]:
@@ -327,8 +345,40 @@ def workloads() -> list[Workload]:
                 expects=(CHECKPOINTS, "priority_preemptions", "aborts_in_prefill"),
             ),
         ]
+    drafting = []
+    if draft_setting():
+        # A real speculative config (Qwen3-Next's MTP module) whose drafter's
+        # group has block C beside B: decodes verify 1 to 3 draft tokens, the
+        # runner accepts a drawn number of them; siblings read what the
+        # drafted requests left, in a scarce pool behind preemptions too.
+        # Under dense retention vLLM keeps the boundaries decodes cross, so
+        # the worker's copy after a step (the state a boundary's accepted
+        # tokens reached) is judged too; vLLM's default retention keeps none.
+        drafted = _load(seed=17, count=8, spread=16)
+        drafted += _siblings(17, drafted, 2)
+        drafting = [
+            Workload(
+                "drafter, 1 draft token, dense retention",
+                replace(drafter, drafts=1, retention=None),
+                drafted,
+                expects=DRAFTED,
+            ),
+            Workload(
+                "drafter, 2 draft tokens, scarce pool, dense retention",
+                replace(scarce_pool, drafts=2, retention=None),
+                drafted,
+                expects=(*DRAFTED, PREEMPTED),
+            ),
+            Workload(
+                "drafter, 3 draft tokens, scarce pool",
+                replace(scarce_pool, drafts=3),
+                drafted,
+                expects=(*DRAFTED, PREEMPTED),
+            ),
+        ]
     listed = [
         Workload("concurrent", drafter, concurrent),
+        *drafting,
         *retention,
         *admission,
         *checkpoints,
@@ -375,6 +425,7 @@ def drive(workload: Workload) -> tuple[Findings, Events]:
     scheduler = build_scheduler(workload.shape)
     witness = Witness(scheduler, tokens_of)
     events = Events()
+    drafter = Drafter(workload.name, workload.shape.drafts)
     pending = sorted(workload.arrivals, key=lambda a: (a.step, a.req_id))
     aborts = {a.req_id: a for a in workload.aborts}
     aborted: set[str] = set()
@@ -412,13 +463,10 @@ def drive(workload: Workload) -> tuple[Findings, Events]:
                 if new.num_computed_tokens > 0:
                     events.cache_hits += 1
             count_admitted_ahead(scheduler, added, started, chunks, events)
-            witness.run_step(output, chunks)
+            sampled, accepted = drafter.sample(scheduler, output, chunks)
+            witness.run_step(output, chunks, accepted)
             witness.forget_evicted()
             count_preemptions(scheduler, running, chunks, events, RequestStatus)
-            sampled = [
-                [SAMPLED] if end >= scheduler.requests[r].num_tokens else []
-                for r, (_, end) in chunks.items()
-            ]
             runner = step_output(list(chunks), sampled)
             in_flight.appendleft((output, runner))
             if (
@@ -429,6 +477,7 @@ def drive(workload: Workload) -> tuple[Findings, Events]:
                 step += 1
                 continue
             scheduler.update_from_output(*in_flight.pop())
+            drafter.propose(scheduler, chunks)
             step += 1
             assert step < 20_000, f"{workload.name}: the scheduler stalled"
     finally:
@@ -437,6 +486,58 @@ def drive(workload: Workload) -> tuple[Findings, Events]:
         if req_id not in aborted and request.num_output_tokens < request.max_tokens:
             events.unfinished.append(req_id)
     return witness.findings, events
+
+
+class Drafter:
+    """The runner's sampler and drafter: without drafts, the token
+    :data:`SAMPLED` for every request whose chunk reaches its last token;
+    with ``drafts`` per step (no async scheduling), a drawn number of the
+    scheduled drafts accepted (seeded by the workload's name), a token other
+    than the first rejected draft sampled after them, and fresh drawn drafts
+    proposed after every step."""
+
+    def __init__(self, name: str, drafts: int) -> None:
+        self.drafts = drafts
+        self.rng = random.Random(f"drafter/{name}")
+
+    def sample(
+        self, scheduler: Any, output: Any, chunks: dict[str, tuple[int, int]]
+    ) -> tuple[list[list[int]], dict[str, int]]:
+        """Each scheduled request's sampled tokens (in ``chunks``' order) and
+        how many of its drafts were accepted."""
+        if not self.drafts:
+            sampled = [
+                [SAMPLED] if end >= scheduler.requests[r].num_tokens else []
+                for r, (_, end) in chunks.items()
+            ]
+            return sampled, {}
+        scheduled = output.scheduled_spec_decode_tokens
+        sampled, accepted = [], {}
+        for req_id, (_, end) in chunks.items():
+            request = scheduler.requests[req_id]
+            drafts = list(scheduled.get(req_id, ()))
+            if end - len(drafts) < request.num_tokens:
+                sampled.append([])  # a prefill chunk short of the prompt's end
+                continue
+            # Placeholders (-1, vLLM's padding of a row to 1 + k) never match.
+            real = next((i for i, t in enumerate(drafts) if t < 0), len(drafts))
+            room = request.max_tokens - request.num_output_tokens - 1
+            count = min(self.rng.randint(0, len(drafts)), real, max(room, 0))
+            bonus = self.rng.randrange(1, 500)
+            if count < real and bonus == drafts[count]:
+                bonus = drafts[count] % 499 + 1
+            sampled.append([*drafts[:count], bonus])
+            accepted[req_id] = count
+        return sampled, accepted
+
+    def propose(self, scheduler: Any, chunks: dict[str, tuple[int, int]]) -> None:
+        if not self.drafts:
+            return
+        live = [r for r in chunks if r in scheduler.requests]
+        propose_drafts(
+            scheduler,
+            {r: [self.rng.randrange(1, 500) for _ in range(self.drafts)] for r in live},
+        )
 
 
 def _due(arrival: Arrival, step: int, added: dict[str, Any], scheduler: Any) -> bool:
