@@ -7,7 +7,9 @@ releases.py does not recognize by fingerprint (unless the user opts in to
 unverified split code that passes the structural check). ``AsyncScheduler`` (and
 the diffusion schedulers of 0.31.0+) inherit every scheduler site.
 
-Sites, one card each (why / how / upstream / delete when):
+Sites, one card each (why / how / upstream / delete when); the map from vLLM's
+side (each function touched: its files, releases, and when to delete it) is
+docs/maintaining/patches.md, which a test holds to the code:
 
 1. **vLLM's environment-variable table** (``vllm.envs.environment_variables``).
    Why: 0.33.0 warns about every unknown ``VLLM_*`` variable and refuses to start
