@@ -111,7 +111,7 @@ def record(
     import vllm
     import vllm.v1.core.sched.scheduler as scheduler_module
 
-    from vllm_mamba_align.plugin import recognize
+    from vllm_mamba_align.recognition import recognize
     from vllm_mamba_align.releases import WORKER_MODULE
     from vllm_mamba_align.worker_seed import classify
 

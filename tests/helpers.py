@@ -166,7 +166,7 @@ def installed_body() -> SplitBody:
     """The release-table entry of the installed split function."""
     import vllm.v1.core.sched.scheduler as module
 
-    from vllm_mamba_align.plugin import recognize
+    from vllm_mamba_align.recognition import recognize
 
     body = recognize(module.Scheduler).body
     assert body is not None, "the tests run on verified releases"

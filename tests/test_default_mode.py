@@ -21,7 +21,7 @@ from helpers import (
     scheduler_mode,
 )
 
-from vllm_mamba_align import activation, metrics, settings
+from vllm_mamba_align import activation, messages, metrics, settings
 from vllm_mamba_align.releases import (
     mamba_backends_accepting_batch_invariance,
 )
@@ -226,6 +226,6 @@ def test_without_batch_invariance_the_start_line_is_silent_about_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
-    assert activation.batch_invariance_note(settings.Mode.KEPT, False, "0.33.0") is None
+    assert messages.batch_invariance_note(settings.Mode.KEPT, False, "0.33.0") is None
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
-    assert activation.batch_invariance_note(settings.Mode.KEPT, False, "0.33.0") is None
+    assert messages.batch_invariance_note(settings.Mode.KEPT, False, "0.33.0") is None

@@ -193,7 +193,7 @@ def test_a_state_block_wider_than_the_step_budget() -> None:
     """Stall guard: bodies without vLLM's wide-block rule refuse; others finish."""
     import vllm.v1.core.sched.scheduler as module
 
-    from vllm_mamba_align.plugin import recognize
+    from vllm_mamba_align.recognition import recognize
 
     geometry = _accepted(
         Geometry(cache_block=412, state_block=1648, budget=1024),

@@ -185,7 +185,7 @@ def test_the_start_line_names_the_rank_of_lockstep_engines_and_of_ray_actors(
     import sys
     import types
 
-    from vllm_mamba_align.activation import _data_parallel_rank
+    from vllm_mamba_align.messages import _data_parallel_rank
 
     def scheduler(size: int, index: int) -> types.SimpleNamespace:
         parallel = types.SimpleNamespace(

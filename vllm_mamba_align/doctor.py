@@ -14,7 +14,7 @@ another plugin's patches are in place when the split is walked. A failure in any
 of those steps is reported, not raised.
 
 The verdict ("would refuse") and the upstream-fix check are computed by the
-plugin's own decision code (:func:`plugin.recognize`,
+plugin's own decision code (:func:`recognition.recognize`,
 :func:`activation.split_refusal` and :func:`activation.upstream_fix_present`),
 never a copy, so the doctor cannot disagree with what happens at ``vllm serve``.
 """
@@ -35,6 +35,7 @@ from .errors import MambaAlignError
 from .fingerprint import fingerprint_node, method_in_file
 from .metrics import export_status as metrics_export_status
 from .releases import (
+    BATCH_INVARIANT_VARIABLE,
     GROUP_INFO_METHOD,
     MODEL_STATE,
     SEED_METHOD,
@@ -45,6 +46,7 @@ from .releases import (
     describe_mismatch,
     describe_version,
     expected_body,
+    refuses_batch_invariance_for_mamba,
     seed_code,
     vllm_package_dir,
 )
@@ -272,6 +274,40 @@ def _retention() -> tuple[str, dict[str, str]]:
     return text, {mode: mode_meaning(mode, interval) for mode in modes}
 
 
+def describe_batch_invariance(version: str | None) -> str:
+    """What vLLM's batch-invariant mode means for the modes on this release
+    (set or not)."""
+    from .messages import batch_invariance_requested, except_accepting
+
+    release = describe_version(version)
+    requested = batch_invariance_requested()
+    if refuses_batch_invariance_for_mamba():
+        return (
+            f"vLLM {release} refuses batch-invariant mode for Mamba backends"
+            + except_accepting()
+            + (
+                f" and {BATCH_INVARIANT_VARIABLE}=1 is set: a hybrid model will "
+                f"not load (unset {BATCH_INVARIANT_VARIABLE})"
+                if requested
+                else ""
+            )
+            + ": a cached continuation equals a fresh run bit for bit only for "
+            "serial traffic, and only with full (or lean and kept under dense "
+            "retention); lean and kept keep the states vLLM keeps with fewer "
+            "prefill steps"
+        )
+    return (
+        f"vLLM {release} accepts batch-invariant mode for hybrid models "
+        + (
+            f"({BATCH_INVARIANT_VARIABLE}=1 is set)"
+            if requested
+            else f"({BATCH_INVARIANT_VARIABLE} not set)"
+        )
+        + ": with it, full makes a continuation from the cache equal a fresh run "
+        "also for batched traffic"
+    )
+
+
 def load_as_vllm_does() -> tuple[str | None, str]:
     """Resolve the platform, load the general plugins, then let the platform
     update itself, in the order vLLM's ``EngineArgs`` does; each failure is
@@ -320,15 +356,11 @@ def collect(
     ``vllm.v1.core.sched.scheduler.Scheduler`` names; :class:`BadSchedulerClass`
     when it cannot be."""
     root = _vllm_root()
-    from .activation import (
-        describe_batch_invariance,
-        scheduler_note,
-        split_findings,
-        split_refusal,
-        upstream_fix_present,
-    )
+    from .activation import split_refusal, upstream_fix_present
     from .layers import walk
-    from .plugin import SCHEDULER_MODULE, SPLIT_METHOD, recognize
+    from .messages import scheduler_note
+    from .plugin import SCHEDULER_MODULE
+    from .recognition import SPLIT_METHOD, recognize, split_findings
     from .subclasses import vllm_scheduler
 
     notes: list[str] = []
@@ -342,7 +374,8 @@ def collect(
             scheduler_cls, vllm_scheduler(scheduler_class)
         )
     recognition = recognize(vllm_scheduler(scheduler_class))
-    layers = split_findings(recognition, walk(scheduler_class, SPLIT_METHOD))
+    chain = walk(scheduler_class, SPLIT_METHOD)
+    layers = split_findings(recognition, chain)
     foreign = any(not finding.verified for finding in layers)
     version = recognition.vllm_version
     shape = recognition.shape
@@ -396,7 +429,7 @@ def collect(
     if setting_errors:
         refusal = "\n  ".join(setting_errors)
     elif not upstream:
-        refused = split_refusal(recognition, scheduler_class)
+        refused = split_refusal(recognition, chain)
         refusal = None if refused is None else str(refused)
     if upstream:
         notes.append(

@@ -7,7 +7,9 @@ releases.py does not recognize by fingerprint (unless the user opts in to
 unverified split code that passes the structural check). ``AsyncScheduler`` (and
 the diffusion schedulers of 0.31.0+) inherit every scheduler site.
 
-Sites, one card each (why / how / upstream / delete when):
+Sites, one card each (why / how / upstream / delete when); the map from vLLM's
+side (each function touched: its files, releases, and when to delete it) is
+docs/maintaining/patches.md, which a test holds to the code:
 
 1. **vLLM's environment-variable table** (``vllm.envs.environment_variables``).
    Why: 0.33.0 warns about every unknown ``VLLM_*`` variable and refuses to start
@@ -82,13 +84,13 @@ from typing import Any
 import wrapt
 
 from . import headless, settings
-from .activation import SPLIT_ATTRIBUTE, Recognition, attach
-from .activation import SPLIT_METHOD as SPLIT_METHOD  # re-exported
+from .activation import SPLIT_ATTRIBUTE, attach
 from .checkpoints import observe_checkpoint_decision
 from .errors import MambaAlignError
-from .fingerprint import analyse_function
 from .layers import MARKER as MARKER  # re-exported
-from .layers import Kind, contains_ours, walk
+from .layers import contains_ours
+from .recognition import SPLIT_METHOD as SPLIT_METHOD  # re-exported
+from .recognition import recognize
 from .releases import (
     GROUP_INFO_METHOD,
     MODEL_STATE,
@@ -96,9 +98,6 @@ from .releases import (
     WORKER_MODULE,
     InternalCheckpoint,
     SeedSite,
-    body_for,
-    installed_version,
-    unverified_body,
 )
 from .settings import Mode
 from .subclasses import vllm_scheduler
@@ -151,45 +150,6 @@ def declare_settings(envs_module: ModuleType) -> None:
 def is_patched(attribute: Any) -> bool:
     """Whether this attribute is, or wraps, a wrapper installed by this plugin."""
     return contains_ours(attribute)
-
-
-def recognize(scheduler_class: type) -> Recognition:
-    """Identify the installed split function and pick the rules for it.
-
-    ``scheduler_class`` is vLLM's own ``Scheduler`` (:func:`vllm_scheduler`).
-    The class attribute is walked layer by layer (layers.py): what is
-    fingerprinted is the innermost function, and it counts as vLLM's own only
-    when it is a plain function of the scheduler's module. Every other layer
-    (another plugin's wrapper, found here when that plugin patched first) is kept
-    in the recognition, and :func:`activation.split_refusal` refuses it.
-    """
-    version = installed_version()
-    chain = walk(scheduler_class, SPLIT_METHOD)
-    layers = tuple(layer for layer in chain.layers if not layer.ours)
-    if not layers:
-        return Recognition(
-            version, None, None, verified=False, scheduler_class=scheduler_class
-        )
-    innermost = layers[-1]
-    own = (
-        chain.complete
-        and innermost.kind is Kind.FUNCTION
-        and innermost.module == scheduler_class.__module__
-    )
-    shape = analyse_function(innermost.target)
-    body = body_for(shape.fingerprint) if own else None
-    verified = body is not None
-    if own and body is None and settings.allow_unverified():
-        body = unverified_body(shape) if shape.structurally_compatible else None
-    return Recognition(
-        version,
-        shape,
-        body,
-        verified=verified,
-        split=innermost.target if own else None,
-        layers=layers,
-        scheduler_class=scheduler_class,
-    )
 
 
 def _wrap(owner: Any, name: str, wrapper: Any, tag: Any) -> None:

@@ -172,7 +172,7 @@ import vllm
 import vllm.v1.core.sched.scheduler as module
 import vllm_mamba_align
 from vllm_mamba_align import settings
-from vllm_mamba_align.plugin import recognize
+from vllm_mamba_align.recognition import recognize
 from vllm_mamba_align.tools.sim import Geometry, Simulation, prompt
 vllm_mamba_align.register()
 recognition = recognize(module.Scheduler)
