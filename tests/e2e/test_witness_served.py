@@ -15,10 +15,14 @@ with the plugin; the plugin is loaded only by vLLM's loader.
 CI runs one server (the default mode, :data:`SHORT`) and the drafter pair
 (:data:`DRAFTER_PAIR`): stock vLLM beside the default mode on a server whose
 drafter makes C < B (test_serve.py's geometry), where stock publishes wrong
-states, under a prefill-only load (``max_tokens=1``: no draft token is ever
-scheduled, so every step is mirrored). ``nox -s e2e_witness`` runs :data:`LONG`
-as well: stock vLLM without a drafter (C = B: the judge runs on stock's
-steps), ``full``, ``grid`` and the default with ``--data-parallel-size 2``.
+states. Its load decodes a few tokens per request, so decode steps verify the
+drafter's token (``extract_hidden_states`` drafts one per decode step) and the
+witness mirrors them with the accepted counts the model runner returns
+(witness/served.py), through the CPU build's stand-in for vLLM's copy after a
+verify step (tests/support/cpu_e2e_workarounds, gap 2). ``nox -s e2e_witness``
+runs :data:`LONG` as well: stock vLLM without a drafter (C = B: the judge runs
+on stock's steps), ``full``, ``grid`` and the default with
+``--data-parallel-size 2``.
 """
 
 from __future__ import annotations
@@ -56,9 +60,9 @@ LOAD_OPTIONS: dict[str, Any] = {
     # default): running prefills then outgrow the pool.
     "scheduler_reserve_full_isl": False,
     "max_num_seqs": 6,
-    # The witness mirrors steps whose tokens are all known when they are
-    # scheduled: no draft tokens (extract_hidden_states schedules one per
-    # decode step), no tokens in flight (async scheduling).
+    # No drafter here (C = B); the drafter pair adds one (WITH_DRAFTER). The
+    # witness mirrors steps whose tokens are all known when they are
+    # scheduled: no tokens in flight (async scheduling).
     "speculative_config": OMIT,
     "async_scheduling": False,
 }
@@ -69,9 +73,10 @@ class Deployment:
     mode: str | None
     """VLLM_MAMBA_ALIGN_MODE (None: unset); "stock": the plugin not loaded."""
     options: dict[str, Any]
-    prefill_only: bool = False
-    """The load's requests each want one token: no decode step, so no draft
-    token is scheduled where the server has a drafter."""
+    most_tokens: int | None = None
+    """The most tokens a request that completes wants (None: the load's own,
+    8 to 30): a few decode steps each, where the server's drafter has every
+    one of them verify a draft token."""
 
 
 SHORT = {"default": Deployment(None, {})}
@@ -84,9 +89,12 @@ WITH_DRAFTER: dict[str, Any] = {
     # blocks hold 768 tokens of a request here, 384 the 2,048 vLLM requires.
     "num_gpu_blocks_override": 384,
 }
+DRAFTER_DECODE = 6
+"""Tokens each completing request of the drafter pair's load wants: prefills
+dominate its time; five decode steps per request verify drafts."""
 DRAFTER_PAIR = {
-    "stock, drafter": Deployment("stock", WITH_DRAFTER, prefill_only=True),
-    "default, drafter": Deployment(None, WITH_DRAFTER, prefill_only=True),
+    "stock, drafter": Deployment("stock", WITH_DRAFTER, DRAFTER_DECODE),
+    "default, drafter": Deployment(None, WITH_DRAFTER, DRAFTER_DECODE),
 }
 LONG = {
     "stock": Deployment("stock", {}),
@@ -98,12 +106,12 @@ LONG_SESSION = "MAMBA_ALIGN_E2E_WITNESS_LONG"
 """Set by ``nox -s e2e_witness``: run :data:`LONG` too."""
 
 
-def _load(server: Server, prefill_only: bool = False) -> dict[str, int]:
+def _load(server: Server, most_tokens: int | None = None) -> dict[str, int]:
     """Concurrent requests: siblings of one base (cache hits), decodes sharing
     the budget, late high-priority requests, and clients that close their
     connection in prefill (a timeout shorter than the prefill) or in decode (a
-    stream closed after a few tokens). ``prefill_only``: every request wants
-    one token and none closes in decode. Returns what the clients saw."""
+    stream closed after a few tokens). ``most_tokens``: the most tokens a
+    request that completes wants. Returns what the clients saw."""
     rng = random.Random(7)
     base = [rng.randrange(3, 500) for _ in range(1400)]
     url = f"{server.base}/v1/completions"
@@ -114,13 +122,15 @@ def _load(server: Server, prefill_only: bool = False) -> dict[str, int]:
         return {
             "model": SERVED_NAME,
             "prompt": prompt,
-            "max_tokens": 1 if prefill_only else max_tokens,
+            "max_tokens": max_tokens,
             "temperature": 0.0,
             "ignore_eos": True,
             "priority": priority,
         }
 
     def complete(prompt: list[int], max_tokens: int, priority: int) -> None:
+        if most_tokens is not None:
+            max_tokens = min(max_tokens, most_tokens)
         response = httpx.post(url, json=body(prompt, max_tokens, priority), timeout=600)
         response.raise_for_status()
         with lock:
@@ -156,8 +166,7 @@ def _load(server: Server, prefill_only: bool = False) -> dict[str, int]:
     for index in range(3):
         long = [rng.randrange(3, 500) for _ in range(1900)]  # nothing cached
         plan.append((index * 0.01, close_in_prefill, (long,)))
-        if not prefill_only:
-            plan.append((0.15 + index * 0.1, close_in_decode, (sibling(),)))
+        plan.append((0.15 + index * 0.1, close_in_decode, (sibling(),)))
     for index in range(10):
         plan.append((0.05 + index * 0.02, complete, (sibling(), 8 + index, 5)))
     for index in range(4):  # late, high priority (vLLM: lower value first)
@@ -210,7 +219,7 @@ def watched(key: str, deployment: Deployment, model: Path, workdir: Path) -> Ver
     options = {key: value for key, value in options.items() if value is not OMIT}
     server = Server(model, options, env, folder.with_suffix(".log"))
     with server:
-        clients = _load(server, deployment.prefill_only)
+        clients = _load(server, deployment.most_tokens)
     totals: dict[str, int] = {}
     files = sorted(folder.glob("witness-*.json"))
     for path in files:
@@ -260,10 +269,11 @@ def test_served_engine_under_load_publishes_and_reads_only_right_states(
 def test_served_drafter_stock_publishes_wrong_states_and_the_default_none(
     served_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """Where a drafter makes C < B, stock vLLM serving the prefill-only load
-    publishes Mamba blocks as states they do not hold; the default mode on the
-    same server and load publishes and reads none. Every step of both is
-    mirrored (no draft token scheduled)."""
+    """Where a drafter makes C < B, stock vLLM serving the load publishes
+    Mamba blocks as states they do not hold; the default mode on the same
+    server and load publishes and reads none. Both verify draft tokens in
+    their decode steps, every step mirrored (the worker's rule for
+    speculative Mamba states, with the accepted counts the runner returned)."""
     found = {
         key: watched(key, deployment, served_model, tmp_path_factory.mktemp("w"))
         for key, deployment in DRAFTER_PAIR.items()
@@ -274,10 +284,18 @@ def test_served_drafter_stock_publishes_wrong_states_and_the_default_none(
         assert totals["unmirrored_steps"] == 0, ("unmirrored_steps", totals)
         assert totals["publications"] > 0, ("publications", totals)
         assert totals["reads"] > 0, ("reads", totals)
-    # (Clients closing in prefill are sent, not required here: stock prefills
-    # the load in a quarter of the default mode's steps, often within their
-    # timeout.)
+        assert totals["draft_steps"] > 0, ("draft_steps", totals)
+        # One draft token per verify row (num_speculative_tokens = 1).
+        verified = totals["drafts_accepted"] + totals["drafts_rejected"]
+        assert verified == totals["draft_steps"], ("drafts", totals)
+    # (Clients closing in prefill or decode are sent, not required here: stock
+    # prefills the load in a quarter of the default mode's steps, often within
+    # their timeout.)
     stock, fixed = found["stock, drafter"].totals, found["default, drafter"].totals
+    print(
+        "served drafter pair:",
+        {key: verdict.totals for key, verdict in found.items()},
+    )
     assert stock["wrong_publications"] > 0, ("stock wrong_publications", stock)
     assert fixed["wrong_publications"] == 0, ("wrong_publications", fixed)
     assert fixed["wrong_reads"] == 0, ("wrong_reads", fixed)

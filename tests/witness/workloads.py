@@ -227,7 +227,7 @@ def checkpoint_setting() -> bool:
 
 def draft_setting() -> bool:
     """Whether the judge mirrors the installed vLLM's worker under speculative
-    decoding (0.33.0 and 0.34.0) and vLLM runs a drafter's group beside B."""
+    decoding (0.32.0-0.34.0) and vLLM runs a drafter's group beside B."""
     return mirrors_draft_steps() and drafter_block() is not None
 
 
