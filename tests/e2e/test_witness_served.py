@@ -46,6 +46,8 @@ from .test_serve import OMIT, SERVE_OPTIONS
 pytestmark = pytest.mark.xdist_group("witness")
 
 WITNESS_ENGINE = "witness_engine"  # tests/support/witness_engine_plugin
+POST_STEP_TRACE = "MAMBA_ALIGN_E2E_POST_STEP_TRACE"
+"""The CPU stand-in's trace of its copies after verify steps (cpu_e2e_workarounds)."""
 TESTS = Path(__file__).resolve().parents[1]
 LOAD_OPTIONS: dict[str, Any] = {
     "scheduling_policy": "priority",
@@ -183,6 +185,10 @@ def _load(server: Server, most_tokens: int | None = None) -> dict[str, int]:
     return seen
 
 
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
 @dataclass
 class Verdict:
     engines: int
@@ -201,11 +207,13 @@ def watched(key: str, deployment: Deployment, model: Path, workdir: Path) -> Ver
         return _verdicts[key]
     folder = workdir / f"{key.replace(' ', '-').replace(',', '')}-witness"
     folder.mkdir()
+    post_step = folder.with_suffix(".post-step.jsonl")
     plugins = [WORKAROUNDS, WITNESS_ENGINE]
     env = {
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "HF_HUB_OFFLINE": "1",
         "MAMBA_ALIGN_WITNESS_DIR": str(folder),
+        POST_STEP_TRACE: str(post_step),
         "PYTHONPATH": os.pathsep.join(
             p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p
         ),
@@ -228,8 +236,14 @@ def watched(key: str, deployment: Deployment, model: Path, workdir: Path) -> Ver
             for name, value in found[part].items():
                 if isinstance(value, int):
                     totals[name] = totals.get(name, 0) + value
-        for name in ("unmirrored_steps", "requests"):
+        for name in ("unmirrored_steps", "requests", "rows_after_finish"):
             totals[name] = totals.get(name, 0) + found[name]
+    # The worker's side: the verify rows the CPU stand-in for vLLM's copy
+    # after a step saw (gap 2), with the accepted drafts and copies it made.
+    rows = [json.loads(line) for line in _lines(post_step)]
+    totals["worker_verify_rows"] = len(rows)
+    totals["worker_drafts_accepted"] = sum(row["accepted"] for row in rows)
+    totals["worker_copies"] = sum(row["copy"] is not None for row in rows)
     verdict = Verdict(len(files), totals, clients, server.log())
     _verdicts[key] = verdict
     return verdict
@@ -288,6 +302,17 @@ def test_served_drafter_stock_publishes_wrong_states_and_the_default_none(
         # One draft token per verify row (num_speculative_tokens = 1).
         verified = totals["drafts_accepted"] + totals["drafts_rejected"]
         assert verified == totals["draft_steps"], ("drafts", totals)
+        # The worker's copy after each verify step (the CPU stand-in, run by
+        # vLLM's model runner) saw the rows the judge mirrored, with the same
+        # accepted counts, and copied where the judge's mirror of vLLM's rule
+        # copies.
+        for worker, judged in (
+            ("worker_verify_rows", "draft_steps"),
+            ("worker_drafts_accepted", "drafts_accepted"),
+            ("worker_copies", "draft_step_copies"),
+        ):
+            assert totals[worker] == totals[judged], (worker, totals)
+        assert totals["draft_step_copies"] > 0, ("draft_step_copies", totals)
     # (Clients closing in prefill or decode are sent, not required here: stock
     # prefills the load in a quarter of the default mode's steps, often within
     # their timeout.)

@@ -77,6 +77,10 @@ class Findings:
     draft_boundary_copies: int = 0
     """Copies after a step of the state at a B boundary that accepted draft
     tokens reached (``mamba_state_copy_boundary`` with a bias > 0)."""
+    draft_step_copies: int = 0
+    """Rows verifying drafts after which the worker copies a state into a
+    boundary's column (any bias; not the no-op of the running column onto
+    itself): one per row, whatever the number of Mamba groups."""
     examples: list[str] = field(default_factory=list)
 
     def note(self, line: str) -> None:
@@ -344,6 +348,8 @@ class Witness:
         if boundary is not None:
             bias, target = boundary
             self.findings.draft_boundary_copies += bias > 0
+            if drafts and not (target == column and bias == 0):
+                self.findings.draft_step_copies += 1
             if target == column:
                 num_accepted = 1
         self.running_column[req_id] = column

@@ -72,7 +72,7 @@ def watch(scheduler: Any, folder: str) -> None:
 
     witness = Witness(scheduler, tokens_of)
     events = Events()
-    counts = {"unmirrored_steps": 0, "requests": 0}
+    counts = {"unmirrored_steps": 0, "requests": 0, "rows_after_finish": 0}
     seen: set[str] = set()
     path = os.path.join(folder, f"witness-{os.getpid()}.json")
     schedule = scheduler.schedule
@@ -120,6 +120,7 @@ def watch(scheduler: Any, folder: str) -> None:
             for mamba, blocks in tables.items():
                 mamba.req_to_blocks[req_id] = blocks
             restored.append((req_id, tables))
+            counts["rows_after_finish"] += 1
         try:
             yield
         finally:

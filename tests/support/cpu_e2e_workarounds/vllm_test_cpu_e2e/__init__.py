@@ -92,6 +92,7 @@ RAY_DEVICE_VARIABLE = "MAMBA_ALIGN_E2E_RAY_DEVICE_KEY"
 ENGINE_CORE_MODULE = "vllm.v1.engine.core"
 DUMMY_STEPS_VARIABLE = "MAMBA_ALIGN_E2E_DUMMY_STEPS"
 DUMMY_STEP_LINE = "e2e: dummy batch stepped on data-parallel rank"
+POST_STEP_TRACE_VARIABLE = "MAMBA_ALIGN_E2E_POST_STEP_TRACE"
 _registered = False
 
 
@@ -208,16 +209,31 @@ def _make_postprocess(mamba_utils: ModuleType) -> Any:
         computed = ctx.num_computed_tokens_buf.np[:num_reqs].tolist()
         drafts = ctx.num_draft_tokens_buf.np[:num_reqs].tolist()
         copy_bufs.offset = 0
+        trace = os.environ.get(POST_STEP_TRACE_VARIABLE)
+        rows = []
         for i in range(num_reqs):
             running = computed[i] + scheduled[i] - drafts[i]
             aligned = (running + accepted[i] - 1) // block_size * block_size
-            if aligned < running:
-                continue  # no boundary reached: the running slot stays put
             bias = aligned - running
             destination = aligned // block_size - 1
+            moves = aligned >= running and not (
+                destination == state_idx[i] and bias == 0
+            )
+            if trace and drafts[i] > 0:
+                rows.append(
+                    {
+                        "request": input_batch.req_ids[i],
+                        "running": running,
+                        "accepted": accepted[i] - 1,
+                        "column": state_idx[i],
+                        "copy": [bias, destination] if moves else None,
+                    }
+                )
+            if aligned < running:
+                continue  # no boundary reached: the running slot stays put
             if destination == state_idx[i]:
                 accepted[i] = 1
-            rows = SimpleNamespace(
+            table = SimpleNamespace(
                 block_ids={
                     gid: input_batch.block_table[gid]
                     .block_table.np[
@@ -235,12 +251,15 @@ def _make_postprocess(mamba_utils: ModuleType) -> Any:
                 state_idx[i],
                 destination,
                 bias,
-                rows,
+                table,
                 forward_context,
             )
         mamba_utils.do_mamba_copy_block(copy_bufs)
         for i, value in enumerate(accepted):
             num_accepted_tokens_cpu_tensor[i] = value
+        if rows:
+            with open(str(trace), "a") as lines:
+                lines.write("".join(json.dumps(row) + "\n" for row in rows))
 
     return postprocess_on_host
 
