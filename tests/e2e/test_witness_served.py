@@ -79,6 +79,11 @@ class Deployment:
     """The most tokens a request that completes wants (None: the load's own,
     8 to 30): a few decode steps each, where the server's drafter has every
     one of them verify a draft token."""
+    decode_across: int | None = None
+    """Cut each completing request's prompt to 2 short of a multiple of this
+    (B): its second token ends on a B boundary, reached by a decode step or
+    by an accepted draft, and the worker copies the state there after the
+    step (None: prompts as drawn)."""
 
 
 SHORT = {"default": Deployment(None, {})}
@@ -93,10 +98,16 @@ WITH_DRAFTER: dict[str, Any] = {
 }
 DRAFTER_DECODE = 6
 """Tokens each completing request of the drafter pair's load wants: prefills
-dominate its time; five decode steps per request verify drafts."""
+dominate its time; up to five decode steps per request verify drafts."""
+DRAFTER_STATE_BLOCK = 32
+"""B on the drafter geometry (geometry.HETEROGENEOUS)."""
 DRAFTER_PAIR = {
-    "stock, drafter": Deployment("stock", WITH_DRAFTER, DRAFTER_DECODE),
-    "default, drafter": Deployment(None, WITH_DRAFTER, DRAFTER_DECODE),
+    "stock, drafter": Deployment(
+        "stock", WITH_DRAFTER, DRAFTER_DECODE, DRAFTER_STATE_BLOCK
+    ),
+    "default, drafter": Deployment(
+        None, WITH_DRAFTER, DRAFTER_DECODE, DRAFTER_STATE_BLOCK
+    ),
 }
 LONG = {
     "stock": Deployment("stock", {}),
@@ -108,12 +119,14 @@ LONG_SESSION = "MAMBA_ALIGN_E2E_WITNESS_LONG"
 """Set by ``nox -s e2e_witness``: run :data:`LONG` too."""
 
 
-def _load(server: Server, most_tokens: int | None = None) -> dict[str, int]:
+def _load(
+    server: Server, most_tokens: int | None = None, decode_across: int | None = None
+) -> dict[str, int]:
     """Concurrent requests: siblings of one base (cache hits), decodes sharing
     the budget, late high-priority requests, and clients that close their
     connection in prefill (a timeout shorter than the prefill) or in decode (a
-    stream closed after a few tokens). ``most_tokens``: the most tokens a
-    request that completes wants. Returns what the clients saw."""
+    stream closed after a few tokens). ``most_tokens``, ``decode_across``: as
+    :class:`Deployment`'s. Returns what the clients saw."""
     rng = random.Random(7)
     base = [rng.randrange(3, 500) for _ in range(1400)]
     url = f"{server.base}/v1/completions"
@@ -133,6 +146,8 @@ def _load(server: Server, most_tokens: int | None = None) -> dict[str, int]:
     def complete(prompt: list[int], max_tokens: int, priority: int) -> None:
         if most_tokens is not None:
             max_tokens = min(max_tokens, most_tokens)
+        if decode_across is not None:
+            prompt = prompt[: len(prompt) - (len(prompt) + 2) % decode_across]
         response = httpx.post(url, json=body(prompt, max_tokens, priority), timeout=600)
         response.raise_for_status()
         with lock:
@@ -227,7 +242,7 @@ def watched(key: str, deployment: Deployment, model: Path, workdir: Path) -> Ver
     options = {key: value for key, value in options.items() if value is not OMIT}
     server = Server(model, options, env, folder.with_suffix(".log"))
     with server:
-        clients = _load(server, deployment.most_tokens)
+        clients = _load(server, deployment.most_tokens, deployment.decode_across)
     totals: dict[str, int] = {}
     files = sorted(folder.glob("witness-*.json"))
     for path in files:

@@ -25,9 +25,16 @@ path (``collect_mamba_copy_meta`` + ``do_mamba_copy_block``) runs; the post-step
 copy is decided per request in Python by the rule the fused kernel states (the
 running state moves to the last block boundary the accepted tokens reached) and
 collected through the same scalar helper; the byte copies are ``ctypes.memmove``
-on host memory. The tests send ``max_tokens=1`` requests, so no draft is ever
-verified and the post-step stand-in only confirms that nothing needs to move;
-the pre-step copies do run, between prefill chunks.
+on host memory. Both run for real in the served witness's drafter pair
+(tests/e2e/test_witness_served.py): its requests decode a few tokens, every
+decode step verifies the drafter's token (``extract_hidden_states`` proposes
+one per step), and the post-step stand-in copies the running state into the
+block of the boundary the request reached (or the accepted draft carried it
+to). With ``MAMBA_ALIGN_E2E_POST_STEP_TRACE`` set to a file path, it appends
+one JSON line per row that verified drafts (request, running-state length,
+accepted drafts, running column, the copy as ``[bias, target column]`` or
+null); that test holds those rows, accepted counts and copies to the
+witness's mirror of vLLM's rule.
 
 Gap 3 (an MoE model's data-parallel exchange). With ``--data-parallel-size`` > 1
 an MoE layer gathers every rank's tokens before its experts and hands each rank
