@@ -153,8 +153,7 @@ def watch(scheduler: Any, folder: str) -> None:
                 events.cache_hits += 1
         drafts = getattr(output, "scheduled_spec_decode_tokens", None) or {}
         in_flight = any(
-            getattr(scheduler.requests[r], "num_output_placeholders", 0)
-            for r in chunks
+            getattr(scheduler.requests[r], "num_output_placeholders", 0) for r in chunks
         )
         verifies = any(drafts.get(r) for r in chunks)
         if in_flight or (verifies and not witness.speculative):
@@ -179,7 +178,9 @@ def watch(scheduler: Any, folder: str) -> None:
                 else:
                     mirror(output, chunks, accepted)
             save()
-        return update_from_output(scheduler_output, model_runner_output, *args, **kwargs)
+        return update_from_output(
+            scheduler_output, model_runner_output, *args, **kwargs
+        )
 
     def watched_finish_requests(request_ids: Any, finished_status: Any) -> Any:
         if request_ids is not None and not isinstance(request_ids, str):
