@@ -53,13 +53,15 @@ def accepted_drafts(
     is that count plus one). None if a drafted request has no sampled token
     (the worker's count is then unknown)."""
     sampled = getattr(runner_output, "sampled_token_ids", None)
+    if sampled is None:
+        sampled = []
     index = getattr(runner_output, "req_id_to_index", None) or {}
     accepted = {}
     for req_id, drafts in output.scheduled_spec_decode_tokens.items():
         if req_id not in chunks or not drafts:
             continue
         row = index.get(req_id)
-        tokens = sampled[row] if sampled is not None and row is not None else ()
+        tokens = sampled[row] if row is not None and row < len(sampled) else ()
         if len(tokens) == 0:
             return None
         accepted[req_id] = len(tokens) - 1
