@@ -15,10 +15,14 @@ with the plugin; the plugin is loaded only by vLLM's loader.
 CI runs one server (the default mode, :data:`SHORT`) and the drafter pair
 (:data:`DRAFTER_PAIR`): stock vLLM beside the default mode on a server whose
 drafter makes C < B (test_serve.py's geometry), where stock publishes wrong
-states, under a prefill-only load (``max_tokens=1``: no draft token is ever
-scheduled, so every step is mirrored). ``nox -s e2e_witness`` runs :data:`LONG`
-as well: stock vLLM without a drafter (C = B: the judge runs on stock's
-steps), ``full``, ``grid`` and the default with ``--data-parallel-size 2``.
+states. Its load decodes a few tokens per request, so decode steps verify the
+drafter's token (``extract_hidden_states`` drafts one per decode step) and the
+witness mirrors them with the accepted counts the model runner returns
+(witness/served.py), through the CPU build's stand-in for vLLM's copy after a
+verify step (tests/support/cpu_e2e_workarounds, gap 2). ``nox -s e2e_witness``
+runs :data:`LONG` as well: stock vLLM without a drafter (C = B: the judge runs
+on stock's steps), ``full``, ``grid`` and the default with
+``--data-parallel-size 2``.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from .test_serve import OMIT, SERVE_OPTIONS
 pytestmark = pytest.mark.xdist_group("witness")
 
 WITNESS_ENGINE = "witness_engine"  # tests/support/witness_engine_plugin
+POST_STEP_TRACE = "MAMBA_ALIGN_E2E_POST_STEP_TRACE"
+"""The CPU stand-in's trace of its copies after verify steps (cpu_e2e_workarounds)."""
 TESTS = Path(__file__).resolve().parents[1]
 LOAD_OPTIONS: dict[str, Any] = {
     "scheduling_policy": "priority",
@@ -56,9 +62,9 @@ LOAD_OPTIONS: dict[str, Any] = {
     # default): running prefills then outgrow the pool.
     "scheduler_reserve_full_isl": False,
     "max_num_seqs": 6,
-    # The witness mirrors steps whose tokens are all known when they are
-    # scheduled: no draft tokens (extract_hidden_states schedules one per
-    # decode step), no tokens in flight (async scheduling).
+    # No drafter here (C = B); the drafter pair adds one (WITH_DRAFTER). The
+    # witness mirrors steps whose tokens are all known when they are
+    # scheduled: no tokens in flight (async scheduling).
     "speculative_config": OMIT,
     "async_scheduling": False,
 }
@@ -69,9 +75,15 @@ class Deployment:
     mode: str | None
     """VLLM_MAMBA_ALIGN_MODE (None: unset); "stock": the plugin not loaded."""
     options: dict[str, Any]
-    prefill_only: bool = False
-    """The load's requests each want one token: no decode step, so no draft
-    token is scheduled where the server has a drafter."""
+    most_tokens: int | None = None
+    """The most tokens a request that completes wants (None: the load's own,
+    8 to 30): a few decode steps each, where the server's drafter has every
+    one of them verify a draft token."""
+    decode_across: int | None = None
+    """Cut each completing request's prompt to 2 short of a multiple of this
+    (B): its second token ends on a B boundary, reached by a decode step or
+    by an accepted draft, and the worker copies the state there after the
+    step (None: prompts as drawn)."""
 
 
 SHORT = {"default": Deployment(None, {})}
@@ -84,9 +96,18 @@ WITH_DRAFTER: dict[str, Any] = {
     # blocks hold 768 tokens of a request here, 384 the 2,048 vLLM requires.
     "num_gpu_blocks_override": 384,
 }
+DRAFTER_DECODE = 6
+"""Tokens each completing request of the drafter pair's load wants: prefills
+dominate its time; up to five decode steps per request verify drafts."""
+DRAFTER_STATE_BLOCK = 32
+"""B on the drafter geometry (geometry.HETEROGENEOUS)."""
 DRAFTER_PAIR = {
-    "stock, drafter": Deployment("stock", WITH_DRAFTER, prefill_only=True),
-    "default, drafter": Deployment(None, WITH_DRAFTER, prefill_only=True),
+    "stock, drafter": Deployment(
+        "stock", WITH_DRAFTER, DRAFTER_DECODE, DRAFTER_STATE_BLOCK
+    ),
+    "default, drafter": Deployment(
+        None, WITH_DRAFTER, DRAFTER_DECODE, DRAFTER_STATE_BLOCK
+    ),
 }
 LONG = {
     "stock": Deployment("stock", {}),
@@ -98,12 +119,14 @@ LONG_SESSION = "MAMBA_ALIGN_E2E_WITNESS_LONG"
 """Set by ``nox -s e2e_witness``: run :data:`LONG` too."""
 
 
-def _load(server: Server, prefill_only: bool = False) -> dict[str, int]:
+def _load(
+    server: Server, most_tokens: int | None = None, decode_across: int | None = None
+) -> dict[str, int]:
     """Concurrent requests: siblings of one base (cache hits), decodes sharing
     the budget, late high-priority requests, and clients that close their
     connection in prefill (a timeout shorter than the prefill) or in decode (a
-    stream closed after a few tokens). ``prefill_only``: every request wants
-    one token and none closes in decode. Returns what the clients saw."""
+    stream closed after a few tokens). ``most_tokens``, ``decode_across``: as
+    :class:`Deployment`'s. Returns what the clients saw."""
     rng = random.Random(7)
     base = [rng.randrange(3, 500) for _ in range(1400)]
     url = f"{server.base}/v1/completions"
@@ -114,13 +137,17 @@ def _load(server: Server, prefill_only: bool = False) -> dict[str, int]:
         return {
             "model": SERVED_NAME,
             "prompt": prompt,
-            "max_tokens": 1 if prefill_only else max_tokens,
+            "max_tokens": max_tokens,
             "temperature": 0.0,
             "ignore_eos": True,
             "priority": priority,
         }
 
     def complete(prompt: list[int], max_tokens: int, priority: int) -> None:
+        if most_tokens is not None:
+            max_tokens = min(max_tokens, most_tokens)
+        if decode_across is not None:
+            prompt = prompt[: len(prompt) - (len(prompt) + 2) % decode_across]
         response = httpx.post(url, json=body(prompt, max_tokens, priority), timeout=600)
         response.raise_for_status()
         with lock:
@@ -156,8 +183,7 @@ def _load(server: Server, prefill_only: bool = False) -> dict[str, int]:
     for index in range(3):
         long = [rng.randrange(3, 500) for _ in range(1900)]  # nothing cached
         plan.append((index * 0.01, close_in_prefill, (long,)))
-        if not prefill_only:
-            plan.append((0.15 + index * 0.1, close_in_decode, (sibling(),)))
+        plan.append((0.15 + index * 0.1, close_in_decode, (sibling(),)))
     for index in range(10):
         plan.append((0.05 + index * 0.02, complete, (sibling(), 8 + index, 5)))
     for index in range(4):  # late, high priority (vLLM: lower value first)
@@ -172,6 +198,10 @@ def _load(server: Server, prefill_only: bool = False) -> dict[str, int]:
     for thread in threads:
         thread.join(timeout=900)
     return seen
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
 
 
 @dataclass
@@ -192,11 +222,13 @@ def watched(key: str, deployment: Deployment, model: Path, workdir: Path) -> Ver
         return _verdicts[key]
     folder = workdir / f"{key.replace(' ', '-').replace(',', '')}-witness"
     folder.mkdir()
+    post_step = folder.with_suffix(".post-step.jsonl")
     plugins = [WORKAROUNDS, WITNESS_ENGINE]
     env = {
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "HF_HUB_OFFLINE": "1",
         "MAMBA_ALIGN_WITNESS_DIR": str(folder),
+        POST_STEP_TRACE: str(post_step),
         "PYTHONPATH": os.pathsep.join(
             p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p
         ),
@@ -210,7 +242,7 @@ def watched(key: str, deployment: Deployment, model: Path, workdir: Path) -> Ver
     options = {key: value for key, value in options.items() if value is not OMIT}
     server = Server(model, options, env, folder.with_suffix(".log"))
     with server:
-        clients = _load(server, deployment.prefill_only)
+        clients = _load(server, deployment.most_tokens, deployment.decode_across)
     totals: dict[str, int] = {}
     files = sorted(folder.glob("witness-*.json"))
     for path in files:
@@ -219,8 +251,14 @@ def watched(key: str, deployment: Deployment, model: Path, workdir: Path) -> Ver
             for name, value in found[part].items():
                 if isinstance(value, int):
                     totals[name] = totals.get(name, 0) + value
-        for name in ("unmirrored_steps", "requests"):
+        for name in ("unmirrored_steps", "requests", "rows_after_finish"):
             totals[name] = totals.get(name, 0) + found[name]
+    # The worker's side: the verify rows the CPU stand-in for vLLM's copy
+    # after a step saw (gap 2), with the accepted drafts and copies it made.
+    rows = [json.loads(line) for line in _lines(post_step)]
+    totals["worker_verify_rows"] = len(rows)
+    totals["worker_drafts_accepted"] = sum(row["accepted"] for row in rows)
+    totals["worker_copies"] = sum(row["copy"] is not None for row in rows)
     verdict = Verdict(len(files), totals, clients, server.log())
     _verdicts[key] = verdict
     return verdict
@@ -260,10 +298,11 @@ def test_served_engine_under_load_publishes_and_reads_only_right_states(
 def test_served_drafter_stock_publishes_wrong_states_and_the_default_none(
     served_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """Where a drafter makes C < B, stock vLLM serving the prefill-only load
-    publishes Mamba blocks as states they do not hold; the default mode on the
-    same server and load publishes and reads none. Every step of both is
-    mirrored (no draft token scheduled)."""
+    """Where a drafter makes C < B, stock vLLM serving the load publishes
+    Mamba blocks as states they do not hold; the default mode on the same
+    server and load publishes and reads none. Both verify draft tokens in
+    their decode steps, every step mirrored (the worker's rule for
+    speculative Mamba states, with the accepted counts the runner returned)."""
     found = {
         key: watched(key, deployment, served_model, tmp_path_factory.mktemp("w"))
         for key, deployment in DRAFTER_PAIR.items()
@@ -274,10 +313,29 @@ def test_served_drafter_stock_publishes_wrong_states_and_the_default_none(
         assert totals["unmirrored_steps"] == 0, ("unmirrored_steps", totals)
         assert totals["publications"] > 0, ("publications", totals)
         assert totals["reads"] > 0, ("reads", totals)
-    # (Clients closing in prefill are sent, not required here: stock prefills
-    # the load in a quarter of the default mode's steps, often within their
-    # timeout.)
+        assert totals["draft_steps"] > 0, ("draft_steps", totals)
+        # One draft token per verify row (num_speculative_tokens = 1).
+        verified = totals["drafts_accepted"] + totals["drafts_rejected"]
+        assert verified == totals["draft_steps"], ("drafts", totals)
+        # The worker's copy after each verify step (the CPU stand-in, run by
+        # vLLM's model runner) saw the rows the judge mirrored, with the same
+        # accepted counts, and copied where the judge's mirror of vLLM's rule
+        # copies.
+        for worker, judged in (
+            ("worker_verify_rows", "draft_steps"),
+            ("worker_drafts_accepted", "drafts_accepted"),
+            ("worker_copies", "draft_step_copies"),
+        ):
+            assert totals[worker] == totals[judged], (worker, totals)
+        assert totals["draft_step_copies"] > 0, ("draft_step_copies", totals)
+    # (Clients closing in prefill or decode are sent, not required here: stock
+    # prefills the load in a quarter of the default mode's steps, often within
+    # their timeout.)
     stock, fixed = found["stock, drafter"].totals, found["default, drafter"].totals
+    print(
+        "served drafter pair:",
+        {key: verdict.totals for key, verdict in found.items()},
+    )
     assert stock["wrong_publications"] > 0, ("stock wrong_publications", stock)
     assert fixed["wrong_publications"] == 0, ("wrong_publications", fixed)
     assert fixed["wrong_reads"] == 0, ("wrong_reads", fixed)

@@ -21,7 +21,7 @@ plugin, and imports nothing of it):
   also leaves ONE more state inside a prefill chunk: the state at the
   checkpoint position, in the column vLLM computes for it, unless that column
   holds the null block (:meth:`Witness.backend_checkpoint`).
-- With a speculative config (vLLM 0.33.0 and 0.34.0 only), the worker's
+- With a speculative config (vLLM 0.32.0 to 0.34.0 only), the worker's
   own rule for draft steps replaces the two rules above
   (:meth:`Witness._draft_step`): a running column per request, an
   accepted-token offset into it, the state after every token of a verify
@@ -77,6 +77,10 @@ class Findings:
     draft_boundary_copies: int = 0
     """Copies after a step of the state at a B boundary that accepted draft
     tokens reached (``mamba_state_copy_boundary`` with a bias > 0)."""
+    draft_step_copies: int = 0
+    """Rows verifying drafts after which the worker copies a state into a
+    boundary's column (any bias; not the no-op of the running column onto
+    itself): one per row, whatever the number of Mamba groups."""
     examples: list[str] = field(default_factory=list)
 
     def note(self, line: str) -> None:
@@ -266,7 +270,9 @@ class Witness:
         accepted: int,
     ) -> None:
         """One request's row of a step under speculative decoding, as vLLM's
-        align-mode worker moves its Mamba states (:data:`DRAFT_RULE_RELEASES`):
+        align-mode worker moves its Mamba states (:data:`DRAFT_RULE_RELEASES`;
+        0.32.0's vllm/v1/worker/mamba_utils.py is 0.33.0's, byte for byte, so
+        the 0.33.0 lines below are 0.32.0's too):
 
         1. Before the forward pass (0.34.0 ``preprocess_mamba_align_fused_kernel``
            and ``precopy_mamba_align_fused_kernel``, vllm/v1/worker/mamba_utils.py
@@ -342,6 +348,8 @@ class Witness:
         if boundary is not None:
             bias, target = boundary
             self.findings.draft_boundary_copies += bias > 0
+            if drafts and not (target == column and bias == 0):
+                self.findings.draft_step_copies += 1
             if target == column:
                 num_accepted = 1
         self.running_column[req_id] = column
@@ -539,10 +547,21 @@ def post_step_copy(running: int, computed: int, grid: int) -> tuple[int, int] | 
     return aligned - running, aligned // grid - 1
 
 
-DRAFT_RULE_RELEASES = ((0, 33), (0, 34))
+DRAFT_RULE_RELEASES = ((0, 32), (0, 33), (0, 34))
 """The vLLM releases whose align-mode worker rule for speculative Mamba states
 :meth:`Witness._draft_step` follows, read from each release's wheel. Others
-are refused (:func:`_speculative`)."""
+are refused (:func:`_speculative`).
+
+0.32.0 (the e2e tests' served vLLM) has 0.33.0's rule: its
+vllm/v1/worker/mamba_utils.py is identical to 0.33.0's (``preprocess_mamba``
+:1446-1549, ``postprocess_mamba_align_gpu`` :1552-1605,
+``postprocess_mamba_fused_kernel`` :369-500, ``cleanup_mamba_state_idx``
+:1398-1413 in both), the model runner calls them at the same points
+(``GPUModelRunner._update_states_after_model_execute``, gpu_model_runner.py
+:1544-1590), and the forward pass's state columns come from the same gather
+(``mamba_get_block_table_tensor``, vllm/v1/attention/backends/utils.py
+:1163-1195: ``(seq_len - 1) // B`` plus ``0 .. num_speculative_blocks``;
+0.33.0 computes it in a Triton kernel on GPUs, the same expression on CPUs)."""
 
 
 def mirrors_draft_steps() -> bool:

@@ -191,13 +191,15 @@ def _drafter_workloads() -> list[str]:
 def test_draft_steps_are_judged_where_mirrored() -> None:
     """Workloads with a real speculative config (MTP, 1 to 3 draft tokens) are
     listed where the judge mirrors the worker's rule for speculative Mamba
-    states (vLLM 0.33.0 and 0.34.0), each required to verify and reject drafts
-    in every mode (``Workload.expects``, checked by the tests above, stock's
-    wrong publications among them)."""
+    states and runs them (vLLM 0.33.0 and 0.34.0,
+    ``workloads.DRAFT_WORKLOAD_RELEASES``), each required to verify and reject
+    drafts in every mode (``Workload.expects``, checked by the tests above,
+    stock's wrong publications among them)."""
     if not draft_setting():
         pytest.skip(
-            "the judge mirrors speculative Mamba states on vLLM 0.33.0 and "
-            "0.34.0 only (witness.judge.DRAFT_RULE_RELEASES); refused elsewhere"
+            "the drafter workloads run on vLLM 0.33.0 and 0.34.0 "
+            "(witness.workloads.DRAFT_WORKLOAD_RELEASES; the judge refuses draft "
+            "steps on releases outside witness.judge.DRAFT_RULE_RELEASES)"
         )
     drafted = [w for w in workloads() if w.shape.drafts]
     assert sorted(w.shape.drafts for w in drafted) == [1, 2, 3], drafted

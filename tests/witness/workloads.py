@@ -225,10 +225,31 @@ def checkpoint_setting() -> bool:
     return "prefill_checkpoint_alignment" in fields and mirrors_backend_checkpoints()
 
 
+DRAFT_WORKLOAD_RELEASES = ((0, 33), (0, 34))
+"""The releases the drafter workloads run on: those whose worker rule the
+judge mirrors (judge.DRAFT_RULE_RELEASES) less 0.32.0, which the served
+witness covers (tests/e2e/test_witness_served.py). On 0.32.0 the workload
+"drafter, 2 draft tokens, scarce pool, dense retention" loses one state vLLM
+keeps in stock and in every mode alike, in a decode step, where no split
+acts: ``r7-sibling``'s row [286, 289) accepts both drafts past the boundary
+288, the worker copies the state after 288 into column 2, and vLLM's Mamba
+manager puts the null block in that column before it caches the block at
+the next step (no wrong publication, no wrong read)."""
+
+
 def draft_setting() -> bool:
     """Whether the judge mirrors the installed vLLM's worker under speculative
-    decoding (0.33.0 and 0.34.0) and vLLM runs a drafter's group beside B."""
-    return mirrors_draft_steps() and drafter_block() is not None
+    decoding, the drafter workloads run on it (:data:`DRAFT_WORKLOAD_RELEASES`)
+    and vLLM runs a drafter's group beside B."""
+    import vllm
+    from packaging.version import Version
+
+    release = Version(vllm.__version__).release[:2]
+    return (
+        mirrors_draft_steps()
+        and release in DRAFT_WORKLOAD_RELEASES
+        and drafter_block() is not None
+    )
 
 
 STATE_BLOCK = 96

@@ -25,9 +25,16 @@ path (``collect_mamba_copy_meta`` + ``do_mamba_copy_block``) runs; the post-step
 copy is decided per request in Python by the rule the fused kernel states (the
 running state moves to the last block boundary the accepted tokens reached) and
 collected through the same scalar helper; the byte copies are ``ctypes.memmove``
-on host memory. The tests send ``max_tokens=1`` requests, so no draft is ever
-verified and the post-step stand-in only confirms that nothing needs to move;
-the pre-step copies do run, between prefill chunks.
+on host memory. Both run for real in the served witness's drafter pair
+(tests/e2e/test_witness_served.py): its requests decode a few tokens, every
+decode step verifies the drafter's token (``extract_hidden_states`` proposes
+one per step), and the post-step stand-in copies the running state into the
+block of the boundary the request reached (or the accepted draft carried it
+to). With ``MAMBA_ALIGN_E2E_POST_STEP_TRACE`` set to a file path, it appends
+one JSON line per row that verified drafts (request, running-state length,
+accepted drafts, running column, the copy as ``[bias, target column]`` or
+null); that test holds those rows, accepted counts and copies to the
+witness's mirror of vLLM's rule.
 
 Gap 3 (an MoE model's data-parallel exchange). With ``--data-parallel-size`` > 1
 an MoE layer gathers every rank's tokens before its experts and hands each rank
@@ -92,6 +99,7 @@ RAY_DEVICE_VARIABLE = "MAMBA_ALIGN_E2E_RAY_DEVICE_KEY"
 ENGINE_CORE_MODULE = "vllm.v1.engine.core"
 DUMMY_STEPS_VARIABLE = "MAMBA_ALIGN_E2E_DUMMY_STEPS"
 DUMMY_STEP_LINE = "e2e: dummy batch stepped on data-parallel rank"
+POST_STEP_TRACE_VARIABLE = "MAMBA_ALIGN_E2E_POST_STEP_TRACE"
 _registered = False
 
 
@@ -208,16 +216,31 @@ def _make_postprocess(mamba_utils: ModuleType) -> Any:
         computed = ctx.num_computed_tokens_buf.np[:num_reqs].tolist()
         drafts = ctx.num_draft_tokens_buf.np[:num_reqs].tolist()
         copy_bufs.offset = 0
+        trace = os.environ.get(POST_STEP_TRACE_VARIABLE)
+        rows = []
         for i in range(num_reqs):
             running = computed[i] + scheduled[i] - drafts[i]
             aligned = (running + accepted[i] - 1) // block_size * block_size
-            if aligned < running:
-                continue  # no boundary reached: the running slot stays put
             bias = aligned - running
             destination = aligned // block_size - 1
+            moves = aligned >= running and not (
+                destination == state_idx[i] and bias == 0
+            )
+            if trace and drafts[i] > 0:
+                rows.append(
+                    {
+                        "request": input_batch.req_ids[i],
+                        "running": running,
+                        "accepted": accepted[i] - 1,
+                        "column": state_idx[i],
+                        "copy": [bias, destination] if moves else None,
+                    }
+                )
+            if aligned < running:
+                continue  # no boundary reached: the running slot stays put
             if destination == state_idx[i]:
                 accepted[i] = 1
-            rows = SimpleNamespace(
+            table = SimpleNamespace(
                 block_ids={
                     gid: input_batch.block_table[gid]
                     .block_table.np[
@@ -235,12 +258,15 @@ def _make_postprocess(mamba_utils: ModuleType) -> Any:
                 state_idx[i],
                 destination,
                 bias,
-                rows,
+                table,
                 forward_context,
             )
         mamba_utils.do_mamba_copy_block(copy_bufs)
         for i, value in enumerate(accepted):
             num_accepted_tokens_cpu_tensor[i] = value
+        if rows:
+            with open(str(trace), "a") as lines:
+                lines.write("".join(json.dumps(row) + "\n" for row in rows))
 
     return postprocess_on_host
 
