@@ -124,8 +124,9 @@ def _load(
 ) -> dict[str, int]:
     """Concurrent requests: siblings of one base (cache hits), decodes sharing
     the budget, late high-priority requests, and clients that close their
-    connection in prefill (a timeout shorter than the prefill) or in decode (a
-    stream closed after a few tokens). ``most_tokens``, ``decode_across``: as
+    connection in prefill (a timeout of a third of the time an uncached
+    prompt of theirs takes alone, measured first) or in decode (a stream closed after a
+    few tokens). ``most_tokens``, ``decode_across``: as
     :class:`Deployment`'s. Returns what the clients saw."""
     rng = random.Random(7)
     base = [rng.randrange(3, 500) for _ in range(1400)]
@@ -153,9 +154,25 @@ def _load(
         with lock:
             seen["completed"] += 1
 
+    # How long an uncached 1,900-token prompt takes alone on this server (its
+    # own draws: the load's prompts stay the same; the faster of two, as a
+    # fresh server's first request is slow). The clients that leave in prefill
+    # time out at a third of it (their abort reaches the engine core later):
+    # a fixed 0.4 s timeout, against a prompt that took 0.44 s alone, let no
+    # client leave in prefill on an idle 2-core machine; at half of it, one
+    # or two of the three left in prefill.
+    draws = random.Random(8)
+    alone = []
+    for _ in range(2):
+        prompt = [draws.randrange(3, 500) for _ in range(1900)]
+        began = time.monotonic()
+        httpx.post(url, json=body(prompt, 1, 0), timeout=600).raise_for_status()
+        alone.append(time.monotonic() - began)
+    prefill_timeout = max(0.05, min(alone) / 3)
+
     def close_in_prefill(prompt: list[int]) -> None:
         try:
-            httpx.post(url, json=body(prompt, 4, 0), timeout=0.4)
+            httpx.post(url, json=body(prompt, 4, 0), timeout=prefill_timeout)
         except httpx.TimeoutException:
             with lock:
                 seen["closed_in_prefill"] += 1
