@@ -100,11 +100,14 @@ def kept_route(
         num_external_computed_tokens: int = 0,
     ) -> int:
         nonlocal view
-        start = chunk_start(
-            request, num_new_local_computed_tokens, num_external_computed_tokens
-        )
-        if align_short_chunks and falls_short(request, start, num_new_tokens):
-            return 0
+        # The chunk start, only where something reads it: not on every call.
+        start = None
+        if align_short_chunks:
+            start = chunk_start(
+                request, num_new_local_computed_tokens, num_external_computed_tokens
+            )
+            if falls_short(request, start, num_new_tokens):
+                return 0
         shared = scheduler.cache_config
         if view.shared is not shared:  # replaced since the scheduler started
             view = _StateGridCacheConfig(shared, grid)
@@ -123,6 +126,10 @@ def kept_route(
             scheduler.cache_config = shared
         if num_tokens <= 1 or not any_stop:
             return num_tokens
+        if start is None:
+            start = chunk_start(
+                request, num_new_local_computed_tokens, num_external_computed_tokens
+            )
         return boundary_stop(request, start, num_tokens, taken_before)
 
     return split
