@@ -64,6 +64,7 @@ nox.options.sessions = [
     "ci_image",
     "vllm_suite_ci",
     "e2e",
+    "monitoring",
 ]
 
 
@@ -566,6 +567,67 @@ def e2e_deployments(session: nox.Session) -> None:
         *session.posargs,
         env={"MAMBA_ALIGN_E2E_DEPLOYMENTS": "1"},
     )
+
+
+MONITORING = REPO / "deploy" / "monitoring"
+"""The alert rules, their promtool tests, the scrape-config example and the
+Grafana dashboard operators load (docs/audit.md, "Monitoring")."""
+PROMETHEUS_PACKAGE = "prometheus"
+"""Debian's package: the ``prometheus`` server and ``promtool`` (about 19 MB)."""
+
+
+def prometheus_tools(session: nox.Session) -> dict[str, str]:
+    """``promtool`` and ``prometheus`` on PATH, from Debian's package when missing.
+
+    The package is installed once (apt-get, as root); later runs find the
+    binaries. Where neither the binaries nor apt-get and root are at hand, the
+    session is skipped with the way out, except in CI (``CI=true``), where a
+    missing check must fail, not pass silently."""
+    found = {name: shutil.which(name) for name in ("promtool", "prometheus")}
+    if all(found.values()):
+        return {name: str(path) for name, path in found.items()}
+    if shutil.which("apt-get") and os.geteuid() == 0:
+        apt = {"DEBIAN_FRONTEND": "noninteractive"}
+        session.run("apt-get", "update", "-qq", external=True, env=apt)
+        session.run(
+            "apt-get",
+            *("install", "-y", "-qq", "--no-install-recommends"),
+            PROMETHEUS_PACKAGE,
+            external=True,
+            env=apt,
+        )
+        found = {name: shutil.which(name) for name in ("promtool", "prometheus")}
+        if all(found.values()):
+            return {name: str(path) for name, path in found.items()}
+    missing = " and ".join(name for name, path in found.items() if path is None)
+    reason = (
+        f"{missing} not on PATH, and Debian's {PROMETHEUS_PACKAGE!r} package cannot "
+        "be installed here (needs apt-get and root): install Prometheus 2.x "
+        "(promtool and prometheus on PATH, e.g. `sudo apt-get install "
+        f"{PROMETHEUS_PACKAGE}` or the release archive from prometheus.io)"
+    )
+    if os.environ.get("CI") == "true":
+        session.error(reason)
+    session.skip(reason)
+    raise AssertionError("unreachable")  # session.skip raises
+
+
+@nox.session(venv_backend="none")
+@timed
+def monitoring(session: nox.Session) -> None:
+    """The alert rules and scrape config as Prometheus reads them:
+    ``promtool check config`` (which checks the rule file it names),
+    ``promtool check rules`` and ``promtool test rules`` (synthetic series:
+    each alert fires when it should and stays silent when it should not).
+    Debian's ``prometheus`` package is installed on first use (apt-get, root);
+    the names and labels the files use are tied to the package's by
+    tests/unit/test_monitoring_contract.py (the unit leg)."""
+    promtool = prometheus_tools(session)["promtool"]
+    session.run(promtool, "--version", external=True)
+    with session.chdir(MONITORING):
+        session.run(promtool, "check", "config", "prometheus.example.yml", external=True)
+        session.run(promtool, "check", "rules", "alerts.yml", external=True)
+        session.run(promtool, "test", "rules", "alerts.test.yml", external=True)
 
 
 @nox.session(python=IMAGE_PYTHON)
