@@ -258,7 +258,8 @@ IMAGE_RELEASE = "0.33.0"
 newest on the registry: 0.34.0's scheduler runs on Python 3.11 (``ci``), its
 image leg is not yet measured."""
 
-TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100"]
+TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100", "pyyaml"]
+"""pyyaml: tests/unit/test_monitoring_contract.py reads the alert rules."""
 SUITE_TOOLS = [*TEST_TOOLS, "pytest-xdist>=3.2"]
 GROUPING_TOOLS = [*SUITE_TOOLS, "pytest<9.2"]
 """e2e's two xdist groups (``--dist loadgroup``): pytest-xdist (3.8 and before)
