@@ -60,11 +60,11 @@ nox.options.sessions = [
     "lint",
     "unit",
     "docs",
+    "monitoring",
     "ci",
     "ci_image",
     "vllm_suite_ci",
     "e2e",
-    "monitoring",
 ]
 
 
@@ -626,9 +626,45 @@ def monitoring(session: nox.Session) -> None:
     promtool = prometheus_tools(session)["promtool"]
     session.run(promtool, "--version", external=True)
     with session.chdir(MONITORING):
-        session.run(promtool, "check", "config", "prometheus.example.yml", external=True)
+        session.run(
+            promtool, "check", "config", "prometheus.example.yml", external=True
+        )
         session.run(promtool, "check", "rules", "alerts.yml", external=True)
         session.run(promtool, "test", "rules", "alerts.test.yml", external=True)
+
+
+@nox.session(venv_backend="none")
+@timed
+def e2e_monitoring(session: nox.Session) -> None:
+    """The monitoring files against real servers (not in CI's default list: two
+    servers and a Prometheus, several minutes on 2 cores; the release checklist
+    names it): tests/e2e/test_monitoring.py in e2e's environment, with Debian's
+    Prometheus installed on first use. ``MAMBA_ALIGN_MONITORING_RECORD=<path>``
+    also writes the audit counter's range data for docs/audit.md's picture."""
+    tools = prometheus_tools(session)
+    session.run(
+        sys.executable,
+        *("-m", "nox", "-s", "e2e", "--"),
+        *("-k", "test_monitoring"),
+        *session.posargs,
+        env={
+            "MAMBA_ALIGN_E2E_MONITORING": "1",
+            "MAMBA_ALIGN_PROMETHEUS": tools["prometheus"],
+        },
+    )
+
+
+PICTURE_TOOLS = ["matplotlib"]
+"""docs/img/draw_audit_counter.py's plotting library: this session's only."""
+
+
+@nox.session
+@timed
+def monitoring_picture(session: nox.Session) -> None:
+    """docs/img/audit-counter.png from the data ``e2e_monitoring`` recorded
+    (``MAMBA_ALIGN_MONITORING_RECORD=docs/img/audit-counter.json``)."""
+    session.install(*PICTURE_TOOLS)
+    session.run("python", str(REPO / "docs" / "img" / "draw_audit_counter.py"))
 
 
 @nox.session(python=IMAGE_PYTHON)

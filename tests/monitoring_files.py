@@ -109,8 +109,31 @@ _GROUPING = re.compile(
 )
 _IDENTIFIER = re.compile(r"[a-zA-Z_:][\w:]*")
 _KEYWORDS = frozenset(
-    "sum min max avg count group stddev stdvar topk bottomk quantile count_values "
-    "by without on ignoring group_left group_right and or unless bool offset".split()
+    [
+        "sum",
+        "min",
+        "max",
+        "avg",
+        "count",
+        "group",
+        "stddev",
+        "stdvar",
+        "topk",
+        "bottomk",
+        "quantile",
+        "count_values",
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+        "and",
+        "or",
+        "unless",
+        "bool",
+        "offset",
+    ]
 )
 
 

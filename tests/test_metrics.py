@@ -114,9 +114,7 @@ def test_the_info_status_is_a_word_the_alert_rules_know(
     renamed in a start line fails here, not in an operator's silent alert."""
     state_block = 1648
     cache_block = cache_block_for(state_block)
-    geometry = Geometry(
-        cache_block=cache_block, state_block=state_block, hybrid=hybrid
-    )
+    geometry = Geometry(cache_block=cache_block, state_block=state_block, hybrid=hybrid)
     with scheduler_mode(mode):
         sim = Simulation(geometry)
     sim.scheduler.shutdown()

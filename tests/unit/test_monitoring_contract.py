@@ -11,23 +11,15 @@ same files; docs/audit.md shows them, held equal below.
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
+import monitoring_files as files
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import monitoring_files as files  # noqa: E402
-
-sys.path.pop(0)
-
-from vllm_mamba_align import audit, metrics  # noqa: E402
+from vllm_mamba_align import audit, metrics
 
 pytest.importorskip("yaml")
 
-COUNTERS = {
-    metrics.PREFIX + name + "_total" for name, _ in metrics.COUNTERS.values()
-}
+COUNTERS = {metrics.PREFIX + name + "_total" for name, _ in metrics.COUNTERS.values()}
 LABELS_OF = {
     **{name: set(metrics.LABELS) for name in COUNTERS},
     metrics.INFO: set(metrics.INFO_LABELS),
