@@ -7,7 +7,8 @@ multiprocess metrics: one in ``audit``, one in the default mode. A Prometheus
 temporary data directory, a 1 s scrape and evaluation interval) scrapes both as
 job ``vllm`` and loads deploy/monitoring/alerts.yml itself. test_serve.py's
 load (a prompt, a sibling sharing part of it, a re-ask, a fresh sibling) runs on
-each. Through Prometheus's HTTP API: ``MambaStatesPoisoned`` fires for the
+each, then twice more under new cache salts (nothing cached: stock publishes
+wrong states anew each round). Through Prometheus's HTTP API: ``MambaStatesPoisoned`` fires for the
 audit server and not for the default one, and every dashboard query evaluates
 without error (each query's series are printed after the tests).
 
@@ -34,6 +35,7 @@ import pytest
 from .release import E2E_RELEASE
 from .server import Server, free_port, stop_group
 from .sessions import outside_ci
+from .test_engine import prompts
 from .test_serve import SERVE_OPTIONS, ServeRun, _environment, _scenario
 
 MONITORING_VARIABLE = "MAMBA_ALIGN_E2E_MONITORING"
@@ -42,6 +44,9 @@ RECORD_VARIABLE = "MAMBA_ALIGN_MONITORING_RECORD"
 """A path: the audit counter's range data is written there as JSON (for the
 picture in docs/audit.md, docs/img/draw_audit_counter.py)."""
 SCRAPE_SECONDS = 1
+ROUNDS = 3
+"""The load: test_serve.py's scenario, then ROUNDS - 1 salted repeats."""
+ROUND_PAUSE = 5.0  # seconds between rounds (the picture's steps)
 ALERT_TIMEOUT = 90.0  # seconds for the alert to fire once the load ran
 COUNTER = "vllm_mamba_align_audit_would_be_poisoned_slots_total"
 INFO_SERIES = "vllm_mamba_align_info"
@@ -60,10 +65,14 @@ class Live:
     """mode name ("audit", "default") -> Prometheus instance (host:port)."""
     runs: dict[str, ServeRun] = field(default_factory=dict)
     alerts: list[dict[str, Any]] = field(default_factory=list)
+    load_seconds: float = 0.0
     alert_seconds: float = 0.0
+    """From the start of the load until MambaStatesPoisoned was seen firing."""
     scrapes: dict[str, int] = field(default_factory=dict)
     panels: dict[str, list[dict[str, str]]] = field(default_factory=dict)
     """dashboard query (``panel / refId``) -> the label sets it returned."""
+    values: dict[str, list[str]] = field(default_factory=dict)
+    """dashboard query -> the value of each series it returned (same order)."""
     variables: dict[str, list[str]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
 
@@ -153,6 +162,14 @@ def _wait(condition: Any, timeout: float, what: str) -> None:
         time.sleep(0.5)
 
 
+def _salted_round(server: Server, salt: str) -> None:
+    """test_serve.py's prompt, sibling and re-ask again under a new
+    ``cache_salt``: nothing cached, so stock publishes wrong states anew."""
+    first, sibling = prompts()
+    for prompt in (first, sibling, first):
+        server.complete(prompt, salt=salt)
+
+
 def _instance(server: Server) -> str:
     return server.base.removeprefix("http://")
 
@@ -195,9 +212,14 @@ def _run(served_model: Path, workdir: Path) -> Live:
                 "both targets up and the audit counter scraped",
             )
             time.sleep(3 * SCRAPE_SECONDS)
+            loaded = time.monotonic()
             for key, server in servers.items():
                 _scenario(server, live.runs[key], None)
-            loaded = time.monotonic()
+            for round_ in range(1, ROUNDS):  # the counter's steps, for the picture
+                time.sleep(ROUND_PAUSE)
+                for server in servers.values():
+                    _salted_round(server, f"round-{round_}")
+            live.load_seconds = time.monotonic() - loaded
             _wait(
                 lambda: any(a["state"] == "firing" for a in _poisoned_alerts(prom)),
                 ALERT_TIMEOUT,
@@ -215,6 +237,7 @@ def _run(served_model: Path, workdir: Path) -> Live:
                     live.errors[query.where] = f"{type(problem).__name__}: {problem}"
                     continue
                 live.panels[query.where] = [sample["metric"] for sample in found]
+                live.values[query.where] = [sample["value"][1] for sample in found]
             for variable in files.variable_queries():
                 label = variable.where.removeprefix("variable ")
                 live.variables[label] = list(
@@ -263,7 +286,7 @@ def _record(prom: Prometheus, live: Live, path: Path) -> None:
         f"{os.getloadavg()[0]:.1f} at the end"
     )
     recorded = {"counter": COUNTER, "note": note, "series": series}
-    path.write_text(json.dumps(recorded, indent=1) + "\n")
+    path.write_text(json.dumps(recorded) + "\n")
 
 
 @pytest.fixture(scope="module")
@@ -318,7 +341,8 @@ def summary_lines() -> list[str]:
         return []
     lines = [
         f"monitoring: servers {_live.instances}; scrapes per target {_live.scrapes}; "
-        f"MambaStatesPoisoned firing {_live.alert_seconds:.1f} s after the load",
+        f"load {_live.load_seconds:.1f} s; MambaStatesPoisoned seen firing "
+        f"{_live.alert_seconds:.1f} s after the load started",
     ]
     for alert in _live.alerts:
         labels = alert["labels"]
@@ -328,8 +352,9 @@ def summary_lines() -> list[str]:
         )
     for where, found in _live.panels.items():
         shown = sorted(
-            ", ".join(f"{k}={v}" for k, v in sorted(labels.items())) or "{}"
-            for labels in found
+            (", ".join(f"{k}={v}" for k, v in sorted(labels.items())) or "{}")
+            + f" -> {value}"
+            for labels, value in zip(found, _live.values[where], strict=True)
         )
         lines.append(f"monitoring panel {where}: {len(found)} series: {shown}")
     for label, values in _live.variables.items():
