@@ -14,7 +14,7 @@ import pytest
 from helpers import cache_block_for, geometry_rule, scheduler_mode
 
 from vllm_mamba_align import audit, metrics
-from vllm_mamba_align.tools.sim import Geometry, Simulation, prompt
+from vllm_mamba_align.tools.sim import Geometry, Simulation, build_scheduler, prompt
 
 prometheus_client = pytest.importorskip("prometheus_client")
 
@@ -116,8 +116,8 @@ def test_the_info_status_is_a_word_the_alert_rules_know(
     cache_block = cache_block_for(state_block)
     geometry = Geometry(cache_block=cache_block, state_block=state_block, hybrid=hybrid)
     with scheduler_mode(mode):
-        sim = Simulation(geometry)
-    sim.scheduler.shutdown()
+        scheduler = build_scheduler(geometry)
+    scheduler.shutdown()
     found = published_statuses(
         mode=mode,
         cache_block=str(cache_block),

@@ -66,6 +66,8 @@ class Live:
     runs: dict[str, ServeRun] = field(default_factory=dict)
     alerts: list[dict[str, Any]] = field(default_factory=list)
     load_seconds: float = 0.0
+    load_started: str = ""
+    """UTC, as Prometheus writes an alert's ``activeAt``."""
     alert_seconds: float = 0.0
     """From the start of the load until MambaStatesPoisoned was seen firing."""
     scrapes: dict[str, int] = field(default_factory=dict)
@@ -213,6 +215,7 @@ def _run(served_model: Path, workdir: Path) -> Live:
             )
             time.sleep(3 * SCRAPE_SECONDS)
             loaded = time.monotonic()
+            live.load_started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             for key, server in servers.items():
                 _scenario(server, live.runs[key], None)
             for round_ in range(1, ROUNDS):  # the counter's steps, for the picture
@@ -341,14 +344,16 @@ def summary_lines() -> list[str]:
         return []
     lines = [
         f"monitoring: servers {_live.instances}; scrapes per target {_live.scrapes}; "
-        f"load {_live.load_seconds:.1f} s; MambaStatesPoisoned seen firing "
-        f"{_live.alert_seconds:.1f} s after the load started",
+        f"load from {_live.load_started} for {_live.load_seconds:.1f} s; "
+        f"MambaStatesPoisoned seen firing {_live.alert_seconds:.1f} s after the "
+        "load started (polled once the load ended)",
     ]
     for alert in _live.alerts:
         labels = alert["labels"]
         lines.append(
             f"monitoring alert {labels['alertname']} {alert['state']} on "
-            f"{labels.get('instance', '-')} engine {labels.get('engine', '-')}"
+            f"{labels.get('instance', '-')} engine {labels.get('engine', '-')} "
+            f"(active since {alert.get('activeAt', '?')})"
         )
     for where, found in _live.panels.items():
         shown = sorted(
