@@ -8,9 +8,10 @@ temporary data directory, a 1 s scrape and evaluation interval) scrapes both as
 job ``vllm`` and loads deploy/monitoring/alerts.yml itself. test_serve.py's
 load (a prompt, a sibling sharing part of it, a re-ask, a fresh sibling) runs on
 each, then twice more under new cache salts (nothing cached: stock publishes
-wrong states anew each round). Through Prometheus's HTTP API: ``MambaStatesPoisoned`` fires for the
-audit server and not for the default one, and every dashboard query evaluates
-without error (each query's series are printed after the tests).
+wrong states anew each round). Through Prometheus's HTTP API:
+``MambaStatesPoisoned`` fires for the audit server and not for the default one,
+and every dashboard query evaluates without error (each query's series are
+printed after the tests).
 
 Not in CI's default list: ``nox -s e2e_monitoring`` (docs/maintaining).
 """
