@@ -10,6 +10,7 @@ same files; docs/audit.md shows them, held equal below.
 
 from __future__ import annotations
 
+import json
 import re
 
 import monitoring_files as files
@@ -173,3 +174,12 @@ def test_the_docs_list_the_status_words_the_package_has() -> None:
     listed = re.search(r"`status` \(([^)]*)\)", row)
     assert listed is not None, row
     assert re.findall(r"`(\w+)`", listed.group(1)) == list(metrics.STATUSES)
+
+
+def test_the_picture_names_the_commit_its_data_came_from() -> None:
+    recorded = json.loads(
+        (files.REPO / "docs" / "img" / "audit-counter.json").read_text()
+    )
+    commit = re.match(r"commit (\w+):", recorded["note"])
+    assert commit is not None, recorded["note"]
+    assert f"Drawn at commit {commit.group(1)} " in DOCS.read_text()
