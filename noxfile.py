@@ -106,6 +106,11 @@ def timed(function: Callable[..., None]) -> Callable[..., None]:
         try:
             function(session, *args, **kwargs)
             leg.result = "passed"
+        except BaseException as stop:
+            # session.skip() raises nox's (private) _SessionSkip: a skip, not a failure.
+            if type(stop).__name__ == "_SessionSkip":
+                leg.result = "skipped"
+            raise
         finally:
             leg.seconds = time.monotonic() - started
             leg.load_after = os.getloadavg()[0]
