@@ -60,6 +60,7 @@ nox.options.sessions = [
     "lint",
     "unit",
     "docs",
+    "monitoring",
     "ci",
     "ci_image",
     "vllm_suite_ci",
@@ -105,6 +106,11 @@ def timed(function: Callable[..., None]) -> Callable[..., None]:
         try:
             function(session, *args, **kwargs)
             leg.result = "passed"
+        except BaseException as stop:
+            # session.skip() raises nox's (private) _SessionSkip: a skip, not a failure.
+            if type(stop).__name__ == "_SessionSkip":
+                leg.result = "skipped"
+            raise
         finally:
             leg.seconds = time.monotonic() - started
             leg.load_after = os.getloadavg()[0]
@@ -257,7 +263,8 @@ IMAGE_RELEASE = "0.33.0"
 newest on the registry: 0.34.0's scheduler runs on Python 3.11 (``ci``), its
 image leg is not yet measured."""
 
-TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100"]
+TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100", "pyyaml"]
+"""pyyaml: tests/unit/test_monitoring_contract.py reads the alert rules."""
 SUITE_TOOLS = [*TEST_TOOLS, "pytest-xdist>=3.2"]
 GROUPING_TOOLS = [*SUITE_TOOLS, "pytest<9.2"]
 """e2e's two xdist groups (``--dist loadgroup``): pytest-xdist (3.8 and before)
@@ -566,6 +573,103 @@ def e2e_deployments(session: nox.Session) -> None:
         *session.posargs,
         env={"MAMBA_ALIGN_E2E_DEPLOYMENTS": "1"},
     )
+
+
+MONITORING = REPO / "deploy" / "monitoring"
+"""The alert rules, their promtool tests, the scrape-config example and the
+Grafana dashboard operators load (docs/audit.md, "Monitoring")."""
+PROMETHEUS_PACKAGE = "prometheus"
+"""Debian's package: the ``prometheus`` server and ``promtool`` (about 19 MB)."""
+
+
+def prometheus_tools(session: nox.Session) -> dict[str, str]:
+    """``promtool`` and ``prometheus`` on PATH, from Debian's package when missing.
+
+    The package is installed once (apt-get, as root); later runs find the
+    binaries. Where neither the binaries nor apt-get and root are at hand, the
+    session is skipped with the way out, except in CI (``CI=true``), where a
+    missing check must fail, not pass silently."""
+    found = {name: shutil.which(name) for name in ("promtool", "prometheus")}
+    if all(found.values()):
+        return {name: str(path) for name, path in found.items()}
+    if shutil.which("apt-get") and os.geteuid() == 0:
+        apt = {"DEBIAN_FRONTEND": "noninteractive"}
+        session.run("apt-get", "update", "-qq", external=True, env=apt)
+        session.run(
+            "apt-get",
+            *("install", "-y", "-qq", "--no-install-recommends"),
+            PROMETHEUS_PACKAGE,
+            external=True,
+            env=apt,
+        )
+        found = {name: shutil.which(name) for name in ("promtool", "prometheus")}
+        if all(found.values()):
+            return {name: str(path) for name, path in found.items()}
+    missing = " and ".join(name for name, path in found.items() if path is None)
+    reason = (
+        f"{missing} not on PATH, and Debian's {PROMETHEUS_PACKAGE!r} package cannot "
+        "be installed here (needs apt-get and root): install Prometheus 2.x "
+        "(promtool and prometheus on PATH, e.g. `sudo apt-get install "
+        f"{PROMETHEUS_PACKAGE}` or the release archive from prometheus.io)"
+    )
+    if os.environ.get("CI") == "true":
+        session.error(reason)
+    session.skip(reason)
+    raise AssertionError("unreachable")  # session.skip raises
+
+
+@nox.session(venv_backend="none")
+@timed
+def monitoring(session: nox.Session) -> None:
+    """The alert rules and scrape config as Prometheus reads them:
+    ``promtool check config`` (which checks the rule file it names),
+    ``promtool check rules`` and ``promtool test rules`` (synthetic series:
+    each alert fires when it should and stays silent when it should not).
+    Debian's ``prometheus`` package is installed on first use (apt-get, root);
+    the names and labels the files use are tied to the package's by
+    tests/unit/test_monitoring_contract.py (the unit leg)."""
+    promtool = prometheus_tools(session)["promtool"]
+    session.run(promtool, "--version", external=True)
+    with session.chdir(MONITORING):
+        session.run(
+            promtool, "check", "config", "prometheus.example.yml", external=True
+        )
+        session.run(promtool, "check", "rules", "alerts.yml", external=True)
+        session.run(promtool, "test", "rules", "alerts.test.yml", external=True)
+
+
+@nox.session(venv_backend="none")
+@timed
+def e2e_monitoring(session: nox.Session) -> None:
+    """The monitoring files against real servers (not in CI's default list: two
+    servers and a Prometheus, several minutes on 2 cores; the release checklist
+    names it): tests/e2e/test_monitoring.py in e2e's environment, with Debian's
+    Prometheus installed on first use. ``MAMBA_ALIGN_MONITORING_RECORD=<path>``
+    also writes the audit counter's range data for docs/audit.md's picture."""
+    tools = prometheus_tools(session)
+    session.run(
+        sys.executable,
+        *("-m", "nox", "-s", "e2e", "--"),
+        *("-k", "test_monitoring"),
+        *session.posargs,
+        env={
+            "MAMBA_ALIGN_E2E_MONITORING": "1",
+            "MAMBA_ALIGN_PROMETHEUS": tools["prometheus"],
+        },
+    )
+
+
+PICTURE_TOOLS = ["matplotlib"]
+"""docs/img/draw_audit_counter.py's plotting library: this session's only."""
+
+
+@nox.session
+@timed
+def monitoring_picture(session: nox.Session) -> None:
+    """docs/img/audit-counter.png from the data ``e2e_monitoring`` recorded
+    (``MAMBA_ALIGN_MONITORING_RECORD=docs/img/audit-counter.json``)."""
+    session.install(*PICTURE_TOOLS)
+    session.run("python", str(REPO / "docs" / "img" / "draw_audit_counter.py"))
 
 
 @nox.session(python=IMAGE_PYTHON)

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from helpers import geometry_rule, scheduler_mode
+from helpers import cache_block_for, geometry_rule, scheduler_mode
 
 from vllm_mamba_align import audit, metrics
-from vllm_mamba_align.tools.sim import Geometry, Simulation, prompt
+from vllm_mamba_align.tools.sim import Geometry, Simulation, build_scheduler, prompt
 
 prometheus_client = pytest.importorskip("prometheus_client")
 
@@ -84,6 +84,47 @@ def test_a_real_audited_scheduler_exports_its_summary_figures() -> None:
         if sample.labels["mode"] == "audit" and sample.labels["status"] == "AUDIT"
     }
     assert (str(observer.state_block), str(observer.cache_block)) in info
+
+
+def published_statuses(**labels: str) -> set[str]:
+    """The status of each info sample in this process with ``labels``."""
+    return {
+        sample.labels["status"]
+        for family in prometheus_client.REGISTRY.collect()
+        if family.name == metrics.INFO
+        for sample in family.samples
+        if all(sample.labels[name] == value for name, value in labels.items())
+    }
+
+
+@pytest.mark.parametrize(
+    ("mode", "hybrid", "word"),
+    [
+        ("lean", True, "ACTIVE"),
+        ("audit", True, "AUDIT"),
+        ("off", True, "loaded"),
+        ("lean", False, "inactive"),
+    ],
+)
+def test_the_info_status_is_a_word_the_alert_rules_know(
+    mode: str, hybrid: bool, word: str
+) -> None:
+    """Real schedulers publish each of metrics.STATUSES, which the alert rules
+    and the dashboard match (tests/unit/test_monitoring_contract.py): a status
+    renamed in a start line fails here, not in an operator's silent alert."""
+    state_block = 1648
+    cache_block = cache_block_for(state_block)
+    geometry = Geometry(cache_block=cache_block, state_block=state_block, hybrid=hybrid)
+    with scheduler_mode(mode):
+        scheduler = build_scheduler(geometry)
+    scheduler.shutdown()
+    found = published_statuses(
+        mode=mode,
+        cache_block=str(cache_block),
+        state_block=str(state_block) if hybrid else "none",
+    )
+    assert found == {word}, found
+    assert word in metrics.STATUSES
 
 
 def test_export_status_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -272,7 +272,7 @@ def _log(
     metrics.publish_info(
         scheduler,
         mode=settings.read_mode().value,
-        status=status.split(",")[0].split(" ")[0],
+        status=metrics.status_word(status),
         state_block=state_grid,
         vllm_version=recognition.vllm_version,
     )

@@ -44,6 +44,13 @@ INFO_LABELS = (
     "vllm_version",
 )
 INFO = PREFIX + "info"
+STATUSES = ("ACTIVE", "AUDIT", "loaded", "inactive")
+"""The words of the info series' ``status`` label (the first word of the status
+in the plugin's start line, :func:`status_word`): the fix runs, mode audit
+(stock scheduling, counted), mode off (stock scheduling), nothing to fix (no
+Mamba layers in align mode, or vLLM's own fix). The alert rules and dashboard
+in deploy/monitoring match these words (tests/unit/test_monitoring_contract.py),
+and every one of them is what a real scheduler publishes (tests/test_metrics.py)."""
 MULTIPROC_VARIABLES = ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir")
 
 # AuditSnapshot field -> (counter name without prefix and "_total", help).
@@ -248,6 +255,22 @@ def scheduler_labels(scheduler: Any) -> dict[str, str]:
     if not isinstance(index, int):
         index = getattr(parallel, "data_parallel_rank", 0)
     return {"model_name": str(name), "engine": str(index if index else 0)}
+
+
+def status_word(status: str) -> str:
+    """The info series' ``status`` of a start-line status (one of :data:`STATUSES`;
+    another word is published too, with a warning: alert rules would miss it)."""
+    word = status.split(",")[0].split(" ")[0]
+    if word not in STATUSES:
+        from vllm.logger import init_logger
+
+        init_logger("vllm.plugins.mamba_align").warning(
+            "vllm-mamba-align: info status %r is none of %s, which the alert rules "
+            "match (deploy/monitoring); please report it.",
+            word,
+            ", ".join(STATUSES),
+        )
+    return word
 
 
 def publish_info(

@@ -71,6 +71,7 @@ def _summary_lines() -> list[str]:
         test_distributed,
         test_engine,
         test_moe_dp,
+        test_monitoring,
         test_probe,
         test_ray_dp,
         test_serve,
@@ -84,6 +85,7 @@ def _summary_lines() -> list[str]:
         *test_default_retention.retention_summary_lines(),
         *test_serve.summary_lines(),
         *test_probe.probe_summary_lines(test_serve._runs),
+        *test_monitoring.summary_lines(),
     ]
 
 

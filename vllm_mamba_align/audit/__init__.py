@@ -91,6 +91,7 @@ __all__ = [
     "REPORT_TICK_SECONDS",
     "REQUEST_CHAIN",
     "REQUEST_FLAGS",
+    "SWITCH_THE_FIX_ON",
     "Audit",
     "AuditSnapshot",
     "audit_of",
@@ -109,6 +110,13 @@ ACTIVE_STATUS = (
     f"{DEFAULT_INTERVAL_SECONDS:.0f} s by default ({settings.AUDIT_INTERVAL_VARIABLE})"
     " and at shutdown; the first would-be-poisoned slot at once)"
 )
+
+SWITCH_THE_FIX_ON = (
+    f"Switch the fix on: unset {settings.MODE_VARIABLE} (default "
+    f"{settings.DEFAULT_MODE.value}) or set it to grid or full."
+)
+"""The advice of the first would-be-poisoned slot's WARNING line; the alert
+rules in deploy/monitoring give the same (tests/unit/test_monitoring_contract.py)."""
 
 
 class Audit:
@@ -206,9 +214,7 @@ class Audit:
             "started off the Mamba "
             "state grid and ran past a boundary, so vLLM published a Mamba slot "
             "under the hash of a state it does not hold; requests that share that "
-            "prefix continue from a wrong state. Switch the fix on: unset "
-            f"{settings.MODE_VARIABLE} (default {settings.DEFAULT_MODE.value}) or set "
-            "it to grid or full."
+            f"prefix continue from a wrong state. {SWITCH_THE_FIX_ON}"
         )
 
     def _emit(self, now: float) -> None:
