@@ -67,16 +67,14 @@ class Shape:
 
     def state(self) -> tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]:
         import torch
-        from vllm.config import VllmConfig, set_current_vllm_config
         from vllm.model_executor.layers.mamba.mamba_utils import (
             MambaStateDtypeCalculator,
             MambaStateShapeCalculator,
         )
 
-        with set_current_vllm_config(VllmConfig()):
-            shapes = getattr(MambaStateShapeCalculator, f"{self.layer}_state_shape")(
-                **dict(self.config)
-            )
+        shapes = getattr(MambaStateShapeCalculator, f"{self.layer}_state_shape")(
+            **dict(self.config)
+        )
         dtypes = getattr(MambaStateDtypeCalculator, f"{self.layer}_state_dtype")(
             torch.bfloat16, *self.dtype_args
         )

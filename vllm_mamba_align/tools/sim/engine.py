@@ -278,6 +278,14 @@ class Geometry:
     the first N waiting requests, those whose prefix is cached are admitted
     first, at any cache usage (``cache_aware_admission_threshold`` 0.0); 0,
     vLLM's default: arrival order."""
+    mamba_state: tuple[tuple[tuple[int, ...], ...], tuple[str, ...]] | None = None
+    """A model family's Mamba state as its layers' specs carry it: (shapes,
+    torch dtype names); None: one float32 number. The scheduler reads only the
+    spec's block and checkpoint fields; the shape makes the spec the family's."""
+    attention_block: int | None = None
+    """The model's own attention group's block when a smaller group (a
+    drafter's, a hidden-state layer's) sets the cache block C; that group is
+    then built at ``cache_block``. None: the attention group is C's."""
 
 
 def supports_admission_window() -> bool:
@@ -378,7 +386,9 @@ def kv_cache_config(geometry: Geometry) -> Any:
     ]
     if geometry.attention_block is not None:
         groups.append(
-            KVCacheGroupSpec(["drafter.layers.0.self_attn.attn"], attention(geometry.cache_block))
+            KVCacheGroupSpec(
+                ["drafter.layers.0.self_attn.attn"], attention(geometry.cache_block)
+            )
         )
     if drafts and _flags_drafter_group(geometry):
         groups[0].is_eagle_group = True
