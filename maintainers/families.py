@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -99,6 +100,22 @@ def _sets_hybrid(node: ast.ClassDef) -> bool | None:
     return None
 
 
+def _module_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """A module's statements, those under ``if``/``try``/``with`` included
+    (a package picks its platform's implementation that way); function and
+    class bodies are not entered."""
+    for node in body:
+        yield node
+        if isinstance(node, ast.If | ast.With):
+            yield from _module_level(node.body)
+            yield from _module_level(getattr(node, "orelse", []))
+        elif isinstance(node, ast.Try):
+            for block in (node.body, node.orelse, node.finalbody):
+                yield from _module_level(block)
+            for handler in node.handlers:
+                yield from _module_level(handler.body)
+
+
 class _Module:
     """One source file: its classes and where each imported name comes from
     (every ``from … import`` of the file, those under ``if`` included: a
@@ -109,7 +126,7 @@ class _Module:
         package = dotted if path.name == "__init__.py" else dotted.rpartition(".")[0]
         self.classes: dict[str, list[ast.ClassDef]] = {}
         self.imports: dict[str, list[tuple[str, str]]] = {}
-        for node in ast.walk(tree):
+        for node in _module_level(tree.body):
             if isinstance(node, ast.ClassDef):
                 self.classes.setdefault(node.name, []).append(node)
             elif isinstance(node, ast.ImportFrom):

@@ -50,35 +50,51 @@ class Shape:
     name: str
     families: tuple[str, ...]
     """Registry architectures (maintainers/data/hybrid-families.json)."""
-    layer: str
-    """The calculator of mamba_utils.py its layers call."""
+    model: str
+    """``module:Class`` of one of them that imports on CPU: its own
+    ``get_mamba_state_shape_from_config`` / ``…_dtype_from_config`` build the
+    state (the others call the same calculator; docs/production.md cites each)."""
     config: tuple[tuple[str, Any], ...]
-    """The calculator's arguments (a representative configuration)."""
-    dtype_args: tuple[str, ...]
-    """The dtype calculator's arguments after the model dtype."""
+    """The hf_config fields those read (a representative configuration)."""
     attention_bytes_per_token: int
     """One attention layer's KV bytes per token (FullAttentionSpec or MLA)."""
     mla: bool = False
     checkpoint: str | None = None
     """The in-chunk checkpoint backend of the simulator, if the family's layer
-    declares checkpoint blocks."""
+    declares checkpoint blocks on it."""
     smaller_block: int = 16
     """The drafter's or hidden-state group's block: C."""
 
     def state(self) -> tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]:
-        import torch
-        from vllm.model_executor.layers.mamba.mamba_utils import (
-            MambaStateDtypeCalculator,
-            MambaStateShapeCalculator,
-        )
+        """(shapes, dtype names) from the family's own classmethods, given the
+        few config objects they read (bf16 model, caches ``auto``, TP 1, no
+        drafter, no ReplaySSM)."""
+        from types import SimpleNamespace
 
-        shapes = getattr(MambaStateShapeCalculator, f"{self.layer}_state_shape")(
-            **dict(self.config)
+        import torch
+
+        module, _, name = self.model.partition(":")
+        cls = getattr(importlib.import_module(module), name)
+        hf_config = SimpleNamespace(**dict(self.config))
+        vllm_config = SimpleNamespace(
+            model_config=SimpleNamespace(
+                hf_config=hf_config, hf_text_config=hf_config, dtype=torch.bfloat16
+            ),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1),
+            cache_config=SimpleNamespace(
+                mamba_cache_dtype="auto",
+                mamba_ssm_cache_dtype="auto",
+                use_replayssm=False,
+            ),
+            speculative_config=None,
+            num_speculative_tokens=0,
         )
-        dtypes = getattr(MambaStateDtypeCalculator, f"{self.layer}_state_dtype")(
-            torch.bfloat16, *self.dtype_args
+        shapes = cls.get_mamba_state_shape_from_config(vllm_config)
+        dtypes = cls.get_mamba_state_dtype_from_config(vllm_config)
+        return (
+            tuple(tuple(shape) for shape in shapes),
+            tuple(str(dtype).split(".")[-1] for dtype in dtypes),
         )
-        return tuple(tuple(s) for s in shapes), tuple(str(d).split(".")[-1] for d in dtypes)
 
     def state_block(self) -> int:
         """B as vLLM 0.34.0's platform derives it in align mode
@@ -101,6 +117,42 @@ class Shape:
 
 
 BF16 = 2
+MODELS = "vllm.model_executor.models"
+MAMBA2 = (
+    ("mamba_num_heads", 128),
+    ("mamba_head_dim", 64),
+    ("n_groups", 8),
+    ("ssm_state_size", 128),
+    ("conv_kernel", 4),
+)
+GDN = (
+    ("linear_num_key_heads", 16),
+    ("linear_num_value_heads", 32),
+    ("linear_key_head_dim", 128),
+    ("linear_value_head_dim", 128),
+    ("linear_conv_kernel_dim", 4),
+)
+KDA = (
+    (
+        "linear_attn_config",
+        {"num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4},
+    ),
+)
+QWEN3_5 = (
+    "ClefFlashForJointSchema",
+    "ColQwen3_5",
+    "InternS2MobiusForConditionalGeneration",
+    "InternS2PreviewForConditionalGeneration",
+    "MiniCPMOcrForConditionalGeneration",
+    "MiniCPMV4_6ForConditionalGeneration",
+    "MiniCPMV4_7ForConditionalGeneration",
+    "OlmoHybridForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration",
+)
 SHAPES = (
     Shape(
         "mamba2",
@@ -116,75 +168,30 @@ SHAPES = (
             "Nemotron3_5TranscribeForConditionalGeneration",
             "Zamba2ForCausalLM",
         ),
-        "mamba2",
-        (
-            ("tp_world_size", 1),
-            ("intermediate_size", 8192),
-            ("n_groups", 8),
-            ("num_heads", 128),
-            ("head_dim", 64),
-            ("state_size", 128),
-            ("conv_kernel", 4),
-        ),
-        ("auto", "auto"),
+        f"{MODELS}.nemotron_h:NemotronHForCausalLM",
+        MAMBA2,
         attention_bytes_per_token=2 * 8 * 128 * BF16,
         checkpoint="mamba2",
     ),
     Shape(
         "mamba1",
         ("JambaForCausalLM", "JambaForSequenceClassification"),
-        "mamba1",
-        (
-            ("tp_world_size", 1),
-            ("intermediate_size", 8192),
-            ("state_size", 16),
-            ("conv_kernel", 4),
-        ),
-        ("auto", "auto"),
+        f"{MODELS}.jamba:JambaForCausalLM",
+        (("hidden_size", 4096), ("mamba_expand", 2), ("mamba_d_state", 16), ("mamba_d_conv", 4)),
         attention_bytes_per_token=2 * 8 * 128 * BF16,
     ),
     Shape(
         "gdn",
-        (
-            "ClefFlashForJointSchema",
-            "ColQwen3_5",
-            "InternS2MobiusForConditionalGeneration",
-            "InternS2PreviewForConditionalGeneration",
-            "MiniCPMOcrForConditionalGeneration",
-            "MiniCPMV4_6ForConditionalGeneration",
-            "MiniCPMV4_7ForConditionalGeneration",
-            "OlmoHybridForCausalLM",
-            "Qwen3NextForCausalLM",
-            "Qwen3_5ForCausalLM",
-            "Qwen3_5ForConditionalGeneration",
-            "Qwen3_5MoeForCausalLM",
-            "Qwen3_5MoeForConditionalGeneration",
-        ),
-        "gated_delta_net",
-        (
-            ("tp_world_size", 1),
-            ("num_k_heads", 16),
-            ("num_v_heads", 32),
-            ("head_k_dim", 128),
-            ("head_v_dim", 128),
-            ("conv_kernel_size", 4),
-        ),
-        ("auto", "auto"),
+        QWEN3_5,
+        f"{MODELS}.qwen3_next:Qwen3NextForCausalLM",
+        GDN,
         attention_bytes_per_token=2 * 2 * 256 * BF16,
     ),
     Shape(
         "gdn-flashinfer",
         (),  # the GDN families above, prefilling on FlashInfer
-        "gated_delta_net",
-        (
-            ("tp_world_size", 1),
-            ("num_k_heads", 16),
-            ("num_v_heads", 32),
-            ("head_k_dim", 128),
-            ("head_v_dim", 128),
-            ("conv_kernel_size", 4),
-        ),
-        ("auto", "auto"),
+        f"{MODELS}.qwen3_next:Qwen3NextForCausalLM",
+        GDN,
         attention_bytes_per_token=2 * 2 * 256 * BF16,
         checkpoint="gdn-flashinfer",
     ),
@@ -197,9 +204,8 @@ SHAPES = (
             "KimiLinearForCausalLM",
             "MingV3ASRForConditionalGeneration",
         ),
-        "kda",
-        (("tp_world_size", 1), ("num_heads", 32), ("head_dim", 128)),
-        ("auto", "auto"),
+        "vllm.models.kimi_k3:KimiLinearForCausalLM",
+        KDA,
         attention_bytes_per_token=(512 + 64) * BF16,
         mla=True,
     ),
@@ -211,9 +217,8 @@ SHAPES = (
             "KimiK31ForConditionalGeneration",
             "KimiK3ForConditionalGeneration",
         ),
-        "kda",
-        (("tp_world_size", 1), ("num_heads", 32), ("head_dim", 128)),
-        ("auto", "auto"),
+        "vllm.models.kimi_k3:KimiLinearForCausalLM",
+        KDA,
         attention_bytes_per_token=(512 + 64) * BF16,
         mla=True,
         checkpoint="flashkda",
@@ -221,9 +226,8 @@ SHAPES = (
     Shape(
         "linear-attention",
         ("BailingMoeV2_5ForCausalLM",),
-        "linear_attention",
-        (("num_heads", 16), ("tp_size", 1), ("head_dim", 128)),
-        ("auto",),
+        f"{MODELS}.bailing_moe_linear:BailingMoeV25ForCausalLM",
+        (("num_attention_heads", 16), ("head_dim", 128), ("hidden_size", 2048)),
         attention_bytes_per_token=2 * 4 * 128 * BF16,
     ),
     Shape(
@@ -236,12 +240,23 @@ SHAPES = (
             "Lfm3AudioForConditionalGeneration",
             "Lfm3ForCausalLM",
             "Lfm3VlForConditionalGeneration",
-            "ZayaForCausalLM",
         ),
-        "short_conv",
-        (("tp_world_size", 1), ("intermediate_size", 2048), ("conv_kernel", 3)),
-        ("auto",),
+        f"{MODELS}.lfm2:Lfm2ForCausalLM",
+        (("conv_dim", 2048), ("conv_L_cache", 3)),
         attention_bytes_per_token=2 * 8 * 64 * BF16,
+    ),
+    Shape(
+        "cca",
+        ("ZayaForCausalLM",),
+        f"{MODELS}.zaya:ZayaForCausalLM",
+        (
+            ("num_attention_heads", 16),
+            ("num_key_value_heads", 2),
+            ("head_dim", 128),
+            ("cca_time0", 2),
+            ("cca_time1", 2),
+        ),
+        attention_bytes_per_token=2 * 2 * 128 * BF16,
     ),
 )
 """Qwen4Exp (a GDN spec and a PLE short-conv spec: two Mamba groups) is the
@@ -265,10 +280,15 @@ class Outcome:
     shared_boundaries: int
 
 
-@functools.cache
 def run_shape(shape: Shape, mode: str) -> Outcome:
+    return _run_shape(shape.name, mode)
+
+
+@functools.cache
+def _run_shape(name: str, mode: str) -> Outcome:
     """A prompt of 3.5 B tokens prefilled in chunks under a budget of 0.75 B
     (so chunks cross boundaries), then a sibling sharing its first 2.5 B."""
+    shape = next(s for s in SHAPES if s.name == name)
     b = shape.state_block()
     c = shape.smaller_block
     geometry = Geometry(
@@ -323,10 +343,14 @@ def test_the_shapes_cover_every_committed_family() -> None:
     assert covered == listed
 
 
-def _vllm_dir() -> Path:
+@functools.cache
+def _read_registry() -> dict[str, str]:
+    """The installed registry's hybrid architectures, read from source."""
     import vllm
 
-    return Path(vllm.__file__).parent
+    from maintainers import families
+
+    return families.hybrid_architectures(Path(vllm.__file__).parent)
 
 
 def test_the_committed_family_list_is_the_registry_s() -> None:
@@ -336,7 +360,7 @@ def test_the_committed_family_list_is_the_registry_s() -> None:
 
     needs_family_release()
     record = families.committed()
-    found = families.hybrid_architectures(_vllm_dir())
+    found = _read_registry()
     if installed_version() == record["release"]:
         assert found == record["architectures"]
     else:
@@ -346,22 +370,44 @@ def test_the_committed_family_list_is_the_registry_s() -> None:
 
 def test_the_source_reading_agrees_with_vllm_where_classes_import() -> None:
     """The list is read from source; vLLM's own predicate (``is_hybrid``)
-    judges it on every listed class that imports on this CPU."""
+    judges it on every listed class that imports on this CPU, and on every
+    unlisted class whose module those imports loaded."""
+    import sys
+
+    import vllm
     from vllm.model_executor.models.interfaces import is_hybrid
 
     from maintainers import families
 
     needs_family_release()
+    listed = _read_registry()
     checked = 0
-    for arch, where in families.hybrid_architectures(_vllm_dir()).items():
+    for arch, where in listed.items():
         module, _, name = where.partition(":")
-        dotted = module if module.startswith("vllm.") else (
-            f"vllm.model_executor.models.{module}"
-        )
         try:
-            cls = getattr(importlib.import_module(dotted), name)
+            cls = getattr(importlib.import_module(_dotted(module)), name)
         except (ImportError, NotImplementedError):
             continue  # an optional dependency or another platform's kernels
-        assert is_hybrid(cls), arch
+        assert is_hybrid(cls), f"{arch} is listed, vLLM says not hybrid"
         checked += 1
     assert checked >= 15, f"only {checked} listed classes import here"
+    entries = families.registry_entries(Path(vllm.__file__).parent)
+    unlisted = 0
+    for arch, (module, name) in entries.items():
+        loaded = sys.modules.get(_dotted(module))
+        if arch in listed or loaded is None:
+            continue
+        try:
+            cls = getattr(loaded, name)
+        except (ImportError, AttributeError, NotImplementedError):
+            continue  # a package that loads its classes on first use
+        assert not is_hybrid(cls), f"{arch} is hybrid, not listed"
+        unlisted += 1
+    assert unlisted >= 10, f"only {unlisted} unlisted classes judged"
+
+
+def _dotted(module: str) -> str:
+    """A registry module as a dotted path."""
+    if module.startswith("vllm."):
+        return module
+    return f"vllm.model_executor.models.{module}"
