@@ -164,7 +164,9 @@ class _Reader:
         module = self.module(dotted)
         answer = False
         if module is not None:
-            answer = any(self._class_hybrid(dotted, c) for c in module.classes.get(name, []))
+            answer = any(
+                self._class_hybrid(dotted, c) for c in module.classes.get(name, [])
+            )
             if not answer and name not in module.classes:
                 answer = any(
                     self.hybrid(source, original)

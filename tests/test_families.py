@@ -177,7 +177,12 @@ SHAPES = (
         "mamba1",
         ("JambaForCausalLM", "JambaForSequenceClassification"),
         f"{MODELS}.jamba:JambaForCausalLM",
-        (("hidden_size", 4096), ("mamba_expand", 2), ("mamba_d_state", 16), ("mamba_d_conv", 4)),
+        (
+            ("hidden_size", 4096),
+            ("mamba_expand", 2),
+            ("mamba_d_state", 16),
+            ("mamba_d_conv", 4),
+        ),
         attention_bytes_per_token=2 * 8 * 128 * BF16,
     ),
     Shape(

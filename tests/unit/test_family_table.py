@@ -15,14 +15,19 @@ PAGE = REPO / "docs" / "production.md"
 
 def table_rows() -> list[str]:
     text = PAGE.read_text()
-    begin, end = text.index("<!-- families:begin -->"), text.index("<!-- families:end -->")
+    begin, end = (
+        text.index("<!-- families:begin -->"),
+        text.index("<!-- families:end -->"),
+    )
     return [line for line in text[begin:end].splitlines() if line.startswith("| `")]
 
 
 def named_architectures() -> Counter[str]:
     """The architectures of the table's first column (each in backquotes)."""
     return Counter(
-        name for row in table_rows() for name in re.findall(r"`([^`]+)`", row.split(" | ")[0])
+        name
+        for row in table_rows()
+        for name in re.findall(r"`([^`]+)`", row.split(" | ")[0])
     )
 
 
@@ -43,7 +48,9 @@ def test_every_row_says_what_the_plugin_does_and_cites_code() -> None:
     for row in table_rows():
         cells = row.strip("|").split(" | ")
         assert len(cells) == 5, row
-        assert re.match(r"\s*(fixes|stands aside|refuses|two Mamba groups)", cells[4]), row
+        assert re.match(
+            r"\s*(fixes|stands aside|refuses|two Mamba groups)", cells[4]
+        ), row
         assert re.search(r"\.py:\d+", cells[1]), f"no source line for the spec: {row}"
         if cells[4].lstrip().startswith("fixes"):
             cited = re.findall(r"`([^`]+)`", cells[4].split(")")[0])

@@ -373,6 +373,7 @@ def kv_cache_config(geometry: Geometry) -> Any:
         # The drafter's attention layer has the target's spec (its ``is_draft``
         # flag does not compare, 0.33.0 kv_cache_interface.py:215): one group.
         attention_layers.append("mtp.layers.0.self_attn.attn")
+
     def attention(block: int) -> Any:
         return FullAttentionSpec(
             block_size=block, num_kv_heads=1, head_size=16, dtype=torch.float32
