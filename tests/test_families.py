@@ -98,7 +98,7 @@ class Shape:
 
     def state_block(self) -> int:
         """B as vLLM 0.34.0's platform derives it in align mode
-        (platforms/interface.py:1101-1116): the smallest multiple of the kernel
+        (platforms/interface.py:1101-1127): the smallest multiple of the kernel
         block whose attention page holds the Mamba page (MambaSpec's
         ``page_size_bytes``), and a multiple of the checkpoint alignment."""
         import torch
@@ -279,7 +279,7 @@ CHECKPOINT_ALIGNMENT = {"mamba2": 1, "flashkda": 16, "gdn-flashinfer": 64}
 """Each backend's ``prefill_checkpoint_alignment`` at this test's geometry
 (hash block 16): Mamba2 1 (mamba_mixer2.py:1097-1098), flashkda 16
 (layers/mamba/kda_checkpoint.py:9-10), GDN on FlashInfer the prefix-cache
-grid, lcm(16, 64) (qwen_gdn_linear_attn.py:911, abstract.py:118-131)."""
+grid, lcm(16, 64) (qwen_gdn_linear_attn.py:911, abstract.py:124-137)."""
 
 
 @dataclass(frozen=True)
