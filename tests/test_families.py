@@ -1,15 +1,16 @@
 """vLLM 0.34.0's hybrid families on the real scheduler, each with its Mamba spec.
 
 One workload per spec shape (docs/production.md, "Hybrid families of vLLM
-0.34.0"): the family's state shapes and dtypes from vLLM's own calculators
-(``MambaStateShapeCalculator`` / ``MambaStateDtypeCalculator`` of
-model_executor/layers/mamba/mamba_utils.py, the ones each family's
-``get_mamba_state_shape_from_config`` calls), the block B that vLLM's platform
-derives from them in align mode, an attention group of B, a smaller group (a
-drafter's or a hidden-state layer's) that sets C < B, and the family's in-chunk
-checkpoint backend. Each asserts what users rely on: every published Mamba hash
-names the state its slot holds, the prompt's prefill finishes, and a sibling
-sharing a prefix reuses its cached states.
+0.34.0"): the state built by one of the shape's families' own
+``get_mamba_state_shape_from_config`` / ``get_mamba_state_dtype_from_config``
+(the others call the same calculator of mamba_utils.py), the block B that vLLM's
+platform derives from it in align mode, an attention group of B, a smaller group
+(a drafter's or a hidden-state layer's) that sets C < B, and the family's
+in-chunk checkpoint backend. In every fixing mode, the simulation's oracle and
+the independent witness (tests/witness) both find every published Mamba hash
+naming the state its slot holds and every read right; the prompt's prefill
+finishes and a sibling sharing a prefix reuses its cached states. The ``off``
+twin shows the same load publishing wrong states.
 
 The committed family list (maintainers/data/hybrid-families.json) is held here
 to the installed registry, and the source reading that produced it to vLLM's
