@@ -31,7 +31,12 @@ from helpers import scheduler_mode
 from packaging.version import Version
 
 from vllm_mamba_align.releases import installed_version
-from vllm_mamba_align.tools.sim import Geometry, Simulation, prompt
+from vllm_mamba_align.tools.sim import (
+    Geometry,
+    Simulation,
+    cacheable_boundaries,
+    prompt,
+)
 
 FAMILY_RELEASE = "0.34.0"
 """The release whose registry the committed list and the table are read from."""
@@ -290,6 +295,9 @@ class Outcome:
     wrong: list[str]
     """The simulation's oracle: published Mamba hashes over another state."""
     prompt_done: bool
+    materialized: list[int]
+    """The prompt's B boundaries whose state a published block holds."""
+    boundaries: list[int]
     sibling_reuse: int
     shared_boundaries: int
     witness: Any
@@ -297,21 +305,29 @@ class Outcome:
     witness_events: Any
 
 
-def run_shape(shape: Shape, mode: str) -> Outcome:
-    return _run_shape(shape.name, mode)
+LOADS = {"narrow": (3, 4), "wide": (7, 3)}
+"""Step budgets as a fraction of B: ``narrow`` (0.75 B: every chunk ends off
+B's grid on C's, so stock publishes a wrong state at each boundary and hands
+the sibling one) and ``wide`` (2.33 B: a chunk from a boundary reaches past
+the next two, so only a stop at each boundary materializes them all)."""
+
+
+def run_shape(shape: Shape, mode: str, load: str) -> Outcome:
+    return _run_shape(shape.name, mode, load)
 
 
 @functools.cache
-def _run_shape(name: str, mode: str) -> Outcome:
-    """A prompt of 3.5 B tokens prefilled in chunks under a budget of 0.75 B
-    (so chunks cross boundaries), then a sibling sharing its first 2.5 B."""
+def _run_shape(name: str, mode: str, load: str) -> Outcome:
+    """A prompt of 3.5 B tokens prefilled under the load's budget, then a
+    sibling sharing its first 2.5 B."""
     shape = next(s for s in SHAPES if s.name == name)
     b = shape.state_block()
     c = shape.smaller_block
+    numerator, denominator = LOADS[load]
     geometry = Geometry(
         cache_block=c,
         state_block=b,
-        budget=3 * b // 4 // c * c + c // 2,
+        budget=numerator * b // denominator // c * c + c // 2,
         hash_block=math.gcd(b, c),
         retention=None,
         prefill_checkpoint=shape.checkpoint,
@@ -335,6 +351,8 @@ def _run_shape(name: str, mode: str) -> Outcome:
         cache_block=c,
         wrong=[str(p) for p in sim.poisoned.values()],
         prompt_done=record.request.num_computed_tokens >= len(first),
+        materialized=sim.materialized_boundaries("first"),
+        boundaries=cacheable_boundaries(len(first), b),
         sibling_reuse=sim.reused("sibling"),
         shared_boundaries=shared // b * b,
     )
@@ -372,19 +390,23 @@ def _witnessed(
 FIXING_MODES = ("full", "kept", "grid", "lean")
 
 
+@pytest.mark.parametrize("load", LOADS)
 @pytest.mark.parametrize("mode", FIXING_MODES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
 def test_every_family_shape_publishes_only_the_states_its_slots_hold(
-    shape: Shape, mode: str
+    shape: Shape, mode: str, load: str
 ) -> None:
     needs_family_release()
-    outcome = run_shape(shape, mode)
+    outcome = run_shape(shape, mode, load)
     assert outcome.cache_block < outcome.state_block, "C < B, as with a drafter"
     assert outcome.wrong == [], f"{shape.name}: wrong Mamba publications"
     witness = outcome.witness
     assert witness.publications > 0
     assert (witness.wrong_publications, witness.wrong_reads) == (0, 0), witness.examples
     assert outcome.witness_events.unfinished == []
+    if mode != "grid":  # grid stops at no boundary (docs/modes.md)
+        assert outcome.materialized == outcome.boundaries
+        assert witness.lost_kept_states == 0, witness.examples
     assert outcome.prompt_done, f"{shape.name}: the prompt's prefill did not finish"
     assert outcome.witness_events.cache_hits == 1, "the sibling hits the cache"
     assert outcome.sibling_reuse >= outcome.shared_boundaries, (
@@ -395,12 +417,14 @@ def test_every_family_shape_publishes_only_the_states_its_slots_hold(
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
 def test_off_publishes_wrong_states_on_every_family_shape(shape: Shape) -> None:
-    """The twin: the same load as stock vLLM runs it (``off``) publishes
-    states its slots do not hold, so the test above cannot pass vacuously."""
+    """The twin: the same loads as stock vLLM runs them (``off``) publish
+    states their slots do not hold, hand the sibling one, and leave boundary
+    states unwritten, so the test above cannot pass vacuously."""
     needs_family_release()
-    outcome = run_shape(shape, "off")
-    assert outcome.wrong
-    assert outcome.witness.wrong_publications > 0
+    narrow, wide = run_shape(shape, "off", "narrow"), run_shape(shape, "off", "wide")
+    assert narrow.wrong and narrow.witness.wrong_publications > 0
+    assert narrow.witness.wrong_reads > 0
+    assert wide.materialized != wide.boundaries
 
 
 def test_the_shapes_cover_every_committed_family() -> None:
