@@ -88,6 +88,12 @@ class Shape:
     ``drafter_block``, and one speculative state block per draft token in the
     Mamba spec (``num_speculative_blocks``, as vLLM's Mamba layers declare
     it). 0: no speculative decoding."""
+    mamba_state: tuple[tuple[tuple[int, ...], ...], tuple[str, ...]] = (
+        ((1,),),
+        ("float32",),
+    )
+    """The Mamba spec's state: (shapes, torch dtype names), a model family's
+    as its layers declare it; by default one float32 number."""
 
 
 @functools.cache
@@ -166,8 +172,8 @@ def kv_cache_config(shape: Shape, config: Any) -> Any:
             [f"model.layers.{i}.linear_attn" for i in range(3)],
             MambaSpec(
                 block_size=shape.state_block,
-                shapes=((1,),),
-                dtypes=(torch.float32,),
+                shapes=shape.mamba_state[0],
+                dtypes=tuple(getattr(torch, d) for d in shape.mamba_state[1]),
                 mamba_cache_mode="align",
                 **checkpoints,
             ),

@@ -278,6 +278,14 @@ class Geometry:
     the first N waiting requests, those whose prefix is cached are admitted
     first, at any cache usage (``cache_aware_admission_threshold`` 0.0); 0,
     vLLM's default: arrival order."""
+    mamba_state: tuple[tuple[tuple[int, ...], ...], tuple[str, ...]] | None = None
+    """A model family's Mamba state as its layers' specs carry it: (shapes,
+    torch dtype names); None: one float32 number. The scheduler reads only the
+    spec's block and checkpoint fields; the shape makes the spec the family's."""
+    attention_block: int | None = None
+    """The model's own attention group's block when a smaller group (a
+    drafter's, a hidden-state layer's) sets the cache block C; that group is
+    then built at ``cache_block``. None: the attention group is C's."""
 
 
 def supports_admission_window() -> bool:
@@ -345,11 +353,17 @@ def kv_cache_config(geometry: Geometry) -> Any:
         # (0.33.0 model_executor/layers/mamba/abstract.py:86-90; 0.29.0 :81-85).
         checkpoint["num_speculative_blocks"] = drafts
 
+    shapes: tuple[tuple[int, ...], ...] = ((1,),)
+    dtypes: tuple[Any, ...] = (torch.float32,)
+    if geometry.mamba_state is not None:
+        shapes = geometry.mamba_state[0]
+        dtypes = tuple(getattr(torch, name) for name in geometry.mamba_state[1])
+
     def mamba(block: int) -> Any:
         return MambaSpec(
             block_size=block,
-            shapes=((1,),),
-            dtypes=(torch.float32,),
+            shapes=shapes,
+            dtypes=dtypes,
             mamba_cache_mode="align",
             **checkpoint,
         )
@@ -359,17 +373,24 @@ def kv_cache_config(geometry: Geometry) -> Any:
         # The drafter's attention layer has the target's spec (its ``is_draft``
         # flag does not compare, 0.33.0 kv_cache_interface.py:215): one group.
         attention_layers.append("mtp.layers.0.self_attn.attn")
+
+    def attention(block: int) -> Any:
+        return FullAttentionSpec(
+            block_size=block, num_kv_heads=1, head_size=16, dtype=torch.float32
+        )
+
     groups = [
         KVCacheGroupSpec(
             attention_layers,
-            FullAttentionSpec(
-                block_size=geometry.cache_block,
-                num_kv_heads=1,
-                head_size=16,
-                dtype=torch.float32,
-            ),
+            attention(geometry.attention_block or geometry.cache_block),
         ),
     ]
+    if geometry.attention_block is not None:
+        groups.append(
+            KVCacheGroupSpec(
+                ["drafter.layers.0.self_attn.attn"], attention(geometry.cache_block)
+            )
+        )
     if drafts and _flags_drafter_group(geometry):
         groups[0].is_eagle_group = True
     if geometry.hybrid:
