@@ -104,11 +104,11 @@ from .releases import (
 )
 from .settings import Mode
 from .subclasses import vllm_scheduler
+from .worker_seed import RESEEDED as RESEEDED  # re-exported
 from .worker_seed import Reseed, classify, column_tensor
 
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
-RESEEDED = (SeedSite.SEEDS_WITH_CACHE_BLOCK, SeedSite.SEEDS_WITH_MAMBA_BLOCK)
-"""The seed sites the plugin re-seeds with B (every mode but ``off``)."""
+
 ENVS_MODULE = "vllm.envs"
 CHECKPOINT_DECISION = "is_mamba_prefill_checkpoint_valid"
 

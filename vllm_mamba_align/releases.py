@@ -641,6 +641,33 @@ def classify_seed(
     return code.site
 
 
+# -- Mamba groups that disagree on their block size ---------------------------------
+
+WORKER_CHECKS_GROUPS_AT_START_SINCE = "0.32.0"
+"""From this release Model Runner V2 asserts, while the worker initializes its KV
+cache and so before the engine core builds its scheduler, that every Mamba group
+has one block size (0.32.0-0.34.0 v1/worker/gpu/model_states/mamba_hybrid.py
+``_get_mamba_group_info``, called from ``initialize_kv_cache``; 0.34.0's CPU
+runner alike). Earlier, and in Model Runner V1, the worker asserts it only when a
+step first needs the Mamba groups (``get_mamba_groups``/``MambaBuffers.create``,
+v1/worker/mamba_utils.py), after the scheduler exists."""
+V1_RUNNER_REMOVED_IN = "0.34.0"
+"""The first release without Model Runner V1 (``v1/worker/gpu_model_runner.py``;
+``VLLM_USE_V2_MODEL_RUNNER=0`` picks it before)."""
+def release_range(first: str | None = None, before: str | None = None) -> str:
+    """The supported releases from ``first`` up to (not including) ``before``,
+    as ``a-b`` (or ``a``), read from :data:`SUPPORTED_RELEASES`."""
+    chosen = [
+        r
+        for r in SUPPORTED_RELEASES
+        if (first is None or Version(r) >= Version(first))
+        and (before is None or Version(r) < Version(before))
+    ]
+    if not chosen:
+        return ""
+    return chosen[0] if len(chosen) == 1 else f"{chosen[0]}-{chosen[-1]}"
+
+
 # -- features of the installed vLLM that the tools and tests adapt to ---------------
 # (each imports vLLM when called; the plugin itself never calls them)
 
