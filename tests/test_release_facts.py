@@ -85,10 +85,9 @@ def test_where_the_worker_checks_the_mamba_groups_is_the_tables() -> None:
     assert root is not None
     version = Version(Version(releases.installed_version() or "0").base_version)
     init = None
-    if (root / releases.WORKER_FILE).exists():
-        init = method_in_file(
-            str(root / releases.WORKER_FILE), releases.MODEL_STATE, "initialize_kv_cache"
-        )
+    worker = root / releases.WORKER_FILE
+    if worker.exists():
+        init = method_in_file(str(worker), releases.MODEL_STATE, "initialize_kv_cache")
     binds_at_start = init is not None and any(
         isinstance(node, ast.Attribute) and node.attr == releases.GROUP_INFO_METHOD
         for node in ast.walk(init)

@@ -97,8 +97,8 @@ def refuse_disagreeing_groups(listing: str, version: str | None) -> MambaAlignEr
     where = (
         f"vLLM {lazy} starts such a model and checks the groups only at the "
         f"worker's first step; from {checks} Model Runner V2 stops it while the "
-        "worker initializes its KV cache (\"all mamba groups must share cache "
-        "scheduling parameters\"), so this refusal is reached there only with "
+        'worker initializes its KV cache ("all mamba groups must share cache '
+        'scheduling parameters"), so this refusal is reached there only with '
         f"Model Runner V1 ({v1}: VLLM_USE_V2_MODEL_RUNNER=0) or a worker that is "
         "not vLLM's"
     )

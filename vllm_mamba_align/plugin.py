@@ -100,7 +100,6 @@ from .releases import (
     SEED_METHOD,
     WORKER_SITES,
     InternalCheckpoint,
-    SeedSite,
 )
 from .settings import Mode
 from .subclasses import vllm_scheduler

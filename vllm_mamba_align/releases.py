@@ -654,6 +654,8 @@ v1/worker/mamba_utils.py), after the scheduler exists."""
 V1_RUNNER_REMOVED_IN = "0.34.0"
 """The first release without Model Runner V1 (``v1/worker/gpu_model_runner.py``;
 ``VLLM_USE_V2_MODEL_RUNNER=0`` picks it before)."""
+
+
 def release_range(first: str | None = None, before: str | None = None) -> str:
     """The supported releases from ``first`` up to (not including) ``before``,
     as ``a-b`` (or ``a``), read from :data:`SUPPORTED_RELEASES`."""
