@@ -250,3 +250,35 @@ def test_scaled_grid_seed_names_the_column_the_block_table_holds(
     fixed.add_request(0, _new_request(computed))
     # The block table's column holding the state after `computed` tokens.
     assert int(getattr(fixed, column)[0]) == (computed - 1) // B != stock_column
+
+
+@pytest.mark.parametrize("mode", ["lean", "off"])
+def test_the_start_line_says_which_grid_the_seed_uses(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read from the installed worker file (the engine core does not import
+    it): on B where the plugin re-seeds, on vLLM's divisor in ``off``."""
+    from helpers import StartLines, scheduler_mode
+
+    from vllm_mamba_align import activation
+    from vllm_mamba_align.releases import SEED_BODIES
+    from vllm_mamba_align.tools.sim import Geometry, build_scheduler
+
+    recorder = StartLines()
+    monkeypatch.setattr(activation, "_logger", lambda: recorder)
+    with scheduler_mode(mode):
+        build_scheduler(Geometry(cache_block=B, state_block=B))
+    (line,) = recorder.lines
+    site = _site()
+    if site not in (SeedSite.SEEDS_WITH_CACHE_BLOCK, SeedSite.SEEDS_WITH_MAMBA_BLOCK):
+        assert "worker seed" not in line
+        return
+    (divisor,) = {code.divisor for code in SEED_BODIES if code.site is site}
+    if mode == "off":
+        assert line.endswith(
+            f"; worker seed on vLLM's {divisor} (not B where it differs)"
+        )
+    else:
+        assert line.endswith(
+            f"; worker seed on B (the plugin re-seeds vLLM's {divisor} seed)"
+        )
