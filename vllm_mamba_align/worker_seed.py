@@ -116,7 +116,11 @@ class Reseed:
     def _seed(
         self, model_state: Any, req_index: int, num_computed: int, state_grid: int
     ) -> None:
-        getattr(model_state, self.column)[req_index] = (num_computed - 1) // state_grid
+        column = (num_computed - 1) // state_grid
+        if self.column == "_mamba_state_idx":  # 0.34.0's CPU runner
+            model_state._mamba_state_idx[req_index] = column
+        else:
+            model_state._mamba_state_idx_gpu[req_index] = column
 
     def add_request(
         self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
