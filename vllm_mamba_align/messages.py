@@ -247,10 +247,12 @@ def start_line(
         if state_grid is None
         else seed_grid(fixing=settings.read_mode() is not Mode.OFF)
     )
+    if seed:  # in the status, before the geometry that log readers parse
+        status += f"; {seed}"
     return (
         f"vllm-mamba-align {__version__} on vLLM "
         f"{describe_version(recognition.vllm_version)} ({code}): {status}; "
-        f"{_geometry(scheduler, state_grid)}" + (f"; {seed}" if seed else "")
+        f"{_geometry(scheduler, state_grid)}"
     )
 
 
