@@ -223,7 +223,7 @@ def _seed_sites() -> list[Any]:
 
 
 @pytest.mark.parametrize("model_state_class", _seed_sites())
-@pytest.mark.parametrize("computed", [1000, 4000])
+@pytest.mark.parametrize("computed", [1000, 4000, 896, 3968])
 def test_scaled_grid_seed_names_the_column_the_block_table_holds(
     model_state_class: Any, computed: int
 ) -> None:
