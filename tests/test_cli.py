@@ -107,7 +107,10 @@ def test_doctor_recognizes_the_installed_release(
     assert "VLLM_PLUGINS is unset" in out
     assert "mode            lean (the default: VLLM_MAMBA_ALIGN_MODE unset)" in out
     assert f"batch-invariant vLLM {REFERENCE} refuses batch-invariant mode" in out
-    assert "worker seed     not needed (0.32.0+" in out
+    assert (
+        "worker seed     patched by the plugin: vLLM 0.32.0-0.34.0's code seeds with "
+        "cache_config.mamba_block_size, a wrong column when a hidden-state layer"
+    ) in out
     assert "upstream fix    not present" in out
     assert (
         "verdict: [ok] a hybrid model in align mode starts with the fix active" in out
@@ -131,7 +134,7 @@ def test_doctor_json(
     assert report["would_load"] is False
     assert report["mode"] == "grid"
     assert report["mode_is_default"] is False
-    assert report["worker_seed"] == "not needed"
+    assert report["worker_seed"] == "patched"
     assert report["upstream_fix_present"] is False
     assert report["would_refuse"] is False
 
@@ -744,12 +747,12 @@ def test_doctor_classifies_the_worker_seed_with_the_plugins_fingerprints() -> No
     status, detail = worker_seed_status(root, "full")
     expected = {
         SeedSite.SEEDS_WITH_CACHE_BLOCK: "patched",
-        SeedSite.SEEDS_WITH_MAMBA_BLOCK: "not needed",
+        SeedSite.SEEDS_WITH_MAMBA_BLOCK: "patched",
         SeedSite.ABSENT: "absent",
         SeedSite.UNRECOGNIZED: "unknown",
     }
     assert status == expected[site], detail
-    if site is SeedSite.SEEDS_WITH_CACHE_BLOCK:  # 0.25.1-0.31.0
+    if status == "patched":  # 0.25.1+
         assert detail.startswith("patched by the plugin: vLLM ")
         assert worker_seed_status(root, "off")[0] == "affected"
 

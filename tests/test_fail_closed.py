@@ -9,7 +9,12 @@ import pytest
 from helpers import built_or_skipped, run_python, scheduler_mode, vllm_refuses
 
 from vllm_mamba_align import MambaAlignError, __version__, register
-from vllm_mamba_align.releases import SUPPORTED_RELEASES
+from vllm_mamba_align.releases import (
+    SUPPORTED_RELEASES,
+    V1_RUNNER_REMOVED_IN,
+    WORKER_CHECKS_GROUPS_AT_START_SINCE,
+    release_range,
+)
 from vllm_mamba_align.tools.sim import (
     Geometry,
     Simulation,
@@ -19,6 +24,9 @@ from vllm_mamba_align.tools.sim import (
 
 
 def test_disagreeing_mamba_groups_refuse_to_start() -> None:
+    """A scheduler built on groups that disagree, as a worker that checks the
+    groups only at its first step lets vLLM build it (0.15.0-0.31.0, Model
+    Runner V1 on 0.32.0-0.33.0): refused, naming ways out that work there."""
     geometry = Geometry(cache_block=816, state_block=1648, extra_mamba_block=1600)
     with (
         built_or_skipped(),
@@ -30,7 +38,16 @@ def test_disagreeing_mamba_groups_refuse_to_start() -> None:
     assert "disagree" in message
     assert "block_size=1648" in message and "block_size=1600" in message
     assert "mtp.layers.0.linear_attn" in message
-    assert "--mamba-block-size" in message
+    # Align mode overrides --mamba-block-size on every release: not a way out.
+    assert "whatever --mamba-block-size says" in message
+    assert "Ways out: turn prefix caching off for this model" in message
+    assert "(--no-enable-prefix-caching)" in message
+    # Where vLLM's own worker stops such a model first, read from the release
+    # table (the range is generated, never a copy).
+    since = WORKER_CHECKS_GROUPS_AT_START_SINCE
+    assert f"vLLM {release_range(before=since)} starts such a model" in message
+    assert f"from {since} Model Runner V2 stops it" in message
+    assert release_range(since, before=V1_RUNNER_REMOVED_IN) in message
 
 
 @pytest.mark.parametrize("mode", ["bogus", "FULLY"])

@@ -70,3 +70,29 @@ def test_the_checkpoint_backends_read_from_the_layers_are_the_releases() -> None
         assert found == ()
     else:
         assert "flashkda" in found
+
+
+def test_where_the_worker_checks_the_mamba_groups_is_the_tables() -> None:
+    """The refusal of disagreeing Mamba groups states, from the release table,
+    where vLLM's own worker stops such a model before the scheduler exists
+    (Model Runner V2's ``initialize_kv_cache`` binding the groups, whose
+    ``_get_mamba_group_info`` asserts one block size) and which releases still
+    ship Model Runner V1 (which checks at its first step). Read from the
+    installed files."""
+    from packaging.version import Version
+
+    root = releases.vllm_package_dir()
+    assert root is not None
+    version = Version(Version(releases.installed_version() or "0").base_version)
+    init = None
+    worker = root / releases.WORKER_FILE
+    if worker.exists():
+        init = method_in_file(str(worker), releases.MODEL_STATE, "initialize_kv_cache")
+    binds_at_start = init is not None and any(
+        isinstance(node, ast.Attribute) and node.attr == releases.GROUP_INFO_METHOD
+        for node in ast.walk(init)
+    )
+    since = Version(releases.WORKER_CHECKS_GROUPS_AT_START_SINCE)
+    assert binds_at_start == (version >= since)
+    has_v1 = (root / "v1" / "worker" / "gpu_model_runner.py").exists()
+    assert has_v1 == (version < Version(releases.V1_RUNNER_REMOVED_IN))

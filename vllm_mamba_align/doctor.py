@@ -36,6 +36,7 @@ from .fingerprint import fingerprint_node, method_in_file
 from .metrics import export_status as metrics_export_status
 from .releases import (
     BATCH_INVARIANT_VARIABLE,
+    CPU_WORKER_FILE,
     GROUP_INFO_METHOD,
     MODEL_STATE,
     SEED_METHOD,
@@ -135,8 +136,8 @@ class Report:
     mode_error: str | None
     allow_unverified: bool
     worker_seed: str
-    """``not needed`` / ``patched`` (by the plugin) / ``affected`` (not patched in
-    this mode) / ``absent`` / ``unknown``."""
+    """``patched`` (by the plugin) / ``affected`` (not patched in this mode) /
+    ``absent`` / ``unknown``."""
     worker_seed_detail: str
     upstream_fix_present: bool
     retention: str
@@ -203,16 +204,30 @@ def _entry_point() -> metadata.EntryPoint | None:
 
 def worker_seed_status(vllm_root: Path, mode: str | None) -> tuple[str, str]:
     """What MRV2's ``add_request`` seeds the running-state column with, and
-    whether the plugin re-seeds it.
+    whether the plugin re-seeds it (Model Runner V2's model state; 0.34.0's CPU
+    runner's too, where it is installed).
 
     Classified by the same fingerprints the plugin uses (releases.py), taken from
     the method's syntax tree in the source file: the module is never imported (it
     is GPU code). ``mode`` is the plugin mode (None: the setting is invalid, so
     the plugin patches nothing).
     """
-    path = vllm_root / WORKER_FILE
+    status, detail = _seed_site_status(vllm_root, WORKER_FILE, mode)
+    cpu_path = vllm_root / CPU_WORKER_FILE
+    if cpu_path.exists():
+        detail += (
+            f"; the CPU runner's ({CPU_WORKER_FILE}): "
+            f"{_seed_site_status(vllm_root, CPU_WORKER_FILE, mode)[1]}"
+        )
+    return status, detail
+
+
+def _seed_site_status(
+    vllm_root: Path, worker_file: str, mode: str | None
+) -> tuple[str, str]:
+    path = vllm_root / worker_file
     if not path.exists():
-        return "absent", f"{WORKER_FILE} is not in this vLLM (no Model Runner V2)"
+        return "absent", f"{worker_file} is not in this vLLM (no Model Runner V2)"
     try:
         seed = method_in_file(str(path), MODEL_STATE, SEED_METHOD)
         group_info = method_in_file(str(path), MODEL_STATE, GROUP_INFO_METHOD)
@@ -227,29 +242,31 @@ def worker_seed_status(vllm_root: Path, mode: str | None) -> tuple[str, str]:
     code = seed_code(seed_fingerprint)
     shipped = f"vLLM {code.releases}'s code" if code else "this code"
     if site is SeedSite.SEEDS_WITH_MAMBA_BLOCK:
-        return (
-            "not needed",
-            "not needed (0.32.0+ uses the Mamba block size: "
-            "cache_config.mamba_block_size)",
+        problem = (
+            f"{shipped} seeds with cache_config.mamba_block_size, a wrong column "
+            "when a hidden-state layer (extract_hidden_states) is larger per token "
+            "than the common page: vLLM then multiplies every group's block, the "
+            "Mamba spec's too, and leaves mamba_block_size as it was"
         )
-    if site is SeedSite.SEEDS_WITH_CACHE_BLOCK:
+    elif site is SeedSite.SEEDS_WITH_CACHE_BLOCK:
         problem = (
             f"{shipped} seeds with cache_config.block_size (a wrong column when "
             "C < B, vLLM issue #53142)"
         )
-        if mode in (None, settings.Mode.OFF.value):
-            return "affected", f"affected: {problem}; not patched in this mode"
-        return (
-            "patched",
-            f"patched by the plugin: {problem}; the plugin re-seeds with the Mamba "
-            "block size",
-        )
-    if site is SeedSite.ABSENT:
+    elif site is SeedSite.ABSENT:
         return "absent", f"{MODEL_STATE}.{SEED_METHOD} is not in {path}"
+    else:
+        return (
+            "unknown",
+            f"unrecognized {MODEL_STATE}.{SEED_METHOD} (fingerprint "
+            f"{seed_fingerprint or 'unreadable'}): left as it is",
+        )
+    if mode in (None, settings.Mode.OFF.value):
+        return "affected", f"affected: {problem}; not patched in this mode"
     return (
-        "unknown",
-        f"unrecognized {MODEL_STATE}.{SEED_METHOD} (fingerprint "
-        f"{seed_fingerprint or 'unreadable'}): left as it is",
+        "patched",
+        f"patched by the plugin: {problem}; the plugin re-seeds with the Mamba "
+        "spec's block size (B)",
     )
 
 

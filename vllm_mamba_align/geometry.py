@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import MambaAlignError
+from .messages import refuse_disagreeing_groups
 from .protocols import KVCacheConfig
+from .releases import installed_version
 
 
 @dataclass(frozen=True)
@@ -61,11 +62,5 @@ def state_block_size(kv_cache_config: KVCacheConfig) -> int | None:
     sizes = {g.block_size for g in groups}
     if len(sizes) > 1:
         listing = "; ".join(g.describe() for g in groups)
-        raise MambaAlignError(
-            "vllm-mamba-align: the Mamba KV-cache groups disagree on their block "
-            f"size ({listing}). Align-mode prefix caching needs one state grid, so "
-            "the scheduler is not started. Give all Mamba layers the same block "
-            "size (e.g. set --mamba-block-size), or turn prefix caching off for "
-            "this model (--no-enable-prefix-caching)."
-        )
+        raise refuse_disagreeing_groups(listing, installed_version())
     return sizes.pop() if sizes else None

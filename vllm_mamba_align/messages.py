@@ -19,17 +19,21 @@ from .recognition import SPLIT_METHOD, Recognition, split_findings
 from .releases import (
     BATCH_INVARIANT_VARIABLE,
     SUPPORTED_RELEASES,
+    V1_RUNNER_REMOVED_IN,
+    WORKER_CHECKS_GROUPS_AT_START_SINCE,
     SplitBody,
     describe_mismatch,
     describe_version,
     expected_body,
     mamba_backends_accepting_batch_invariance,
     refuses_batch_invariance_for_mamba,
+    release_range,
 )
 from .retention import Retention
 from .settings import Mode
 from .subclasses import describe_class, foreign_classes, problems
 from .version import __version__
+from .worker_seed import seed_grid
 
 # -- refusals ------------------------------------------------------------------
 
@@ -73,6 +77,41 @@ def refuse_unknown_code(recognition: Recognition) -> MambaAlignError:
         "to run vLLM's own split unchanged, defect included. Please report this "
         "vLLM on the plugin's issue tracker with the output of "
         "`vllm-mamba-align doctor --json` attached."
+    )
+
+
+def refuse_disagreeing_groups(listing: str, version: str | None) -> MambaAlignError:
+    """The Mamba groups reaching the scheduler disagree on their block size.
+
+    In align mode vLLM gives every Mamba layer one block size, the attention
+    block, whatever ``--mamba-block-size`` says (0.15.0-0.19.1
+    model_executor/models/config.py, 0.20.0+ platforms/interface.py; each Mamba
+    layer's spec takes ``cache_config.mamba_block_size``, layers/mamba/abstract.py):
+    a group that differs comes from
+    a layer spec that sets its own (a model's or another plugin's code). Where
+    vLLM's own worker stops such a model before the scheduler exists, the
+    message says this refusal is reached only past it."""
+    checks = WORKER_CHECKS_GROUPS_AT_START_SINCE
+    lazy = release_range(before=checks)
+    v1 = release_range(checks, before=V1_RUNNER_REMOVED_IN)
+    where = (
+        f"vLLM {lazy} starts such a model and checks the groups only at the "
+        f"worker's first step; from {checks} Model Runner V2 stops it while the "
+        'worker initializes its KV cache ("all mamba groups must share cache '
+        'scheduling parameters"), so this refusal is reached there only with '
+        f"Model Runner V1 ({v1}: VLLM_USE_V2_MODEL_RUNNER=0) or a worker that is "
+        "not vLLM's"
+    )
+    return MambaAlignError(
+        "vllm-mamba-align: the Mamba KV-cache groups disagree on their block "
+        f"size ({listing}). Align-mode prefix caching needs one state grid, so "
+        f"the scheduler is not started (vLLM {describe_version(version)}). In "
+        "align mode vLLM sets every Mamba layer's block size to the attention "
+        "block, whatever --mamba-block-size says, so the group that differs "
+        "comes from a layer spec that sets its own (the model's code or another "
+        "plugin's). Ways out: turn prefix caching off for this model "
+        "(--no-enable-prefix-caching), or give that layer's spec the others' "
+        f"block size. ({where}.)"
     )
 
 
@@ -203,6 +242,13 @@ def start_line(
     note = scheduler_note(type(scheduler))
     if note is not None:
         code += f"; scheduler class {note}"
+    seed = (
+        None
+        if state_grid is None
+        else seed_grid(fixing=settings.read_mode() is not Mode.OFF)
+    )
+    if seed:  # in the status, before the geometry that log readers parse
+        status += f"; {seed}"
     return (
         f"vllm-mamba-align {__version__} on vLLM "
         f"{describe_version(recognition.vllm_version)} ({code}): {status}; "

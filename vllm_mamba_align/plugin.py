@@ -45,13 +45,16 @@ docs/maintaining/patches.md, which a test holds to the code:
    config is never written. Upstream: PR #54076 (reads B from the KV-cache
    groups). Delete when: as 2.
 5. **Model Runner V2's worker seed** (``MambaHybridModelState.add_request`` and
-   ``_get_mamba_group_info``; 0.25.1-0.31.0 code only, not in ``off`` mode).
-   Why: those releases seed a resumed request's running-state column with C
-   instead of B (vLLM issue #53142: a wrong pre-copy, illegal memory access).
-   How: wrapt wrappers re-seed with B once vLLM has bound the Mamba spec
-   (worker_seed.py); seeds waiting for the spec sit in the model state's
-   ``_vllm_mamba_align_pending_seeds``. Upstream: fixed by #53798 in 0.32.0.
-   Delete when: 0.31.0 and older are no longer supported.
+   ``_get_mamba_group_info``, of the GPU runner and 0.34.0's CPU runner; not in
+   ``off`` mode). Why: 0.25.1-0.31.0 seed a resumed request's running-state
+   column with C instead of B (vLLM issue #53142: a wrong pre-copy, illegal
+   memory access); 0.32.0+ with ``cache_config.mamba_block_size``, which is not
+   B once a hidden-state layer larger than the common page has scaled every
+   group's block. How: wrapt wrappers re-seed with B once vLLM has bound the
+   Mamba spec (worker_seed.py); seeds waiting for the spec sit in the model
+   state's ``_vllm_mamba_align_pending_seeds``. Upstream: C fixed by
+   #53798 in 0.32.0; the scaled grid in no release. Delete when: vLLM seeds
+   from the Mamba spec's block size.
 6. **The checkpoint-decision observer** (the scheduler module's
    ``is_mamba_prefill_checkpoint_valid``; bodies of 0.30.0+). Why: the fix must
    not add a stop where vLLM's backend checkpoints a chunk's interior itself;
@@ -95,15 +98,16 @@ from .releases import (
     GROUP_INFO_METHOD,
     MODEL_STATE,
     SEED_METHOD,
-    WORKER_MODULE,
+    WORKER_SITES,
     InternalCheckpoint,
-    SeedSite,
 )
 from .settings import Mode
 from .subclasses import vllm_scheduler
-from .worker_seed import add_request_wrapper, classify, group_info_wrapper
+from .worker_seed import RESEEDED as RESEEDED  # re-exported
+from .worker_seed import Reseed, classify, column_tensor
 
 SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
+
 ENVS_MODULE = "vllm.envs"
 CHECKPOINT_DECISION = "is_mamba_prefill_checkpoint_valid"
 
@@ -125,7 +129,8 @@ def register() -> None:
         return
     wrapt.register_post_import_hook(declare_settings, ENVS_MODULE)
     wrapt.register_post_import_hook(patch_scheduler_module, SCHEDULER_MODULE)
-    wrapt.register_post_import_hook(patch_worker_module, WORKER_MODULE)
+    for worker_module, _ in WORKER_SITES:
+        wrapt.register_post_import_hook(patch_worker_module, worker_module)
     _hook_installed = True
 
 
@@ -221,7 +226,8 @@ def patch_worker_module(module: ModuleType) -> None:
     if settings.read_mode() is Mode.OFF:
         return
     site = classify(model_state)
-    if site is not SeedSite.SEEDS_WITH_CACHE_BLOCK:
+    if site not in RESEEDED:
         return
-    _wrap(model_state, GROUP_INFO_METHOD, group_info_wrapper, site)
-    _wrap(model_state, SEED_METHOD, add_request_wrapper, site)
+    reseed = Reseed(column_tensor(model_state))
+    _wrap(model_state, GROUP_INFO_METHOD, reseed.group_info, site)
+    _wrap(model_state, SEED_METHOD, reseed.add_request, site)

@@ -536,9 +536,24 @@ def mamba_backends_accepting_batch_invariance() -> tuple[str, ...]:
 WORKER_MODULE = "vllm.v1.worker.gpu.model_states.mamba_hybrid"
 WORKER_FILE = "v1/worker/gpu/model_states/mamba_hybrid.py"
 """``WORKER_MODULE``'s file, relative to vLLM's package directory."""
+CPU_WORKER_MODULE = "vllm.v1.worker.cpu.model_states.mamba_hybrid"
+CPU_WORKER_FILE = "v1/worker/cpu/model_states/mamba_hybrid.py"
+"""The CPU runner's model state (0.34.0+), which seeds the same way."""
+WORKER_SITES: tuple[tuple[str, str], ...] = (
+    (WORKER_MODULE, WORKER_FILE),
+    (CPU_WORKER_MODULE, CPU_WORKER_FILE),
+)
+"""Every module (and its file) whose ``MambaHybridModelState`` seeds a column."""
 MODEL_STATE = "MambaHybridModelState"
 SEED_METHOD = "add_request"
 GROUP_INFO_METHOD = "_get_mamba_group_info"
+HIDDEN_STATE_SCALING_SINCE = "0.30.0"
+"""The first release whose group builder (``_ensure_min_page_size``, 0.30.0-0.32.0
+v1/core/kv_cache_utils.py, 0.33.0+ v1/core/kv_cache_planning.py) multiplies every
+group's block size, the Mamba spec's too, when a hidden-state layer
+(``extract_hidden_states``) costs more per token than the common page. Nothing
+rewrites ``cache_config.mamba_block_size`` then, so a seed divided by it names a
+column k times too far."""
 
 
 class SeedSite(enum.Enum):
@@ -547,8 +562,12 @@ class SeedSite(enum.Enum):
     SEEDS_WITH_CACHE_BLOCK = "seeds with cache_config.block_size (fixed by plugin)"
     """0.25.1-0.31.0: ``(n - 1) // cache_config.block_size``, a wrong column when
     C < B (vLLM issue #53142); the plugin re-seeds with B."""
-    SEEDS_WITH_MAMBA_BLOCK = "seeds with the Mamba block size (no fix needed)"
-    """0.32.0+ (upstream #53798)."""
+    SEEDS_WITH_MAMBA_BLOCK = (
+        "seeds with cache_config.mamba_block_size (fixed by plugin)"
+    )
+    """0.32.0+ (upstream #53798): right while the Mamba spec's block size is
+    ``mamba_block_size``, a wrong column once a hidden-state layer scaled every
+    group (:data:`HIDDEN_STATE_SCALING_SINCE`); the plugin re-seeds with B."""
     UNRECOGNIZED = "unrecognized code (left as it is)"
     ABSENT = "no Model Runner V2 Mamba seed in this vLLM"
     """0.24.0 and older."""
@@ -561,13 +580,30 @@ class SeedCode:
     releases: str
     fingerprint: str
     site: SeedSite
+    column: str = "_mamba_state_idx_gpu"
+    """The model state's tensor of running-state columns that body writes."""
+    divisor: str = "cache_config.block_size"
+    """What the body divides ``num_computed_tokens - 1`` by."""
 
 
+_MAMBA_BLOCK = "cache_config.mamba_block_size"
 SEED_BODIES: tuple[SeedCode, ...] = (
     SeedCode("0.25.0-0.25.1", "15fe6a31bda00318", SeedSite.SEEDS_WITH_CACHE_BLOCK),
     SeedCode("0.26.0", "9be463981ada6b80", SeedSite.SEEDS_WITH_CACHE_BLOCK),
     SeedCode("0.27.0-0.31.0", "c440bde5f6af797c", SeedSite.SEEDS_WITH_CACHE_BLOCK),
-    SeedCode("0.32.0-0.34.0", "855d57fbda65b32d", SeedSite.SEEDS_WITH_MAMBA_BLOCK),
+    SeedCode(
+        "0.32.0-0.34.0",
+        "855d57fbda65b32d",
+        SeedSite.SEEDS_WITH_MAMBA_BLOCK,
+        divisor=_MAMBA_BLOCK,
+    ),
+    SeedCode(  # the CPU runner's model state
+        "0.34.0",
+        "818a67c4740d6a13",
+        SeedSite.SEEDS_WITH_MAMBA_BLOCK,
+        column="_mamba_state_idx",
+        divisor=_MAMBA_BLOCK,
+    ),
 )
 GROUP_INFO_BODIES: dict[str, str] = {
     "e9850e0b37703e2e": "0.25.0-0.28.0",
@@ -600,11 +636,38 @@ def classify_seed(
     code = seed_code(add_request)
     if code is None:
         return SeedSite.UNRECOGNIZED
-    if code.site is SeedSite.SEEDS_WITH_CACHE_BLOCK and group_info not in (
-        GROUP_INFO_BODIES
-    ):
-        return SeedSite.UNRECOGNIZED  # the deferred re-seed could not be trusted
+    if group_info not in GROUP_INFO_BODIES:
+        return SeedSite.UNRECOGNIZED  # the re-seed could not be trusted
     return code.site
+
+
+# -- Mamba groups that disagree on their block size ---------------------------------
+
+WORKER_CHECKS_GROUPS_AT_START_SINCE = "0.32.0"
+"""From this release Model Runner V2 asserts, while the worker initializes its KV
+cache and so before the engine core builds its scheduler, that every Mamba group
+has one block size (0.32.0-0.34.0 v1/worker/gpu/model_states/mamba_hybrid.py
+``_get_mamba_group_info``, called from ``initialize_kv_cache``; 0.34.0's CPU
+runner alike). Earlier, and in Model Runner V1, the worker asserts it only when a
+step first needs the Mamba groups (``get_mamba_groups``/``MambaBuffers.create``,
+v1/worker/mamba_utils.py), after the scheduler exists."""
+V1_RUNNER_REMOVED_IN = "0.34.0"
+"""The first release without Model Runner V1 (``v1/worker/gpu_model_runner.py``;
+``VLLM_USE_V2_MODEL_RUNNER=0`` picks it before)."""
+
+
+def release_range(first: str | None = None, before: str | None = None) -> str:
+    """The supported releases from ``first`` up to (not including) ``before``,
+    as ``a-b`` (or ``a``), read from :data:`SUPPORTED_RELEASES`."""
+    chosen = [
+        r
+        for r in SUPPORTED_RELEASES
+        if (first is None or Version(r) >= Version(first))
+        and (before is None or Version(r) < Version(before))
+    ]
+    if not chosen:
+        return ""
+    return chosen[0] if len(chosen) == 1 else f"{chosen[0]}-{chosen[-1]}"
 
 
 # -- features of the installed vLLM that the tools and tests adapt to ---------------

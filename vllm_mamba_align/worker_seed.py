@@ -1,24 +1,49 @@
 """Worker side of the same invariant: Model Runner V2's running-state seed.
 
 In align mode ``MambaHybridModelState.add_request`` seeds a new or resumed request's
-running-state column as ``(num_computed_tokens - 1) // block_size``. Releases
-0.25.1-0.31.0 divide by ``cache_config.block_size`` (C), but the column is counted in
-Mamba blocks (B). With C < B the first step of a resumed or prefix-hit request
-pre-copies from a wrong column (vLLM issue #53142, fixed upstream by #53798 in
-0.32.0). The fix re-seeds with B once vLLM has bound the Mamba spec from the KV-cache
-config: right away if it already has, else at the first ``_get_mamba_group_info``
-call, which every step makes before the seed is read.
+running-state column as ``(num_computed_tokens - 1) // block_size``; the column is
+counted in Mamba blocks (B, the Mamba spec's ``block_size``, which the block table
+and the worker's per-step copies follow). Releases 0.25.1-0.31.0 divide by
+``cache_config.block_size`` (C): with C < B the first step of a resumed or prefix-hit
+request pre-copies from a wrong column (vLLM issue #53142, fixed upstream by #53798
+in 0.32.0). 0.32.0+ divide by ``cache_config.mamba_block_size``, which is B until a
+hidden-state layer (``extract_hidden_states``) costs more per token than the common
+page: vLLM's group builder then multiplies every group's block size, the Mamba
+spec's too, and leaves ``mamba_block_size`` as it was (the seed names column 15
+where the block table holds the state in column 7 at 1,000 tokens with B doubled).
 
-Only code recognized by the fingerprints in releases.py is patched; 0.32.0+
-already seed with B.
+The fix re-seeds with B once vLLM has bound the Mamba spec from the KV-cache
+config: right away if it already has (0.32.0+ bind it when the KV cache is
+initialized), else at the first ``_get_mamba_group_info`` call, which every step
+makes before the seed is read. Where vLLM's divisor already is B the re-seed
+writes the value vLLM wrote.
+
+Only code recognized by the fingerprints in releases.py is patched, in Model
+Runner V2's model state and 0.34.0's CPU runner's.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from .fingerprint import analyse_function
-from .releases import GROUP_INFO_METHOD, SEED_METHOD, SeedSite, classify_seed
+from .fingerprint import analyse_function, fingerprint_node, method_in_file
+from .releases import (
+    GROUP_INFO_METHOD,
+    MODEL_STATE,
+    SEED_METHOD,
+    WORKER_FILE,
+    SeedCode,
+    SeedSite,
+    classify_seed,
+    seed_code,
+    vllm_package_dir,
+)
+
+RESEEDED = (SeedSite.SEEDS_WITH_CACHE_BLOCK, SeedSite.SEEDS_WITH_MAMBA_BLOCK)
+"""The seed sites the plugin re-seeds with B (every mode but ``off``)."""
 
 # Seeds waiting for the Mamba spec, per model state: {request index: computed}.
 PENDING_ATTRIBUTE = "_vllm_mamba_align_pending_seeds"
@@ -36,41 +61,98 @@ def classify(model_state_class: type | None) -> SeedSite:
     )
 
 
-def _seed(model_state: Any, req_index: int, num_computed: int, state_grid: int) -> None:
-    model_state._mamba_state_idx_gpu[req_index] = (num_computed - 1) // state_grid
+@functools.cache
+def site_in_file(path: Path) -> tuple[SeedSite, SeedCode | None]:
+    """The seed site of a worker module's source file, read without importing
+    it (GPU code), by the fingerprints the plugin patches by; ``doctor`` and the
+    start line use it."""
+    if not path.exists():
+        return SeedSite.ABSENT, None
+    try:
+        seed = method_in_file(str(path), MODEL_STATE, SEED_METHOD)
+        group_info = method_in_file(str(path), MODEL_STATE, GROUP_INFO_METHOD)
+    except (OSError, SyntaxError, ValueError):
+        return SeedSite.UNRECOGNIZED, None
+    fingerprint = fingerprint_node(seed) if seed else None
+    site = classify_seed(
+        fingerprint,
+        fingerprint_node(group_info) if group_info else None,
+        present=seed is not None,
+    )
+    return site, seed_code(fingerprint)
 
 
-def add_request_wrapper(
-    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """After vLLM seeds with C, re-seed with B (now, or once the spec is bound)."""
-    result = wrapped(*args, **kwargs)
-    if not getattr(instance, "_align_mode", False):
+def seed_grid(fixing: bool) -> str | None:
+    """For the start line: which grid Model Runner V2's seed lands on, read from
+    the installed worker file (the engine core does not import it); None where
+    this vLLM has no such seed. ``fixing``: the mode is not ``off``."""
+    root = vllm_package_dir()
+    if root is None:
+        return None
+    site, code = site_in_file(root / WORKER_FILE)
+    if site not in RESEEDED or code is None:
+        return None
+    if fixing:
+        return f"worker seed on B (the plugin re-seeds vLLM's {code.divisor} seed)"
+    return f"worker seed on vLLM's {code.divisor} (not B where it differs)"
+
+
+def column_tensor(model_state_class: type) -> str:
+    """The attribute holding the columns the class's recognized seed writes
+    (``_mamba_state_idx_gpu``; ``_mamba_state_idx`` in 0.34.0's CPU runner)."""
+    add_request = vars(model_state_class).get(SEED_METHOD)
+    code = seed_code(analyse_function(add_request).fingerprint if add_request else None)
+    if code is None:
+        raise ValueError(f"{model_state_class!r} has no recognized seed")
+    return code.column
+
+
+@dataclass(frozen=True)
+class Reseed:
+    """The two wrappers of one model-state class, writing its column tensor."""
+
+    column: str
+
+    def _seed(
+        self, model_state: Any, req_index: int, num_computed: int, state_grid: int
+    ) -> None:
+        column = (num_computed - 1) // state_grid
+        if self.column == "_mamba_state_idx":  # 0.34.0's CPU runner
+            model_state._mamba_state_idx[req_index] = column
+        else:
+            model_state._mamba_state_idx_gpu[req_index] = column
+
+    def add_request(
+        self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """After vLLM seeds (with C or ``mamba_block_size``), re-seed with B (now,
+        or once the spec is bound)."""
+        result = wrapped(*args, **kwargs)
+        if not getattr(instance, "_align_mode", False):
+            return result
+        req_index, new_req_data = _bind_add_request(*args, **kwargs)
+        computed = int(new_req_data.num_computed_tokens)
+        spec = getattr(instance, "_mamba_spec", None)
+        if spec is not None:
+            self._seed(instance, req_index, computed, int(spec.block_size))
+        else:
+            pending = instance.__dict__.setdefault(PENDING_ATTRIBUTE, {})
+            pending[req_index] = computed
         return result
-    req_index, new_req_data = _bind_add_request(*args, **kwargs)
-    computed = int(new_req_data.num_computed_tokens)
-    spec = getattr(instance, "_mamba_spec", None)
-    if spec is not None:
-        _seed(instance, req_index, computed, int(spec.block_size))
-    else:
-        pending = instance.__dict__.setdefault(PENDING_ATTRIBUTE, {})
-        pending[req_index] = computed
-    return result
+
+    def group_info(
+        self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Apply seeds that waited for vLLM to bind the Mamba spec."""
+        result = wrapped(*args, **kwargs)
+        pending = instance.__dict__.get(PENDING_ATTRIBUTE)
+        if pending:
+            state_grid = int(result[1].block_size)
+            for req_index, computed in pending.items():
+                self._seed(instance, req_index, computed, state_grid)
+            pending.clear()
+        return result
 
 
 def _bind_add_request(req_index: int, new_req_data: Any) -> tuple[int, Any]:
     return req_index, new_req_data
-
-
-def group_info_wrapper(
-    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """Apply seeds that waited for vLLM to bind the Mamba spec."""
-    result = wrapped(*args, **kwargs)
-    pending = instance.__dict__.get(PENDING_ATTRIBUTE)
-    if pending:
-        state_grid = int(result[1].block_size)
-        for req_index, computed in pending.items():
-            _seed(instance, req_index, computed, state_grid)
-        pending.clear()
-    return result

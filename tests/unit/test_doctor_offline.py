@@ -73,6 +73,29 @@ def test_a_seed_the_plugin_fixes_is_reported_patched(
     assert worker_seed_status(tmp_path, None)[0] == "affected"  # invalid mode
 
 
+def test_a_mamba_block_seed_names_the_scaled_grid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """0.32.0+'s seed divides by mamba_block_size: doctor names when that is
+    not B (a hidden-state layer larger than the common page) and says the
+    plugin re-seeds, instead of "not needed"."""
+    seed = SEED.replace("cache_config.block_size", "cache_config.mamba_block_size")
+    code = SeedCode("9.9.9", fingerprint_source(seed), SeedSite.SEEDS_WITH_MAMBA_BLOCK)
+    monkeypatch.setattr(releases, "_SEED_BY_FINGERPRINT", {code.fingerprint: code})
+    monkeypatch.setattr(
+        releases, "GROUP_INFO_BODIES", {fingerprint_source(GROUP_INFO): "9.9.9"}
+    )
+    write_worker(tmp_path, seed, GROUP_INFO)
+    status, detail = worker_seed_status(tmp_path, "lean")
+    assert status == "patched"
+    assert "seeds with cache_config.mamba_block_size" in detail
+    assert "hidden-state layer (extract_hidden_states)" in detail
+    assert "larger per token than the common page" in detail
+    assert detail.endswith("re-seeds with the Mamba spec's block size (B)")
+    status, detail = worker_seed_status(tmp_path, "off")
+    assert status == "affected" and "not patched in this mode" in detail
+
+
 def test_an_edited_seed_is_unrecognized(tmp_path: Path, known_seed: None) -> None:
     write_worker(tmp_path, SEED.replace("- 1", "- 2"), GROUP_INFO)
     status, detail = worker_seed_status(tmp_path, "full")
