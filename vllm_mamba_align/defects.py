@@ -149,6 +149,14 @@ def _within_read(release: Version) -> bool:
     return first <= Version(release.base_version) <= last
 
 
+def covers(release: str | None) -> bool:
+    """Whether the table has read ``release``'s span (between the first and
+    the last of :data:`READ_RELEASES`): outside it every confirmed row says
+    "not read for this release"."""
+    version = _version(release)
+    return version is not None and _within_read(version)
+
+
 def default_runner(release: str | None, variable: str | None) -> str | None:
     """The runner vLLM picks for a hybrid model, from the release and
     ``VLLM_USE_V2_MODEL_RUNNER`` (None: cannot tell)."""
@@ -176,14 +184,13 @@ def strict_failures(setting: Setting) -> list[Defect]:
     return [d for d, v in assess(setting) if d.strict and v is Verdict.APPLIES]
 
 
-def start_warnings(setting: Setting) -> list[str]:
-    """The start line's warnings: one per strict row that applies."""
-    return [
-        f"vLLM defect {d.key} ({d.title}) applies to this engine: {d.triggers}. "
-        f"The plugin does not fix it ({d.plugin}). Avoid it: {d.avoid}. "
-        "See the manual's page 'What vLLM still gets wrong'."
-        for d in strict_failures(setting)
-    ]
+def start_warning(defect: Defect) -> str:
+    """The start line's warning about a strict row that applies."""
+    return (
+        f"vllm-mamba-align: vLLM defect {defect.key} ({defect.title}) can corrupt "
+        f"this engine's output: {defect.triggers}. The plugin {defect.plugin}. "
+        f"Avoid it: {defect.avoid}. (The manual: 'What vLLM still gets wrong'.)"
+    )
 
 
 MEASURED_57605 = "not measured yet"
