@@ -422,6 +422,12 @@ def instead_report() -> str:
     return f"{produced} The whole report: [Benchmarks](benchmarks.md).\n\n{body}"
 
 
+def defects_table() -> str:
+    from vllm_mamba_align.defects import page_table
+
+    return page_table()
+
+
 @dataclass(frozen=True)
 class Block:
     """A generated block of a file, between ``<!-- name:begin … -->`` and
@@ -472,6 +478,7 @@ BLOCKS = [
     Block(DOCS / "benchmarks.md", "bench", "benchmarks/RESULTS.md", bench_report),
     Block(DOCS / "benchmarks.md", "served", "benchmarks/SERVED.md", served_report),
     Block(DOCS / "modes.md", "instead", "benchmarks/RESULTS.md", instead_report),
+    Block(DOCS / "defects.md", "defects", "vllm_mamba_align/defects.py", defects_table),
 ]
 
 

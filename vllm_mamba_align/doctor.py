@@ -575,8 +575,10 @@ def _layer_lines(layers: list[dict[str, str | None]]) -> list[str]:
 
 def _defect_lines(report: Report) -> list[str]:
     """vLLM's own defects for the setting judged: those that apply or may,
-    then one line for the rest (the manual's page has them all)."""
-    lines = [f"  vLLM defects    for {report.serve_setting}:"]
+    then one line per other verdict (the manual's page has every row)."""
+    lines = [
+        f"  vLLM defects    for {report.serve_setting} (every row: docs/defects.md)"
+    ]
     marks = {"applies": "[!!]", "may apply": "[??]"}
     quiet: dict[str, list[str]] = {}
     for row in report.defects:
@@ -589,7 +591,6 @@ def _defect_lines(report: Report) -> list[str]:
             f"(when: {row['triggers']}); avoid: {row['avoid']}"
         )
     lines.extend(f"    {verdict}: {', '.join(keys)}" for verdict, keys in quiet.items())
-    lines.append("    (each row's evidence: the manual's page docs/defects.md)")
     return lines
 
 
