@@ -193,8 +193,14 @@ def start_warning(defect: Defect) -> str:
     )
 
 
-MEASURED_57605 = "not measured yet"
-"""What tests/test_defects.py measured on the real scheduler (filled in below)."""
+MEASURED_57605 = (
+    "ends more chunks exactly on B boundaries with lookahead after them than "
+    "stock (C < B), and keeps those ends: measured on the real scheduler of "
+    "0.33.0 and 0.34.0 with vLLM's own worker rule (tests/test_lookahead_"
+    "boundaries.py, the witness judging), no published or read state comes "
+    "from a stale block, in stock or any fixing mode"
+)
+"""What tests/test_lookahead_boundaries.py measures on the real scheduler."""
 
 
 def _cite(**by_release: Sequence[Citation]) -> dict[str, tuple[Citation, ...]]:
@@ -417,7 +423,7 @@ DEFECTS: tuple[Defect, ...] = (
         ),
         triggers="a drafter, a chunk ending exactly on a B boundary",
         plugin=MEASURED_57605,
-        avoid="none needed where the worker is vLLM's (see the measurement)",
+        avoid="none needed with vLLM's own worker (see the measurement)",
         needs_drafter=True,
         confirmed=False,
     ),
