@@ -53,7 +53,9 @@ def _arrivals() -> tuple[Arrival, ...]:
     for parent in ("r0", "r3"):
         tokens = next(a.tokens for a in arrivals if a.req_id == parent)
         extra = tuple(rng.randrange(1, 500) for _ in range(STATE_BLOCK + 5))
-        arrivals.append(Arrival(0, f"{parent}-sibling", tokens + extra, 4, after=parent))
+        arrivals.append(
+            Arrival(0, f"{parent}-sibling", tokens + extra, 4, after=parent)
+        )
     return tuple(arrivals)
 
 
@@ -65,7 +67,9 @@ def _workloads() -> list[Workload]:
     scarce = replace(base, num_blocks=30, reserve_full_input=False)
     return [
         Workload(
-            "C = B, 3 drafts, dense", replace(scarce, drafts=3, retention=None), _arrivals()
+            "C = B, 3 drafts, dense",
+            replace(scarce, drafts=3, retention=None),
+            _arrivals(),
         ),
         Workload(
             "C = 64, 2 drafts", replace(scarce, drafter_block=64, drafts=2), _arrivals()
@@ -79,12 +83,22 @@ def _boundary_chunks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     seen = [0]
     run_step = Witness.run_step
 
-    def counted(self: Witness, output: Any, chunks: dict[str, tuple[int, int]], accepted: Any = None) -> None:
+    def counted(
+        self: Witness,
+        output: Any,
+        chunks: dict[str, tuple[int, int]],
+        accepted: Any = None,
+    ) -> None:
         lookahead = getattr(self.scheduler, "num_lookahead_tokens", 0)
-        for req_id, (start, end) in chunks.items():
+        for req_id, (_, end) in chunks.items():
             request = self.scheduler.requests[req_id]
             drafted = len(output.scheduled_spec_decode_tokens.get(req_id, ()))
-            if lookahead and not drafted and end % self.state_block == 0 and end <= request.num_prompt_tokens:
+            if (
+                lookahead
+                and not drafted
+                and end % self.state_block == 0
+                and end <= request.num_prompt_tokens
+            ):
                 seen[0] += 1
         run_step(self, output, chunks, accepted)
 

@@ -269,7 +269,9 @@ def _log(
     _logger().info(
         "%s", messages.start_line(scheduler, recognition, status, state_grid)
     )
-    hazard.warn_known_defects(scheduler, recognition.vllm_version, _logger(), state_grid)
+    hazard.warn_known_defects(
+        scheduler, recognition.vllm_version, _logger(), state_grid
+    )
     metrics.publish_info(
         scheduler,
         mode=settings.read_mode().value,

@@ -105,8 +105,13 @@ class Defect:
         if release not in SpecifierSet(self.releases):
             return Verdict.DOES_NOT_APPLY
         known = [
-            _match(self.runner is None or setting.runner == self.runner, setting.runner),
-            _match(not self.needs_async or bool(setting.async_scheduling), setting.async_scheduling),
+            _match(
+                self.runner is None or setting.runner == self.runner, setting.runner
+            ),
+            _match(
+                not self.needs_async or bool(setting.async_scheduling),
+                setting.async_scheduling,
+            ),
             _match(not self.needs_drafter or bool(setting.drafter), setting.drafter),
         ]
         if False in known:
@@ -228,22 +233,34 @@ DEFECTS: tuple[Defect, ...] = (
         releases=">=0.27.1,<0.34.0",
         evidence=_cite(
             v0_27_1=(
-                Citation(GPU_RUNNER, 1598, "self.input_batch.num_accepted_tokens_cpu_tensor"),
+                Citation(
+                    GPU_RUNNER, 1598, "self.input_batch.num_accepted_tokens_cpu_tensor"
+                ),
                 Citation(GPU_RUNNER, 2112, 'mamba_cache_mode != "align"'),
                 Citation(GPU_RUNNER, 2122, "self.input_batch.num_accepted_tokens_cpu["),
-                Citation(INPUT_BATCH, 815, "self.num_accepted_tokens_cpu[empty_index] ="),
+                Citation(
+                    INPUT_BATCH, 815, "self.num_accepted_tokens_cpu[empty_index] ="
+                ),
             ),
             v0_29_0=(
-                Citation(GPU_RUNNER, 1608, "self.input_batch.num_accepted_tokens_cpu_tensor"),
+                Citation(
+                    GPU_RUNNER, 1608, "self.input_batch.num_accepted_tokens_cpu_tensor"
+                ),
                 Citation(GPU_RUNNER, 2128, 'mamba_cache_mode != "align"'),
                 Citation(GPU_RUNNER, 2138, "self.input_batch.num_accepted_tokens_cpu["),
-                Citation(INPUT_BATCH, 813, "self.num_accepted_tokens_cpu[empty_index] ="),
+                Citation(
+                    INPUT_BATCH, 813, "self.num_accepted_tokens_cpu[empty_index] ="
+                ),
             ),
             v0_33_0=(
-                Citation(GPU_RUNNER, 1578, "self.input_batch.num_accepted_tokens_cpu_tensor"),
+                Citation(
+                    GPU_RUNNER, 1578, "self.input_batch.num_accepted_tokens_cpu_tensor"
+                ),
                 Citation(GPU_RUNNER, 2072, 'mamba_cache_mode != "align"'),
                 Citation(GPU_RUNNER, 2082, "self.input_batch.num_accepted_tokens_cpu["),
-                Citation(INPUT_BATCH, 806, "self.num_accepted_tokens_cpu[empty_index] ="),
+                Citation(
+                    INPUT_BATCH, 806, "self.num_accepted_tokens_cpu[empty_index] ="
+                ),
             ),
             v0_34_0=(Citation(GPU_RUNNER, 0),),
         ),
@@ -276,22 +293,62 @@ DEFECTS: tuple[Defect, ...] = (
         releases=">=0.27.1",
         evidence=_cite(
             v0_27_1=(
-                Citation(f"{FLA}/fused_recurrent.py", 106, "tl.load(num_accepted_tokens + i_n)"),
-                Citation(f"{FLA}/fused_sigmoid_gating.py", 106, "tl.load(num_accepted_tokens + i_n)"),
+                Citation(
+                    f"{FLA}/fused_recurrent.py",
+                    106,
+                    "tl.load(num_accepted_tokens + i_n)",
+                ),
+                Citation(
+                    f"{FLA}/fused_sigmoid_gating.py",
+                    106,
+                    "tl.load(num_accepted_tokens + i_n)",
+                ),
             ),
             v0_29_0=(
-                Citation(f"{FLA}/fused_recurrent.py", 106, "tl.load(num_accepted_tokens + i_n)"),
-                Citation(f"{FLA}/fused_sigmoid_gating.py", 106, "tl.load(num_accepted_tokens + i_n)"),
+                Citation(
+                    f"{FLA}/fused_recurrent.py",
+                    106,
+                    "tl.load(num_accepted_tokens + i_n)",
+                ),
+                Citation(
+                    f"{FLA}/fused_sigmoid_gating.py",
+                    106,
+                    "tl.load(num_accepted_tokens + i_n)",
+                ),
             ),
             v0_33_0=(
-                Citation(f"{FLA}/fused_recurrent.py", 107, "tl.load(num_accepted_tokens + i_n)"),
-                Citation(f"{FLA}/fused_recurrent.py", 111, "ssm_state_indices + i_n * stride_indices_seq + i_t"),
-                Citation(f"{FLA}/fused_sigmoid_gating.py", 106, "tl.load(num_accepted_tokens + i_n)"),
-                Citation(f"{FLA}/fused_sigmoid_gating.py", 110, "ssm_state_indices + i_n * stride_indices_seq + i_t"),
+                Citation(
+                    f"{FLA}/fused_recurrent.py",
+                    107,
+                    "tl.load(num_accepted_tokens + i_n)",
+                ),
+                Citation(
+                    f"{FLA}/fused_recurrent.py",
+                    111,
+                    "ssm_state_indices + i_n * stride_indices_seq + i_t",
+                ),
+                Citation(
+                    f"{FLA}/fused_sigmoid_gating.py",
+                    106,
+                    "tl.load(num_accepted_tokens + i_n)",
+                ),
+                Citation(
+                    f"{FLA}/fused_sigmoid_gating.py",
+                    110,
+                    "ssm_state_indices + i_n * stride_indices_seq + i_t",
+                ),
             ),
             v0_34_0=(
-                Citation(f"{FLA}/fused_recurrent.py", 107, "tl.load(num_accepted_tokens + i_n)"),
-                Citation(f"{FLA}/fused_sigmoid_gating.py", 106, "tl.load(num_accepted_tokens + i_n)"),
+                Citation(
+                    f"{FLA}/fused_recurrent.py",
+                    107,
+                    "tl.load(num_accepted_tokens + i_n)",
+                ),
+                Citation(
+                    f"{FLA}/fused_sigmoid_gating.py",
+                    106,
+                    "tl.load(num_accepted_tokens + i_n)",
+                ),
             ),
         ),
         triggers=(
@@ -321,10 +378,18 @@ DEFECTS: tuple[Defect, ...] = (
         evidence=_cite(
             v0_27_1=(
                 Citation("v1/worker/mamba_utils.py", 104, "# SD conv: copy"),
-                Citation("v1/worker/mamba_utils.py", 258, "if src_block_idx == dest_block_idx and accept_token_bias == 0:"),
+                Citation(
+                    "v1/worker/mamba_utils.py",
+                    258,
+                    "if src_block_idx == dest_block_idx and accept_token_bias == 0:",
+                ),
             ),
             v0_29_0=(
-                Citation("v1/worker/mamba_utils.py", 319, "if src_block_id != dest_block_id or token_bias == 0:"),
+                Citation(
+                    "v1/worker/mamba_utils.py",
+                    319,
+                    "if src_block_id != dest_block_id or token_bias == 0:",
+                ),
             ),
         ),
         triggers=(
@@ -332,7 +397,9 @@ DEFECTS: tuple[Defect, ...] = (
             "mode, GPU timing (a race)"
         ),
         plugin="does not touch it: worker code, outside the split",
-        avoid="vLLM 0.29.0 or later (copies token by token); or serve without a drafter",
+        avoid=(
+            "vLLM 0.29.0 or later (copies token by token); or serve without a drafter"
+        ),
         needs_drafter=True,
         unknowable="GPU thread timing",
     ),
@@ -377,7 +444,11 @@ DEFECTS: tuple[Defect, ...] = (
         releases=">=0.27.1",
         evidence=_cite(
             v0_27_1=(
-                Citation(MANAGERS, 86, "self._record_new_block_ids = needs_kv_cache_zeroing and type(kv_cache_spec) in ("),
+                Citation(
+                    MANAGERS,
+                    86,
+                    "self._record_new_block_ids = needs_kv_cache_zeroing and type(",
+                ),
                 Citation(INTERFACE, 1022, "return self.has_mamba_layers or"),
             ),
             v0_29_0=(
@@ -401,7 +472,9 @@ DEFECTS: tuple[Defect, ...] = (
             "does not zero blocks; its modes read no unwritten slot in the "
             "witness's workloads (tests/witness)"
         ),
-        avoid="none (it turns another defect's wrong read into another request's state)",
+        avoid=(
+            "none (it turns another defect's wrong read into another request's state)"
+        ),
         unknowable="a wrong-slot read elsewhere",
         corrupts=False,
     ),
@@ -493,7 +566,8 @@ def page_table() -> str:
             _evidence_cell(d),
             d.triggers,
             d.plugin,
-            d.avoid + (" (`doctor --strict` fails; the start line warns)" if d.strict else ""),
+            d.avoid
+            + (" (`doctor --strict` fails; the start line warns)" if d.strict else ""),
         )
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines)

@@ -22,13 +22,18 @@ def warn_known_defects(
     None) runs a combination known to corrupt output that a setting avoids."""
     config = getattr(scheduler, "vllm_config", None)
     drafter = getattr(config, "speculative_config", None)
-    asynchronous = getattr(getattr(config, "scheduler_config", None), "async_scheduling", False)
+    asynchronous = getattr(
+        getattr(config, "scheduler_config", None), "async_scheduling", False
+    )
     if state_grid is None or drafter is None or not asynchronous:
         return
     from . import defects
 
     setting = defects.Setting(
-        version, _runner(config, version), True, str(getattr(drafter, "method", "") or "drafter")
+        version,
+        _runner(config, version),
+        True,
+        str(getattr(drafter, "method", "") or "drafter"),
     )
     for defect in defects.strict_failures(setting):
         if defect.key not in _warned:

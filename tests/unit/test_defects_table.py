@@ -77,7 +77,10 @@ def test_v1_async_mtp_is_strict_failing_where_v1_exists(release: str) -> None:
     setting = Setting(release, V1, True, "mtp")
     assert {d.key for d in defects.strict_failures(setting)} == strict
     assert keys(setting, Verdict.APPLIES) == strict
-    for avoided in (Setting(release, V1, False, "mtp"), Setting(release, V2, True, "mtp")):
+    for avoided in (
+        Setting(release, V1, False, "mtp"),
+        Setting(release, V2, True, "mtp"),
+    ):
         assert defects.strict_failures(avoided) == [], avoided
 
 
