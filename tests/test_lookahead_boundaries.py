@@ -124,9 +124,6 @@ def measure(mode: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, dict[str, i
 
 
 @pytest.mark.random_workloads
-@pytest.mark.skipif(
-    not draft_setting(), reason="the witness mirrors drafts on 0.33.0 and 0.34.0 only"
-)
 @pytest.mark.parametrize("mode", MODES)
 def test_chunks_ending_on_a_boundary_with_lookahead_publish_and_read_no_stale_state(
     mode: str, monkeypatch: pytest.MonkeyPatch
@@ -137,6 +134,8 @@ def test_chunks_ending_on_a_boundary_with_lookahead_publish_and_read_no_stale_st
     siblings hit the cache. Stock with C = 64 < B publishes wrong states of
     its own (chunks on C's grid, the defect the plugin fixes), not judged
     here."""
+    if not draft_setting():
+        pytest.skip("the witness mirrors drafts on vLLM 0.33.0 and 0.34.0 only")
     counts = measure(mode, monkeypatch)
     for name, found in counts.items():
         print(f"#57605 {mode:5} {name:22} {found}")

@@ -99,10 +99,10 @@ class Defect:
         """Whether this row applies to ``setting`` (None fields: not known)."""
         if not self.confirmed:
             return Verdict.REPORTED
-        release = _version(setting.release)
-        if release is None or not _within_read(release):
+        if not covers(setting.release):
             return Verdict.NOT_READ
-        if release not in SpecifierSet(self.releases):
+        release = _version(setting.release)
+        if release is None or release not in SpecifierSet(self.releases):
             return Verdict.DOES_NOT_APPLY
         known = [
             _match(
