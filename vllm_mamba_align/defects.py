@@ -387,7 +387,7 @@ DEFECTS: tuple[Defect, ...] = (
             v0_29_0=(
                 Citation(
                     "v1/worker/mamba_utils.py",
-                    319,
+                    321,
                     "if src_block_id != dest_block_id or token_bias == 0:",
                 ),
             ),
