@@ -102,7 +102,9 @@ class Defect:
         if not covers(setting.release):
             return Verdict.NOT_READ
         release = _version(setting.release)
-        if release is None or release not in SpecifierSet(self.releases):
+        if release is None or not SpecifierSet(self.releases).contains(
+            release, prereleases=True
+        ):
             return Verdict.DOES_NOT_APPLY
         known = [
             _match(
