@@ -150,3 +150,10 @@ def test_doctor_takes_the_serve_flags() -> None:
         None,
         None,
     )
+
+
+def test_a_dev_build_within_the_read_span_is_judged_by_its_rows() -> None:
+    """A nightly between two read releases (a pre-release by its version) is
+    judged as the releases around it: #51571 applies to V1 + async + MTP."""
+    setting = Setting("0.33.1.dev5+g0123abc", V1, True, "mtp")
+    assert [d.key for d in defects.strict_failures(setting)] == ["#51571"]
