@@ -157,3 +157,25 @@ def test_a_dev_build_within_the_read_span_is_judged_by_its_rows() -> None:
     judged as the releases around it: #51571 applies to V1 + async + MTP."""
     setting = Setting("0.33.1.dev5+g0123abc", V1, True, "mtp")
     assert [d.key for d in defects.strict_failures(setting)] == ["#51571"]
+
+
+@pytest.mark.parametrize("release", sorted(EXPECTED))
+def test_doctors_reading_per_release_with_and_without_flags(
+    release: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What doctor reports (``doctor.judge_defects``, no vLLM needed): without
+    flags nothing fails ``--strict``; with V1, async scheduling and MTP the
+    release's strict rows do; ``--no-async-scheduling`` clears them."""
+    from vllm_mamba_align.doctor import Intended, judge_defects
+
+    monkeypatch.delenv(defects.RUNNER_VARIABLE, raising=False)
+    may, strict = EXPECTED[release]
+    words, rows, failing = judge_defects(release, Intended())
+    assert failing == [] and "vLLM's default" in words and "not given" in words
+    assert {r["key"] for r in rows if r["verdict"] == "may apply"} == may
+    _, _, failing = judge_defects(release, Intended("v1", True, "mtp"))
+    assert set(failing) == strict
+    _, _, failing = judge_defects(release, Intended("v1", False, "mtp"))
+    assert failing == []
+    _, rows, _ = judge_defects(release, Intended(None, None, "none"))
+    assert not {r["key"] for r in rows if r["verdict"] == "applies"}
