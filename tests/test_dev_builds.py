@@ -61,8 +61,8 @@ def test_doctor_reports_the_same_facts_for_a_dev_relabelled_build(
     """Split body, refusal, retention, each mode's meaning under it, worker seed,
     batch invariance: identical. Only the version, the fingerprint the version
     would name and vLLM's own defects (read per release) differ. With
-    ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL=0`` too (which vLLM reads on 0.23.0 onwards; 0.27.0 and 0.28.0 apply it to
-    Mamba states)."""
+    ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL=0`` too (which vLLM reads on 0.23.0
+    onwards; 0.27.0 and 0.28.0 apply it to Mamba states)."""
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     monkeypatch.delenv(settings.MODE_VARIABLE, raising=False)
     if retention_variable is None:
