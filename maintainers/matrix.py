@@ -29,8 +29,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from packaging.version import Version
+
+if TYPE_CHECKING:
+    from vllm_mamba_align.defects import Defect
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "matrix"
@@ -422,6 +426,50 @@ def instead_report() -> str:
     return f"{produced} The whole report: [Benchmarks](benchmarks.md).\n\n{body}"
 
 
+def _evidence_cell(defect: Defect) -> str:
+    """A row's evidence: its releases, then each read release's lines."""
+    if not defect.confirmed:
+        read = "; ".join(
+            f"{release}: {', '.join(str(c) for c in cites)}"
+            for release, cites in defect.evidence.items()
+        )
+        return "reported upstream, not confirmed here" + (
+            f" (allocation read: {read})" if read else ""
+        )
+    parts = [
+        f"{release}: {', '.join(str(c) for c in cites)}"
+        for release, cites in defect.evidence.items()
+    ]
+    if defect.measured:
+        parts.append(f"measured by {defect.measured}")
+    return f"`{defect.releases}`<br>" + "<br>".join(parts)
+
+
+def defects_table() -> str:
+    """docs/defects.md's table, one row per vLLM defect
+    (vllm_mamba_align/defects.py: the table doctor and the start line read)."""
+    from vllm_mamba_align.defects import DEFECTS
+
+    lines = [
+        "| Defect | Mechanism | Releases and evidence | Triggered by | "
+        "The plugin | Avoid it with |",
+        "|---|---|---|---|---|---|",
+    ]
+    for d in DEFECTS:
+        runner = f" Model Runner {d.runner.upper()} only." if d.runner else ""
+        cells = (
+            f"**{d.key}** {d.title} ({d.upstream})",
+            f"{d.mechanism}.{runner}",
+            _evidence_cell(d),
+            d.triggers,
+            d.plugin,
+            d.avoid
+            + (" (`doctor --strict` fails; the start line warns)" if d.strict else ""),
+        )
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class Block:
     """A generated block of a file, between ``<!-- name:begin … -->`` and
@@ -472,6 +520,7 @@ BLOCKS = [
     Block(DOCS / "benchmarks.md", "bench", "benchmarks/RESULTS.md", bench_report),
     Block(DOCS / "benchmarks.md", "served", "benchmarks/SERVED.md", served_report),
     Block(DOCS / "modes.md", "instead", "benchmarks/RESULTS.md", instead_report),
+    Block(DOCS / "defects.md", "defects", "vllm_mamba_align/defects.py", defects_table),
 ]
 
 

@@ -14,7 +14,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-from . import audit, messages, metrics, settings
+from . import audit, hazard, messages, metrics, settings
 from .errors import MambaAlignError
 from .geometry import state_block_size
 from .layers import Chain, walk
@@ -268,6 +268,9 @@ def _log(
 ) -> None:
     _logger().info(
         "%s", messages.start_line(scheduler, recognition, status, state_grid)
+    )
+    hazard.warn_known_defects(
+        scheduler, recognition.vllm_version, _logger(), state_grid
     )
     metrics.publish_info(
         scheduler,

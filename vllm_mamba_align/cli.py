@@ -7,7 +7,9 @@ naming the option and the way out), vLLM is not installed, or ``probe`` could
 not probe the server; 3 ``doctor`` found that the plugin itself cannot be
 imported (a missing dependency: vLLM would only log that and run without the
 fix); 4 ``doctor --strict`` found that vLLM would not load the plugin
-(``VLLM_PLUGINS`` or no entry point); 5 ``probe`` cannot tell on this server
+(``VLLM_PLUGINS`` or no entry point); 6 ``doctor --strict`` found a known
+vLLM defect that corrupts output with the serve settings given, where a
+setting avoids it (defects.py); 5 ``probe`` cannot tell on this server
 (a cached continuation differs from a fresh one by more than the server's
 measured chunk-shape rounding, but not by enough to call it a wrong state); 130
 interrupted (Ctrl-C), without a traceback. Under ``--json`` every exit of
@@ -37,6 +39,7 @@ EXIT_USAGE = 2
 EXIT_BROKEN = 3
 EXIT_NOT_LOADED = 4
 EXIT_CANNOT_TELL = 5  # probe.report.EXIT_CANNOT_TELL
+EXIT_CORRUPTS = 6
 EXIT_INTERRUPTED = 130
 """128 + SIGINT, what a shell reports for a command ended by Ctrl-C."""
 PROG = "vllm-mamba-align"
@@ -108,7 +111,29 @@ def _parser(json_errors: bool = False) -> argparse.ArgumentParser:
     doctor.add_argument(
         "--strict",
         action="store_true",
-        help="also exit 4 when vLLM would not load the plugin (for image builds)",
+        help="also exit 4 when vLLM would not load the plugin (for image builds), "
+        "and 6 when a known vLLM defect corrupts output with the serve settings "
+        "given (--runner, --async-scheduling, --speculative-method) where a "
+        "setting avoids it",
+    )
+    doctor.add_argument(
+        "--runner",
+        choices=("v1", "v2"),
+        help="the Model Runner the engine will use (default: what vLLM picks for "
+        "a hybrid model on this release and VLLM_USE_V2_MODEL_RUNNER)",
+    )
+    doctor.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="whether vLLM serves with async scheduling (default: on, vLLM's "
+        "default with its GPU executors)",
+    )
+    doctor.add_argument(
+        "--speculative-method",
+        metavar="METHOD",
+        help="the drafter's method in --speculative-config (mtp, eagle3, ngram, "
+        "...), or none; not given: doctor says which defects a drafter would bring",
     )
     doctor.add_argument(
         "--scheduler-cls",
@@ -357,6 +382,7 @@ def _doctor(
     headless: bool = False,
     ray: bool = False,
     scheduler_cls: str | None = None,
+    intended: tuple[str | None, bool | None, str | None] = (None, None, None),
 ) -> int:
     from . import MISSING_DEPENDENCY
 
@@ -370,7 +396,7 @@ def _doctor(
             print(json.dumps({"plugin_importable": False, "import_error": broken}))
         return EXIT_BROKEN
 
-    from .doctor import BadSchedulerClass, VllmMissing, collect, render_text
+    from .doctor import BadSchedulerClass, Intended, VllmMissing, collect, render_text
 
     # Loading vLLM's platform and plugins logs through vLLM's logger, which
     # writes to stdout: with --json, stdout carries the report alone.
@@ -379,7 +405,12 @@ def _doctor(
     )
     try:
         with quiet:
-            report = collect(headless=headless, ray=ray, scheduler_cls=scheduler_cls)
+            report = collect(
+                headless=headless,
+                ray=ray,
+                scheduler_cls=scheduler_cls,
+                intended=Intended(*intended),
+            )
     except BadSchedulerClass as bad:
         print(f"vllm-mamba-align doctor: {bad}", file=sys.stderr)
         if as_json:
@@ -397,6 +428,8 @@ def _doctor(
         return EXIT_REFUSE
     if strict and not report.would_load:
         return EXIT_NOT_LOADED
+    if strict and report.corrupting:
+        return EXIT_CORRUPTS
     return EXIT_OK
 
 
@@ -571,8 +604,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "doctor":
+        intended = (args.runner, args.async_scheduling, args.speculative_method)
         return _doctor(
-            args.json, args.strict, args.headless, args.ray, args.scheduler_cls
+            args.json,
+            args.strict,
+            args.headless,
+            args.ray,
+            args.scheduler_cls,
+            intended,
         )
     if args.command == "probe":
         return _probe(args)

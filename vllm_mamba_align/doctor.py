@@ -162,6 +162,13 @@ class Report:
     topology: list[str] = field(default_factory=list)
     """What this process does on a headless node or under Ray, when asked
     (``doctor --headless`` / ``--ray``; topology.py)."""
+    serve_setting: str = ""
+    """The serve settings the vLLM defects were judged for (defects.py)."""
+    defects: list[dict[str, str]] = field(default_factory=list)
+    """vLLM's own defects in align mode: key, title, verdict, avoid."""
+    corrupting: list[str] = field(default_factory=list)
+    """Keys of the defects known to corrupt output that apply to the setting
+    and that a setting avoids (``--strict`` fails on them)."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -363,8 +370,61 @@ def load_as_vllm_does() -> tuple[str | None, str]:
     return platform_name, "; ".join(done)
 
 
+@dataclass(frozen=True)
+class Intended:
+    """The serve settings the operator intends (doctor's flags); None: not
+    given (the runner and async scheduling then take vLLM's defaults)."""
+
+    runner: str | None = None
+    async_scheduling: bool | None = None
+    speculative_method: str | None = None
+
+
+def judge_defects(
+    version: str | None, intended: Intended
+) -> tuple[str, list[dict[str, str]], list[str]]:
+    """The setting judged (in words), every defect row's verdict for it, and
+    the keys ``--strict`` fails on (defects.py decides)."""
+    from . import defects
+
+    picked = defects.default_runner(version, os.environ.get(defects.RUNNER_VARIABLE))
+    runner = intended.runner or picked
+    asynchronous = (
+        intended.async_scheduling if intended.async_scheduling is not None else True
+    )
+    method = intended.speculative_method
+    drafter = None if method is None else ("" if method == "none" else method)
+    setting = defects.Setting(version, runner, asynchronous, drafter)
+    words = [
+        f"Model Runner {runner.upper() if runner else 'unknown'}"
+        + ("" if intended.runner else " (vLLM's pick for a hybrid)"),
+        f"async scheduling {'on' if asynchronous else 'off'}"
+        + ("" if intended.async_scheduling is not None else " (vLLM's default)"),
+        (
+            "drafter not given (--speculative-method)"
+            if drafter is None
+            else f"drafter {drafter or 'none'}"
+        ),
+    ]
+    rows = [
+        {
+            "key": d.key,
+            "title": d.title,
+            "verdict": verdict.value,
+            "avoid": d.avoid,
+            "triggers": d.triggers,
+        }
+        for d, verdict in defects.assess(setting)
+    ]
+    corrupting = [d.key for d in defects.strict_failures(setting)]
+    return ", ".join(words), rows, corrupting
+
+
 def collect(
-    headless: bool = False, ray: bool = False, scheduler_cls: str | None = None
+    headless: bool = False,
+    ray: bool = False,
+    scheduler_cls: str | None = None,
+    intended: Intended | None = None,
 ) -> Report:
     """Inspect the installed vLLM. Raises :class:`VllmMissing` without it.
     ``headless``/``ray``: this process starts engine cores of a headless node,
@@ -459,6 +519,9 @@ def collect(
             "settings (see plugin loading)"
         )
     seed, seed_detail = worker_seed_status(root, mode)
+    serve_setting, defect_rows, corrupting = judge_defects(
+        version, intended or Intended()
+    )
     export = metrics_export_status()
     retention, by_mode = _retention()
     return Report(
@@ -503,6 +566,9 @@ def collect(
             *(topology.headless_lines(mode, setting_errors) if headless else []),
             *(topology.ray_lines(platform_name) if ray else []),
         ],
+        serve_setting=serve_setting,
+        defects=defect_rows,
+        corrupting=corrupting,
     )
 
 
@@ -521,6 +587,27 @@ def _layer_lines(layers: list[dict[str, str | None]]) -> list[str]:
             f"({layer['module']}; {layer['distribution'] or 'no distribution'}): "
             f"{verdict}"
         )
+    return lines
+
+
+def _defect_lines(report: Report) -> list[str]:
+    """vLLM's own defects for the setting judged: those that apply or may,
+    then one line per other verdict (the manual's page has every row)."""
+    lines = [
+        f"  vLLM defects    for {report.serve_setting} (every row: docs/defects.md)"
+    ]
+    marks = {"applies": "[!!]", "may apply": "[??]"}
+    quiet: dict[str, list[str]] = {}
+    for row in report.defects:
+        mark = marks.get(row["verdict"])
+        if mark is None:
+            quiet.setdefault(row["verdict"], []).append(row["key"])
+            continue
+        lines.append(
+            f"    {mark} {row['key']} {row['verdict']}: {row['title']} "
+            f"(when: {row['triggers']}); avoid: {row['avoid']}"
+        )
+    lines.extend(f"    {verdict}: {', '.join(keys)}" for verdict, keys in quiet.items())
     return lines
 
 
@@ -590,6 +677,7 @@ def render_text(report: Report) -> str:
         for mode, meaning in report.retention_by_mode.items()
     )
     lines.append(f"  batch-invariant {report.batch_invariance}")
+    lines.extend(_defect_lines(report))
     lines.extend(f"  note            {note}" for note in report.notes)
     lines.extend(f"  topology        {line}" for line in report.topology)
     if report.setting_errors:
@@ -616,5 +704,11 @@ def render_text(report: Report) -> str:
                 and not report.upstream_fix_present
                 else "unchanged"
             )
+        )
+    if report.corrupting:
+        lines.append(
+            "output:  [!!] known vLLM defects corrupt output with these serve "
+            f"settings: {', '.join(report.corrupting)} (see 'vLLM defects' "
+            "above for the setting that avoids each)"
         )
     return "\n".join(lines)
