@@ -35,7 +35,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .checkpoints import CheckpointRule, backend_checkpoint_rule, checkpoint_decisions
+from .checkpoints import (
+    CheckpointRule,
+    backend_checkpoint_rule,
+    checkpoint_decisions,
+    checkpoint_groups_agree,
+)
 from .policy import StopPolicy
 from .protocols import CacheConfig, Request, Scheduler
 from .releases import SplitBody, chunk_start, in_prefill, prefill_end
@@ -297,7 +302,10 @@ def boundary_stops(
     else:
         stop = _boundary_stop(scheduler, policy, retention, checkpoint_at)
     if policy.guard_scratch:
-        return _scratch_safe(policy, checkpoint_at, stop)
+        # Each manager skips the move in a step its own group checkpoints:
+        # where the groups' facts differ, any step may be one (rule unknown).
+        agree = checkpoint_groups_agree(scheduler)
+        return _scratch_safe(policy, checkpoint_at if agree else None, stop)
     return stop
 
 
