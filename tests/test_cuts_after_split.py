@@ -16,7 +16,13 @@ synthetic image features (``MultiModalFeatureSpec`` with a
 ``PlaceholderRange``, as the input processor makes them); judged by the
 witness: nothing wrong published or read, prefill finished, and in ``lean``,
 ``kept`` and ``full`` every state vLLM keeps written. ``off`` and ``audit``
-schedule as stock.
+schedule as stock. Where vLLM's own behaviour differs: it leaves the replay
+boundary of a prompt's final chunk to the backend's in-chunk checkpoint and then
+cuts the chunk before an image, so nothing writes that state (B = 64, a
+70-token prompt cut at 66: 64 lost); the fix stops at 64 (split.stays_whole).
+
+Three MTP modules: the simulation (tools.sim) with vLLM's own speculative config,
+judged by its oracle (see :func:`test_three_mtp_modules_hold_the_invariant`).
 """
 
 from __future__ import annotations
@@ -147,6 +153,10 @@ def test_encoder_budget_cuts_hold_the_invariant(
         assert not result.sound(mode in MATERIALIZING), (mode, result.chunks)
     for mode in AS_STOCK:
         assert _encoder_run(mode, case, retention).chunks == stock.chunks, mode
+    if case == "cut-after-checkpointed-chunk" and retention == "default":
+        # vLLM's own: it left 64 to the backend, then cut the chunk at 66.
+        assert stock.chunks["first"][0] == (0, 66)
+        assert stock.findings.lost_kept_states == 1
 
 
 # -- three MTP modules: the lookahead reserve ---------------------------------------
