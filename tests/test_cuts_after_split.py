@@ -126,8 +126,16 @@ def _encoder_run(mode: str, case: str, retention: int | str | None) -> Run:
 
 
 def _skip_unless_encoder_case(case: str) -> None:
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
     from witness.judge import mirrors_backend_checkpoints
 
+    source = inspect.getsource(Scheduler.schedule)
+    split = source.find("self._mamba_block_aligned_split(")
+    if not 0 <= split < source.find("self._try_schedule_encoder_inputs("):
+        # Before 0.28.0 the encoder budget cuts the chunk before the split.
+        pytest.skip("this vLLM schedules encoder inputs before the split")
     if ENCODER_CASES[case][2] is None:
         return
     if installed_body().internal_checkpoint is not InternalCheckpoint.OBSERVED:
