@@ -242,3 +242,46 @@ def test_three_mtp_modules_hold_the_invariant(
     if length == 129:
         assert stock.chunk_ends("first") == [112, 129]
         assert stock.poisoned and stock.wrong_reuse
+
+
+def test_a_hit_inside_the_last_boundarys_block_stalls_as_on_stock() -> None:
+    """vLLM's own stall, recorded, stock and fixed alike: with a backend that
+    writes the prompt checkpoint (Mamba2, alignment 1) the first 129-token
+    prompt publishes its state at 112 (under 112's hash, in 128's column); a
+    re-ask hits 112, inside the block of 128, a boundary within k = 3 of the
+    end. Its chunk can end neither at 128 (cut back to 126, then to nothing)
+    nor past it without publishing the hit's state as 128's: every mode leaves
+    it to vLLM, which never finishes its prefill, and nothing wrong is
+    published (split.clear_of_lookahead)."""
+    from helpers import scheduler_mode
+
+    from vllm_mamba_align.tools.sim import (
+        Geometry,
+        Simulation,
+        available_checkpoint_backends,
+        prompt,
+    )
+
+    _skip_unless_multi_module_lookahead()
+    if "mamba2" not in available_checkpoint_backends():
+        pytest.skip("Mamba2 declares checkpoint blocks from vLLM 0.32.0")
+    geometry = Geometry(
+        C,
+        B,
+        2048,
+        hash_block=16,
+        speculative=("multi-mtp", MTP_MODULES),
+        prefill_checkpoint="mamba2",
+    )
+    base = prompt(129, seed=129)
+    for mode in ("stock", *FIXING):
+        with scheduler_mode(mode):
+            sim = Simulation(geometry)
+            sim.add("first", base, max_tokens=4)
+            sim.run()
+            assert sim.chunk_ends("first")[-1] == 129
+            sim.add("re-ask", base, max_tokens=4)
+            with pytest.raises(AssertionError, match="stalled"):
+                sim.run()
+        assert sim.reused("re-ask") == 112, mode
+        assert not sim.poisoned and not sim.wrong_reuse, mode

@@ -155,9 +155,12 @@ def clear_of_lookahead(scheduler: Scheduler, policy: StopPolicy, route: Route) -
     B = 64, C = 16, a 129-token prompt: a stop at 128 is cut to 126 and
     126 -> 128 to 0; vLLM's own chunks 0 -> 112 -> 129 publish the state at
     112 as 128's.) So a prefill chunk that would end inside K's block ends at
-    L if it starts below L, else runs to vLLM's allowance (from L, K's column
-    stays empty: K's state is written in no mode, by vLLM's rule). Without
-    such a drafter (k <= 1) ``route`` is returned as it is."""
+    L if it starts below L, and runs to vLLM's allowance from L (K's column
+    stays empty: K's state is written in no mode, by vLLM's rule). A chunk
+    that starts inside K's block (a prefix hit there, such as a backend's
+    prompt checkpoint at 112) keeps the route's answer: vLLM stalls it, as it
+    does without the plugin; running it across K would publish a wrong state.
+    Without such a drafter (k <= 1) ``route`` is returned as it is."""
     lookahead = int(getattr(scheduler, "num_prefill_lookahead", 0) or 0)
     if lookahead <= 1:
         return route
@@ -189,7 +192,12 @@ def clear_of_lookahead(scheduler: Scheduler, policy: StopPolicy, route: Route) -
             return num_tokens
         if not in_prefill(prefill_rule, request, start):
             return num_tokens
-        return floor - start if start < floor else num_new_tokens
+        if start < floor:
+            return floor - start
+        # From L, K's column is a fresh block: run on. From inside K's block (a
+        # prefix hit there, e.g. a backend's prompt checkpoint) any chunk across
+        # K publishes the start's state as K's: left to vLLM, which stalls it.
+        return num_new_tokens if start == floor else num_tokens
 
     return split
 
