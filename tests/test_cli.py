@@ -16,6 +16,7 @@ import pytest
 from helpers import cache_block_for, geometry_rule, run_python
 
 from vllm_mamba_align import MambaAlignError, releases, settings
+from vllm_mamba_align.checkpoints import CHECKPOINT_BACKEND_FILES
 from vllm_mamba_align.cli import EXIT_OK, EXIT_REFUSE, EXIT_USAGE, main
 
 VLLM_LOG_LINE = re.compile(r"(\(\w+.*?\) )?(DEBUG|INFO|WARNING|ERROR) \d\d-\d\d ")
@@ -785,3 +786,32 @@ def test_ctrl_c_during_simulate_exits_130_without_a_traceback(tmp_path: Path) ->
     assert running.returncode in (130, -signal.SIGINT), out + err
     assert "Traceback" not in err
     assert err.splitlines()[-1] == "vllm-mamba-align simulate: interrupted"
+
+
+@pytest.mark.parametrize("backend", list(CHECKPOINT_BACKEND_FILES))
+def test_simulate_knows_every_checkpoint_backend_vllm_declares(
+    backend: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--checkpoint-backend``: every backend of the release table's list, run
+    where the installed vLLM's layer declares checkpoint blocks for it (read
+    from its files; 0.34.0: all six, among them GLM-5-Next's and Kimi-K3 AMD's
+    KDA and Qwen4Exp's PLE layer), refused with the list it does declare
+    elsewhere. B = 256, a 2,312-token prompt: the backend's state at 2,304 is
+    the re-ask's."""
+    from vllm_mamba_align.releases import installed_version
+    from vllm_mamba_align.tools.sim import available_checkpoint_backends
+
+    geometry = ["--cache-block", "16", "--mamba-block", "256", "--hash-block", "16"]
+    args = [*geometry, "--prompt", "2312", "--budget", "1500"]
+    args += ["--checkpoint-backend", backend, "--mode", "kept"]
+    code = main(["simulate", *args])
+    captured = capsys.readouterr()
+    if backend not in available_checkpoint_backends():
+        assert code == EXIT_USAGE
+        assert f"vLLM {installed_version()} declares no prefill" in captured.err
+        return
+    assert code == EXIT_OK, captured.err
+    lines = captured.out.splitlines()
+    assert f"With the {backend} backend's in-chunk prefill checkpoint." in lines
+    assert table_row(lines, "  ... naming a wrong state") == ["0"]
+    assert table_row(lines, "re-ask reuses (last B boundary 2304)") == ["2304"]

@@ -69,26 +69,40 @@ CHECKPOINT_BACKEND_FILES: dict[str, str] = {
     "flashkda": "models/kimi_k3/nvidia/kda.py",
     "mamba2": "model_executor/layers/mamba/mamba_mixer2.py",
     "gdn-flashinfer": "model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py",
+    "glm5next-flashkda": "models/glm5next/common/kda.py",
+    "kimi-k3-amd": "models/kimi_k3/amd/kda.py",
+    "qwen4exp-ple": "models/qwen4_exp/nvidia/ple_layer.py",
 }
 """GPU backends that can declare ``MambaSpec.num_prefill_checkpoint_blocks``,
 and the layer file (relative to vLLM's package directory) whose spec sets it:
-KDA on flashkda, Mamba2, GDN on FlashInfer. Which of them a vLLM has is read
-from these files (:func:`checkpoint_backends_in`), never from the version."""
+KDA on flashkda (Kimi-K3 on NVIDIA GPUs), Mamba2, GDN on FlashInfer, GLM-5-Next's
+KDA on flashkda, Kimi-K3's KDA on AMD GPUs (its fused or gluon chunk kernel),
+and Qwen4Exp's PLE short-conv layer (a second Mamba spec beside its GDN
+layers). Which of them a vLLM has is read from these files
+(:func:`checkpoint_backends_in`), never from the version."""
 
 CHECKPOINT_BACKENDS_SINCE: dict[str, str] = {
     "flashkda": "0.29.0",
     "mamba2": "0.32.0",
     "gdn-flashinfer": "0.33.0",
+    "glm5next-flashkda": "0.32.0",
+    "kimi-k3-amd": "0.32.0",
+    "qwen4exp-ple": "0.33.0",
 }
 """The first release whose layer file declares the blocks, as read from each
 release's wheel: KDA (models/kimi_k3/nvidia/kda.py:599 in 0.29.0, :805 in
 0.30.0, :747 in 0.31.0, :835 in 0.32.0), Mamba2
 (model_executor/layers/mamba/mamba_mixer2.py:1107 in 0.32.0), GDN
 (model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py:748 in 0.33.0; 0.32.0
-builds the checkpoint metadata for GDN but its layer declares no block). Kept
-for the documentation and for the tests that hold
-:func:`checkpoint_backends_in` to it on every release; a nightly build of vLLM
-main may have a backend's blocks before any release does."""
+builds the checkpoint metadata for GDN but its layer declares no block),
+GLM-5-Next (models/glm5next/common/kda.py:174 in 0.32.0 and 0.33.0, :208 in
+0.34.0), Kimi-K3 on AMD (models/kimi_k3/amd/kda.py:105 in 0.32.0, :108 in
+0.33.0, :148 in 0.34.0), Qwen4Exp's PLE layer
+(models/qwen4_exp/nvidia/ple_layer.py:219 in 0.33.0 and 0.34.0; 0.32.0 has the
+file without the blocks); 0.31.0 has none of the last three. Kept for the
+documentation and for the tests that hold :func:`checkpoint_backends_in` to it
+on every release; a nightly build of vLLM main may have a backend's blocks
+before any release does."""
 
 _DECLARES_CHECKPOINT_BLOCKS = re.compile(r"\bnum_prefill_checkpoint_blocks\s*=")
 
@@ -183,6 +197,41 @@ def spec_reserves_checkpoints(scheduler: Scheduler) -> bool:
         getattr(group.kv_cache_spec, "num_prefill_checkpoint_blocks", 0) > 0
         for group in scheduler.kv_cache_config.kv_cache_groups
     )
+
+
+def checkpoint_alignments(scheduler: Scheduler) -> tuple[int | None, ...]:
+    """Each Mamba group's prefill checkpoint alignment, as that group's manager
+    and the worker's backend for it read it (None: the group writes no
+    in-chunk state: no checkpoint blocks, or no alignment); () without vLLM.
+
+    A model may have several Mamba specs (0.33.0+: Qwen4Exp's GDN layers and
+    its PLE short-conv layer, models/qwen4_exp/nvidia/model.py:907-926 in
+    0.34.0), each checkpointing by its own spec
+    (single_type_kv_cache_manager.py:1684, model_executor/layers/mamba/
+    checkpoint.py:138 in 0.34.0), while vLLM's scheduler decides with the
+    first group's alignment only (scheduler.py:445-454 in 0.34.0, a TODO of
+    vLLM's). The backend writes a state in a chunk in every group only where
+    every group's alignment admits it (:func:`backend_checkpoint_rule`)."""
+    try:
+        from vllm.v1.kv_cache_interface import MambaSpec
+    except ImportError:
+        return ()
+    alignments: list[int | None] = []
+    for group in scheduler.kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if not isinstance(spec, MambaSpec):
+            continue
+        declared = getattr(spec, "num_prefill_checkpoint_blocks", 0) > 0
+        alignment = getattr(spec, "prefill_checkpoint_alignment", None)
+        alignments.append(alignment if declared else None)
+    return tuple(alignments)
+
+
+def checkpoint_groups_agree(scheduler: Scheduler) -> bool:
+    """Whether every Mamba group checkpoints by the same facts (one alignment,
+    or none), so that where one group's backend writes its in-chunk state,
+    every group's does."""
+    return len(set(checkpoint_alignments(scheduler))) <= 1
 
 
 RELOCATE_SCRATCH = "_relocate_speculative_block"
@@ -388,6 +437,10 @@ def backend_checkpoint_rule(
       :21-63 in 0.33.0); both taken with vLLM's own functions, as the
       scheduler module imported them (:func:`_observed_rule`).
     - 0.29.0: :func:`flashkda_position`.
+
+    With several Mamba groups (:func:`checkpoint_alignments`), the position
+    is the one every group's backend writes; a chunk in which only some
+    groups write a state gets -1, so no stop is skipped on its account.
     """
     rule = body.internal_checkpoint
     if rule is InternalCheckpoint.ALIGNED_START:
@@ -419,8 +472,11 @@ def backend_checkpoint_rule(
         return None  # 0.30.0/0.31.0's grid with 0.33.0's helper: unknown code
     if backend_off_manager_grid(scheduler, body, grid):
         return None
+    alignments = tuple(dict.fromkeys(checkpoint_alignments(scheduler))) or (
+        scheduler.mamba_prefill_checkpoint_alignment,
+    )
     return _observed_rule(
-        scheduler, grid, position_of, valid, by_prefix_unit, lookahead
+        scheduler, grid, position_of, valid, by_prefix_unit, lookahead, alignments
     )
 
 
@@ -431,10 +487,13 @@ def _observed_rule(
     check: Callable[..., bool],
     by_prefix_unit: bool,
     lookahead: bool,
+    alignments: tuple[int | None, ...],
 ) -> CheckpointRule:
     """0.30.0+'s position, by vLLM's own helper and validity check. The
     helper's parameters are the release's: three up to 0.32.0, a fourth
-    (``num_hash_lookahead_tokens``, ``lookahead``) in 0.33.0."""
+    (``num_hash_lookahead_tokens``, ``lookahead``) in 0.33.0. The check is
+    asked once per distinct alignment of the Mamba groups (``alignments``):
+    the position counts only where every group's backend writes it."""
 
     def observed(start: int, end: int) -> int:
         if by_prefix_unit:
@@ -455,15 +514,16 @@ def _observed_rule(
             position: int = helper(end, block, drop, num_hash_lookahead_tokens=tokens)
         else:
             position = helper(end, block, drop)
-        if not check(
-            query_start=start,
-            query_end=end,
-            checkpoint_position=position,
-            hash_block_size=hash_block,
-            mamba_block_size=grid,
-            checkpoint_alignment=scheduler.mamba_prefill_checkpoint_alignment,
-        ):
-            return -1  # the backend declines: nothing is written
+        for alignment in alignments:
+            if not check(
+                query_start=start,
+                query_end=end,
+                checkpoint_position=position,
+                hash_block_size=hash_block,
+                mamba_block_size=grid,
+                checkpoint_alignment=alignment,
+            ):
+                return -1  # a group's backend declines: not every group writes
         return position
 
     return observed
@@ -501,16 +561,26 @@ def own_slot_write(
     try:
         groups = scheduler.kv_cache_config.kv_cache_groups
         managers = scheduler.kv_cache_manager.coordinator.single_type_managers
-        manager = next(
+        checkpointing = [
             manager
             for group, manager in zip(groups, managers, strict=True)
             if getattr(group.kv_cache_spec, "num_prefill_checkpoint_blocks", 0) > 0
-        )
-        blocks_of = manager.req_to_blocks
-    except (AttributeError, StopIteration, TypeError, ValueError):
+        ]
+        tables = [manager.req_to_blocks for manager in checkpointing]
+    except (AttributeError, TypeError, ValueError):
         return None
-    manager_class: type = type(manager)
-    rekeyed = manager_rekeys_checkpoint_block(manager_class)
+    if not checkpointing:
+        return None
+    classes: list[type] = [type(manager) for manager in checkpointing]
+    rekeyed = all(manager_rekeys_checkpoint_block(cls) for cls in classes)
+
+    def held(request: Request, column: int) -> bool:
+        """Whether every checkpointing group holds a real block in ``column``."""
+        for blocks_of in tables:
+            blocks = blocks_of.get(request.request_id)
+            if not blocks or column >= len(blocks) or blocks[column].is_null:
+                return False
+        return True
 
     def written(request: Request, start: int, end: int) -> int:
         position = position_of(start, end)
@@ -519,9 +589,6 @@ def own_slot_write(
         column = -(-end // grid) - 2
         if position // grid - 1 != column and not rekeyed:
             return 0
-        blocks = blocks_of.get(request.request_id)
-        if not blocks or column >= len(blocks) or blocks[column].is_null:
-            return 0
-        return position
+        return position if held(request, column) else 0
 
     return written

@@ -84,6 +84,7 @@ NO_VLLM = (
 
 
 def _parser(json_errors: bool = False) -> argparse.ArgumentParser:
+    from .checkpoints import CHECKPOINT_BACKEND_FILES
     from .settings import Mode
     from .tools.modes import STOCK
     from .tools.simulate import Scenario
@@ -233,6 +234,15 @@ def _parser(json_errors: bool = False) -> argparse.ArgumentParser:
         metavar="METHOD:K",
         help="a speculative drafter: mtp, multi-mtp or eagle (EAGLE-3), K draft "
         "tokens per step, e.g. mtp:2 (the simulated drafts are all accepted)",
+    )
+    simulate.add_argument(
+        "--checkpoint-backend",
+        choices=list(CHECKPOINT_BACKEND_FILES),
+        metavar="BACKEND",
+        help="a GPU backend that writes one state inside a prefill chunk, as its "
+        "layer declares it in the installed vLLM: "
+        + ", ".join(CHECKPOINT_BACKEND_FILES)
+        + " (default: none, as on CPU)",
     )
     choices = [STOCK, *(m.value for m in Mode)]
     simulate.add_argument(
@@ -493,6 +503,7 @@ def _simulate(args: argparse.Namespace) -> int:
         retention=retention,
         async_scheduling=args.async_scheduling,
         drafter=drafter,
+        checkpoint_backend=args.checkpoint_backend,
     )
     problems = validate(scenario)
     if problems:

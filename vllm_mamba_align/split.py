@@ -35,7 +35,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .checkpoints import CheckpointRule, backend_checkpoint_rule, checkpoint_decisions
+from .checkpoints import (
+    CheckpointRule,
+    backend_checkpoint_rule,
+    checkpoint_decisions,
+    checkpoint_groups_agree,
+)
 from .policy import StopPolicy
 from .protocols import CacheConfig, Request, Scheduler
 from .releases import SplitBody, chunk_start, in_prefill, prefill_end
@@ -70,9 +75,9 @@ def state_grid_split(
 
     def route(call: StockCall) -> Route:
         kept = kept_route(scheduler, call, policy, stop)
-        if not policy.stock_chunk_ends:
-            return kept
-        return lean_route(scheduler, call, policy, retention, kept, checkpoint_at)
+        if policy.stock_chunk_ends:
+            kept = lean_route(scheduler, call, policy, retention, kept, checkpoint_at)
+        return clear_of_lookahead(scheduler, policy, kept)
 
     return bind_route(route, stock, body.extra_parameter, body.past_prefill_shortcut)
 
@@ -135,6 +140,68 @@ def kept_route(
     return split
 
 
+def clear_of_lookahead(scheduler: Scheduler, policy: StopPolicy, route: Route) -> Route:
+    """``route``, except near a request's end under a multi-module MTP drafter.
+
+    With k MTP modules vLLM never lets a prefill chunk end fewer than k tokens
+    before the request's end: after the split it cuts such a chunk back to k
+    tokens before the end (``_reserve_prefill_lookahead``, scheduler.py:695-714
+    in 0.34.0, :678-697 in 0.33.0). Where the request's last B boundary K lies
+    in that window, K can never be a chunk end, and a chunk that ends inside
+    K's block (after L = K - B) leaves the next one to start there mid-block:
+    stopped at K it is cut to nothing, and the request never finishes its
+    prefill; run across K, it fills the start's block, which vLLM then
+    publishes as K's state while it holds the state at the start. (k = 3,
+    B = 64, C = 16, a 129-token prompt: a stop at 128 is cut to 126 and
+    126 -> 128 to 0; vLLM's own chunks 0 -> 112 -> 129 publish the state at
+    112 as 128's.) So a prefill chunk that would end inside K's block ends at
+    L if it starts below L, and runs to vLLM's allowance from L (K's column
+    stays empty: K's state is written in no mode, by vLLM's rule). A chunk
+    that starts inside K's block (a prefix hit there, such as a backend's
+    prompt checkpoint at 112) keeps the route's answer: vLLM stalls it, as it
+    does without the plugin; running it across K would publish a wrong state.
+    Without such a drafter (k <= 1) ``route`` is returned as it is."""
+    lookahead = int(getattr(scheduler, "num_prefill_lookahead", 0) or 0)
+    if lookahead <= 1:
+        return route
+    grid, prefill_rule = policy.grid, policy.prefill
+
+    def split(
+        request: Request,
+        num_new_tokens: int,
+        num_new_local_computed_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+    ) -> int:
+        num_tokens = route(
+            request,
+            num_new_tokens,
+            num_new_local_computed_tokens,
+            num_external_computed_tokens,
+        )
+        if num_tokens <= 0:
+            return num_tokens
+        start = chunk_start(
+            request, num_new_local_computed_tokens, num_external_computed_tokens
+        )
+        end, total = start + num_tokens, request.num_tokens
+        if end >= total or end <= total - grid - lookahead:
+            return num_tokens  # the request's end, or far from it
+        last = (total - 1) // grid * grid  # K, the request's last boundary
+        floor = last - grid  # L
+        if total - last >= lookahead or last <= start or end <= floor:
+            return num_tokens
+        if not in_prefill(prefill_rule, request, start):
+            return num_tokens
+        if start < floor:
+            return floor - start
+        # From L, K's column is a fresh block: run on. From inside K's block (a
+        # prefix hit there, e.g. a backend's prompt checkpoint) any chunk across
+        # K publishes the start's state as K's: left to vLLM, which stalls it.
+        return num_new_tokens if start == floor else num_tokens
+
+    return split
+
+
 class _StateGridCacheConfig:
     """The scheduler's cache config, except that ``block_size`` is the state grid.
 
@@ -179,7 +246,7 @@ def lean_route(
     prefill_rule, decisions = policy.prefill, checkpoint_decisions
     first_kept_after = retention.first_kept_after
     yields = (
-        _CheckpointYield(policy.grid, retention, checkpoint_at)
+        _CheckpointYield(policy.grid, retention, checkpoint_at, stays_whole(scheduler))
         if policy.yield_replay_to_checkpoint and checkpoint_at is not None
         else None
     )
@@ -210,7 +277,7 @@ def lean_route(
             taken_before = decisions.taken
             num_tokens = on_vllms_grid(request, start, counts)
             if decisions.taken != taken_before and yields.does(
-                start, start + num_tokens, request.num_prompt_tokens
+                request, start, start + num_tokens
             ):
                 return num_tokens  # vLLM's own chunk: see _CheckpointYield
         num_tokens = kept(request, *counts)
@@ -262,9 +329,14 @@ class _CheckpointYield:
     """
 
     def __init__(
-        self, grid: int, retention: Retention, checkpoint_at: CheckpointRule
+        self,
+        grid: int,
+        retention: Retention,
+        checkpoint_at: CheckpointRule,
+        whole: Callable[[Request, int, int], bool],
     ) -> None:
         self.grid, self.retention, self.checkpoint_at = grid, retention, checkpoint_at
+        self.whole = whole
 
     def may(self, request: Request, reach: int, kept: int) -> bool:
         """Whether a chunk reaching up to ``reach`` could yield ``kept``."""
@@ -276,10 +348,15 @@ class _CheckpointYield:
             and self.retention.kept_only_as_replay(request, kept)
         )
 
-    def does(self, start: int, end: int, prompt: int) -> bool:
+    def does(self, request: Request, start: int, end: int) -> bool:
         """Whether vLLM's chunk ``[start, end)`` ends the prompt with the
-        backend's write in it (after :meth:`may`)."""
-        return end == prompt and self.checkpoint_at(start, end) > 0
+        backend's write in it, and stays whole after the split
+        (:func:`stays_whole`; after :meth:`may`)."""
+        return (
+            end == request.num_prompt_tokens
+            and self.checkpoint_at(start, end) > 0
+            and self.whole(request, start, end)
+        )
 
 
 # -- the stops ----------------------------------------------------------------------
@@ -293,11 +370,14 @@ def boundary_stops(
 ) -> BoundaryStop:
     """The policy's stops after vLLM's call, composed once at bind time."""
     if policy.mid_block_stop:
-        stop = _keep_mid_block_stop(policy, retention, checkpoint_at)
+        stop = _keep_mid_block_stop(scheduler, policy, retention, checkpoint_at)
     else:
         stop = _boundary_stop(scheduler, policy, retention, checkpoint_at)
     if policy.guard_scratch:
-        return _scratch_safe(policy, checkpoint_at, stop)
+        # Each manager skips the move in a step its own group checkpoints:
+        # where the groups' facts differ, any step may be one (rule unknown).
+        agree = checkpoint_groups_agree(scheduler)
+        return _scratch_safe(policy, checkpoint_at if agree else None, stop)
     return stop
 
 
@@ -391,6 +471,32 @@ def _leaves_unwritten(
     return leaves_unwritten
 
 
+def stays_whole(scheduler: Scheduler) -> Callable[[Request, int, int], bool]:
+    """Whether vLLM leaves a chunk ``[start, end)`` the split answered whole.
+
+    After the split, vLLM's scheduler may still cut a chunk (scheduler.py
+    :877-905 in 0.34.0, :861-889 in 0.33.0): the multi-module MTP lookahead
+    reserve ends it ``num_prefill_lookahead`` tokens short of the request's
+    end when fewer would remain (``_reserve_prefill_lookahead``); an encoder
+    input the step cannot encode ends it just before the input's first token
+    (``_try_schedule_encoder_inputs``; the step's encoder budget is not known
+    to the split, so every input that starts inside the chunk counts). A cut
+    chunk is no longer final: vLLM checkpoints nothing inside it, so a stop
+    the fix leaves to the backend's in-chunk state would lose the boundary.
+    """
+    lookahead = int(getattr(scheduler, "num_prefill_lookahead", 0) or 0)
+
+    def whole(request: Request, start: int, end: int) -> bool:
+        if 0 < request.num_tokens - end < lookahead:
+            return False
+        for feature in getattr(request, "mm_features", None) or ():
+            if start < feature.mm_position.offset < end:
+                return False
+        return True
+
+    return whole
+
+
 def _checkpoint_stands_in(
     scheduler: Scheduler,
     policy: StopPolicy,
@@ -401,9 +507,11 @@ def _checkpoint_stands_in(
     would: the chunk ``[start, end)`` ends the prefill, vLLM checkpoints it
     internally, and the state the backend writes (the prompt's partial tail)
     is the first boundary after ``start`` (lean: the first kept) and the last
-    before the end (a state at a later one would need a 2-block chunk)."""
+    before the end (a state at a later one would need a 2-block chunk), and
+    vLLM does not cut the chunk after the split (:func:`stays_whole`)."""
     grid, observed, lean = policy.grid, policy.watch_decisions, policy.stock_chunk_ends
     decisions, kept_after = checkpoint_decisions, retention.first_kept_after
+    whole = stays_whole(scheduler)
 
     def vllm_checkpoints(start: int, taken_before: int) -> bool:
         """Whether vLLM checkpoints this chunk internally: seen in its decision
@@ -423,13 +531,17 @@ def _checkpoint_stands_in(
             boundary is not None
             and end < boundary + grid
             and checkpoint_at(start, end) == boundary
+            and whole(request, start, end)
         )
 
     return stands_in
 
 
 def _keep_mid_block_stop(
-    policy: StopPolicy, retention: Retention, checkpoint_at: CheckpointRule | None
+    scheduler: Scheduler,
+    policy: StopPolicy,
+    retention: Retention,
+    checkpoint_at: CheckpointRule | None,
 ) -> BoundaryStop:
     """:attr:`StopPolicy.mid_block_stop` (grid, 0.30.0+): vLLM's answer, with its
     own stop at the boundary after a chunk that starts mid-block kept when vLLM
@@ -445,6 +557,7 @@ def _keep_mid_block_stop(
     boundary (else the block is freed unpublished and no stop is needed).
     """
     grid, decisions, keeps = policy.grid, checkpoint_decisions, retention.keeps
+    whole = stays_whole(scheduler)
 
     def writes_boundary(request: Request, start: int, end: int, boundary: int) -> bool:
         """Whether the backend writes ``boundary``'s state in the start's block:
@@ -455,6 +568,7 @@ def _keep_mid_block_stop(
             and end >= prefill_end(request)
             and end <= boundary + grid
             and checkpoint_at(start, end) == boundary
+            and whole(request, start, end)
         )
 
     def keep_mid_block_stop(

@@ -112,6 +112,17 @@ def test_checkpoint_backends_are_read_from_the_layer_files(tmp_path: Path) -> No
     assert set(releases.CHECKPOINT_BACKENDS_SINCE) == set(files)
 
 
+def test_the_release_notes_name_every_checkpoint_backend() -> None:
+    """docs/releases.md names each backend with checkpoint blocks and its first
+    release as ``CHECKPOINT_BACKENDS_SINCE`` has them (the names are the ones
+    ``simulate --checkpoint-backend`` takes)."""
+    notes = " ".join(
+        (Path(__file__).parents[2] / "docs" / "releases.md").read_text().split()
+    )
+    for backend, since in releases.CHECKPOINT_BACKENDS_SINCE.items():
+        assert f"`{backend}` {since}+" in notes, backend
+
+
 def test_worker_seed_table() -> None:
     assert len({code.fingerprint for code in SEED_BODIES}) == len(SEED_BODIES)
     group_info = next(iter(releases.GROUP_INFO_BODIES))

@@ -94,6 +94,12 @@ class Shape:
     )
     """The Mamba spec's state: (shapes, torch dtype names), a model family's
     as its layers declare it; by default one float32 number."""
+    second_mamba: tuple[int, int | None] | None = None
+    """A second Mamba group of block B, as Qwen4Exp has one for its PLE
+    short-conv layer next to its GDN layers (vLLM 0.33.0-0.34.0
+    models/qwen4_exp/nvidia/model.py:907-926): its
+    ``num_prefill_checkpoint_blocks`` and ``prefill_checkpoint_alignment``,
+    which may differ from the first group's. None: one Mamba group."""
 
 
 @functools.cache
@@ -164,21 +170,32 @@ def kv_cache_config(shape: Shape, config: Any) -> Any:
             checkpoints["prefill_checkpoint_alignment"] = (
                 shape.prefill_checkpoint_alignment
             )
+
+    def mamba(**fields: Any) -> Any:
+        return MambaSpec(
+            block_size=shape.state_block,
+            shapes=shape.mamba_state[0],
+            dtypes=tuple(getattr(torch, d) for d in shape.mamba_state[1]),
+            mamba_cache_mode="align",
+            **fields,
+        )
+
     groups = [
         KVCacheGroupSpec(
             ["model.layers.3.self_attn.attn"], attention(shape.attention_block)
         ),
         KVCacheGroupSpec(
-            [f"model.layers.{i}.linear_attn" for i in range(3)],
-            MambaSpec(
-                block_size=shape.state_block,
-                shapes=shape.mamba_state[0],
-                dtypes=tuple(getattr(torch, d) for d in shape.mamba_state[1]),
-                mamba_cache_mode="align",
-                **checkpoints,
-            ),
+            [f"model.layers.{i}.linear_attn" for i in range(3)], mamba(**checkpoints)
         ),
     ]
+    if shape.second_mamba is not None:
+        blocks, alignment = shape.second_mamba
+        second = dict(checkpoints)
+        second["num_prefill_checkpoint_blocks"] = blocks
+        second["prefill_checkpoint_alignment"] = alignment
+        groups.append(
+            KVCacheGroupSpec(["model.layers.4.ple.short_conv"], mamba(**second))
+        )
     if shape.drafter_block is not None:
         # A drafter's layers: MTP's attention layer with a speculative config,
         # hidden-state layers without one.

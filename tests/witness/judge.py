@@ -17,10 +17,12 @@ plugin, and imports nothing of it):
   ``(j + 1) * hash_block`` tokens. It must hold exactly that state once the
   step that published it has run, and after every later step while it
   carries the hash.
-- Where the Mamba spec declares backend prefill checkpoints, the forward pass
-  also leaves ONE more state inside a prefill chunk: the state at the
-  checkpoint position, in the column vLLM computes for it, unless that column
-  holds the null block (:meth:`Witness.backend_checkpoint`).
+- Where a Mamba group's spec declares backend prefill checkpoints, the forward
+  pass also leaves ONE more state inside a prefill chunk in that group: the
+  state at the checkpoint position, in the column vLLM computes for it, unless
+  that column holds the null block (:meth:`Witness.backend_checkpoint`). Each
+  group by its own spec (the worker builds the checkpoint metadata per spec:
+  ``MambaPrefillCheckpointBuilder``), whatever the scheduler decided.
 - With a speculative config (vLLM 0.32.0 to 0.34.0 only), the worker's
   own rule for draft steps replaces the two rules above
   (:meth:`Witness._draft_step`): a running column per request, an
@@ -122,8 +124,8 @@ class Witness:
             or scheduler.cache_config.block_size
         )
         self.checkpoints = _backend_checkpoints(scheduler, found)
-        """The backend's prefill-checkpoint rule's inputs, or None where the
-        Mamba spec declares no checkpoint blocks."""
+        """Group id -> the backend's prefill-checkpoint rule's inputs for that
+        group's spec, or None where it declares no checkpoint blocks."""
         self.speculative = _speculative(scheduler)
         """Whether the worker's rule for draft steps is mirrored
         (:meth:`_draft_step`)."""
@@ -231,10 +233,10 @@ class Witness:
             request = requests[req_id]
             tokens = self.tokens_of(request)
             self.findings.chunks += 1
-            for mamba in self.mambas.values():
+            for group, mamba in self.mambas.items():
                 if start > 0:
                     self._judge_read(mamba, req_id, tokens, start)
-                self._write_checkpoint(mamba, req_id, tokens, start, end)
+                self._write_checkpoint(group, mamba, req_id, tokens, start, end)
                 column = -(-end // self.state_block) - 1
                 running = self._column(mamba, req_id, column)
                 assert running is not None and not running.is_null, (
@@ -369,10 +371,13 @@ class Witness:
         else:
             self.holds[into.block_id] = held
 
-    def backend_checkpoint(self, start: int, end: int) -> tuple[int, int] | None:
+    def backend_checkpoint(
+        self, start: int, end: int, group: int | None = None
+    ) -> tuple[int, int] | None:
         """Where the backend writes its prefill checkpoint in a chunk
-        ``[start, end)``: (the position whose state it writes, the block-table
-        column it writes it into), or None for a chunk it writes none in.
+        ``[start, end)`` of a Mamba group (None: the first): (the position
+        whose state it writes, the block-table column it writes it into), or
+        None for a chunk it writes none in.
 
         The rule of vLLM's ``compute_mamba_prefill_checkpoints``
         (vllm/model_executor/layers/mamba/checkpoint.py, with
@@ -386,8 +391,9 @@ class Witness:
         position strictly inside it at a multiple of the checkpoint alignment
         from its start, and have the position's column ``ceil(end / B) - 2``
         after the column it reads (``(start - 1) // B``). The worker applies
-        it to every row, prefill or not, whatever the scheduler decided."""
-        rule = self.checkpoints
+        it to every row, prefill or not, whatever the scheduler decided, and
+        with each group's own checkpoint alignment."""
+        rule = self.checkpoints[next(iter(self.mambas)) if group is None else group]
         if rule is None:
             return None
         hash_block, unit, alignment = rule
@@ -404,12 +410,18 @@ class Witness:
         return None
 
     def _write_checkpoint(
-        self, mamba: Any, req_id: str, tokens: Sequence[int], start: int, end: int
+        self,
+        group: int,
+        mamba: Any,
+        req_id: str,
+        tokens: Sequence[int],
+        start: int,
+        end: int,
     ) -> None:
-        """The backend's prefill checkpoint of one chunk, if it writes one:
-        skipped where its column holds the null block, as the backend's store
-        skips ``NULL_BLOCK_ID``."""
-        checkpoint = self.backend_checkpoint(start, end)
+        """The backend's prefill checkpoint of one chunk in one Mamba group,
+        if it writes one: skipped where its column holds the null block, as
+        the backend's store skips ``NULL_BLOCK_ID``."""
+        checkpoint = self.backend_checkpoint(start, end, group)
         if checkpoint is None:
             return
         position, column = checkpoint
@@ -606,14 +618,19 @@ def mirrors_backend_checkpoints() -> bool:
 
 def _backend_checkpoints(
     scheduler: Any, mambas: Sequence[tuple[int, Any]]
-) -> tuple[int, int, int] | None:
-    """(hash block, cache-hit alignment, checkpoint alignment) as the worker
-    reads them when its Mamba spec declares prefill checkpoint blocks; None
-    where it declares none, or where the worker takes none (an alignment or
-    block size left unresolved)."""
-    specs = [manager.kv_cache_spec for _, manager in mambas]
-    if not any(getattr(spec, "num_prefill_checkpoint_blocks", 0) for spec in specs):
-        return None
+) -> dict[int, tuple[int, int, int] | None]:
+    """Group id -> (hash block, cache-hit alignment, checkpoint alignment) as
+    the worker reads them for that Mamba group's spec when it declares prefill
+    checkpoint blocks; None where it declares none, or where the worker takes
+    none (an alignment or block size left unresolved). Each group's own
+    alignment: vLLM's scheduler decides with the first group's (a TODO in
+    scheduler.py:445-454 of 0.34.0), its worker writes by each spec's."""
+    specs = {group: manager.kv_cache_spec for group, manager in mambas}
+    rules: dict[int, tuple[int, int, int] | None] = dict.fromkeys(specs)
+    if not any(
+        getattr(spec, "num_prefill_checkpoint_blocks", 0) for spec in specs.values()
+    ):
+        return rules
     if not mirrors_backend_checkpoints():
         raise NotImplementedError(
             "the witness does not know this vLLM's backend checkpoint rule"
@@ -622,10 +639,13 @@ def _backend_checkpoints(
         raise NotImplementedError(
             "the witness mirrors backend checkpoints without speculative decoding"
         )
-    (alignment,) = {spec.prefill_checkpoint_alignment for spec in specs}
     kv = scheduler.kv_cache_config
     hash_block = getattr(kv, "hash_block_size", None)
     unit = getattr(kv, "cache_hit_alignment_tokens", None)
-    if alignment is None or hash_block is None or unit is None:
-        return None
-    return int(hash_block), int(unit), int(alignment)
+    if hash_block is None or unit is None:
+        return rules
+    for group, spec in specs.items():
+        alignment = spec.prefill_checkpoint_alignment
+        if spec.num_prefill_checkpoint_blocks and alignment is not None:
+            rules[group] = int(hash_block), int(unit), int(alignment)
+    return rules

@@ -41,6 +41,10 @@ class Scenario:
     """vLLM's AsyncScheduler, one step in flight (vLLM's default on GPU)."""
     drafter: tuple[str, int] | None = None
     """A speculative drafter, (method, tokens per step); None: none."""
+    checkpoint_backend: str | None = None
+    """A GPU backend that writes one state inside a prefill chunk
+    (``checkpoints.CHECKPOINT_BACKEND_FILES``), by its alignment; None: none
+    (the CPU backend)."""
 
 
 @dataclass
@@ -141,6 +145,17 @@ def validate(s: Scenario) -> list[str]:
         problems.append(f"--prompt must be below {MAX_MODEL_LEN} (the model length)")
     if s.requests > 64:
         problems.append("--requests is limited to 64 (the simulated pool size)")
+    if s.checkpoint_backend is not None:
+        from ..releases import installed_version
+        from .sim import available_checkpoint_backends
+
+        found = available_checkpoint_backends()
+        if s.checkpoint_backend not in found:
+            problems.append(
+                f"--checkpoint-backend {s.checkpoint_backend}: vLLM "
+                f"{installed_version()} declares no prefill checkpoint blocks "
+                f"for it (it does for: {', '.join(found) or 'none'})"
+            )
     return problems
 
 
@@ -159,6 +174,7 @@ def _geometry(s: Scenario) -> Any:
         retention=s.retention,
         async_scheduling=s.async_scheduling,
         speculative=s.drafter,
+        prefill_checkpoint=s.checkpoint_backend,
     )
 
 
@@ -294,6 +310,10 @@ def _serving(s: Scenario) -> str:
             f"a drafter ({s.drafter[0]}) proposing {s.drafter[1]} token(s) a step "
             "(every draft accepted)"
         )
+    if s.checkpoint_backend:
+        parts.append(
+            f"the {s.checkpoint_backend} backend's in-chunk prefill checkpoint"
+        )
     return "With " + " and ".join(parts) + "."
 
 
@@ -313,7 +333,11 @@ def render(s: Scenario, results: list[ModeResult]) -> str:
         f"{s.hash_block}, budget {s.budget}:",
         f"{s.requests} prompt(s) of {s.prompt} tokens, then a re-ask and two "
         f"siblings sharing its first {s.share} tokens.",
-        *([_serving(s)] if s.async_scheduling or s.drafter else []),
+        *(
+            [_serving(s)]
+            if s.async_scheduling or s.drafter or s.checkpoint_backend
+            else []
+        ),
         *(textwrap.wrap(f"vLLM's {results[0].retention}.", 100) if results else [""]),
         "",
         *picture(s, results),

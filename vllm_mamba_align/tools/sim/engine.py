@@ -298,9 +298,9 @@ def supports_admission_window() -> bool:
 CHECKPOINT_BACKENDS = tuple(CHECKPOINT_BACKEND_FILES)
 """Backends whose in-chunk prefill checkpoint the worker model writes, where
 the installed vLLM's layer declares checkpoint blocks
-(checkpoints.CHECKPOINT_BACKEND_FILES; in releases: flashkda 0.29.0+, Mamba2
-0.32.0+, GDN on FlashInfer 0.33.0+). 0.29.0 has no alignment field (flashkda's
-rule is 16 there)."""
+(checkpoints.CHECKPOINT_BACKEND_FILES and CHECKPOINT_BACKENDS_SINCE), each by
+its alignment (:func:`checkpoint_alignment`). 0.29.0 has no alignment field
+(flashkda's rule is 16 there)."""
 
 
 def available_checkpoint_backends() -> tuple[str, ...]:
@@ -310,13 +310,22 @@ def available_checkpoint_backends() -> tuple[str, ...]:
 
 
 def checkpoint_alignment(backend: str, hash_block: int) -> int:
-    """The backend's ``prefill_checkpoint_alignment``."""
-    if backend == "gdn-flashinfer":
+    """The backend's ``prefill_checkpoint_alignment``: GDN on FlashInfer and
+    Qwen4Exp's PLE layer the checkpoint grid, which FlashInfer's GDN stride
+    (64) divides (``get_mamba_prefill_checkpoint_grid``,
+    model_executor/layers/mamba/abstract.py:124-136 in 0.34.0; ple_layer.py
+    :216-219; v1/attention/backends/gdn_attn.py:35); Mamba2 1; KDA on flashkda
+    (Kimi-K3, GLM-5-Next) 16 (model_executor/layers/mamba/kda_checkpoint.py:9-10
+    in 0.34.0); Kimi-K3's AMD KDA its chunk, 64
+    (models/kimi_k3/amd/ops/kda_chunk.py:21-23 in 0.32.0-0.34.0)."""
+    if backend in ("gdn-flashinfer", "qwen4exp-ple"):
         return math.lcm(hash_block, 64)
     if backend == "mamba2":
         return 1
-    if backend == "flashkda":
+    if backend in ("flashkda", "glm5next-flashkda"):
         return 16
+    if backend == "kimi-k3-amd":
+        return 64
     raise ValueError(f"unknown prefill checkpoint backend {backend!r}")
 
 
