@@ -45,7 +45,7 @@ docs/maintaining/patches.md, which a test holds to the code:
    config is never written. Upstream: PR #54076 (reads B from the KV-cache
    groups). Delete when: as 2.
 5. **Model Runner V2's worker seed** (``MambaHybridModelState.add_request`` and
-   ``_get_mamba_group_info``; 0.25.1-0.31.0 code only, not in ``off`` mode).
+   ``_get_mamba_group_info``; 0.25.0-0.31.0 code only, not in ``off`` mode).
    Why: those releases seed a resumed request's running-state column with C
    instead of B (vLLM issue #53142: a wrong pre-copy, illegal memory access).
    How: wrapt wrappers re-seed with B once vLLM has bound the Mamba spec

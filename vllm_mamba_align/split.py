@@ -431,7 +431,8 @@ def _checkpoint_stands_in(
 def _keep_mid_block_stop(
     policy: StopPolicy, retention: Retention, checkpoint_at: CheckpointRule | None
 ) -> BoundaryStop:
-    """:attr:`StopPolicy.mid_block_stop` (grid, 0.30.0+): vLLM's answer, with its
+    """:attr:`StopPolicy.mid_block_stop` (grid, on the
+    :attr:`InternalCheckpoint.OBSERVED` bodies, 0.30.0+): vLLM's answer, with its
     own stop at the boundary after a chunk that starts mid-block kept when vLLM
     checkpoints the chunk internally.
 

@@ -2,7 +2,7 @@
 
 In align mode ``MambaHybridModelState.add_request`` seeds a new or resumed request's
 running-state column as ``(num_computed_tokens - 1) // block_size``. Releases
-0.25.1-0.31.0 divide by ``cache_config.block_size`` (C), but the column is counted in
+0.25.0-0.31.0 divide by ``cache_config.block_size`` (C), but the column is counted in
 Mamba blocks (B). With C < B the first step of a resumed or prefix-hit request
 pre-copies from a wrong column (vLLM issue #53142, fixed upstream by #53798 in
 0.32.0). The fix re-seeds with B once vLLM has bound the Mamba spec from the KV-cache
