@@ -164,7 +164,7 @@ def drifts(texts: Iterator[tuple[str, str]]) -> list[str]:
     found = []
     for name, text in texts:
         for match in RANGE.finditer(text):
-            first, plus, last = match.groups()
+            first, _plus, last = match.groups()
             if first not in SUPPORTED_RELEASES or (
                 last is not None and last not in SUPPORTED_RELEASES
             ):
@@ -209,5 +209,7 @@ def test_the_stall_refusal_names_the_first_release_the_table_exempts() -> None:
         (("0.23.0", "0.25.0", "0.25.1"), "0.23.0, 0.25.0-0.25.1"),
     ],
 )
-def test_releases_are_described_as_runs(chosen: tuple[str, ...], described: str) -> None:
+def test_releases_are_described_as_runs(
+    chosen: tuple[str, ...], described: str
+) -> None:
     assert releases.describe_releases(chosen) == described
