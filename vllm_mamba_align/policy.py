@@ -203,9 +203,12 @@ backend_off_manager_grid`, 0.30.0-0.31.0) a longer chunk gets a wrongly
     """lean mode: run vLLM's split on its own grid (C, as stock does) for a
     chunk that starts on that grid, and on B for one that starts off it (after
     a stop at a kept boundary, so vLLM does not add its stop after a mid-block
-    start). Why: under sparse retention vLLM publishes a Mamba block only for
-    a boundary it keeps; a chunk that runs across any other boundary, or ends
-    between two, leaves a block nobody hashes, so only the stops at kept
+    start), and on B for a prefill's last chunk from a kept boundary (where
+    vLLM's last-cacheable-position stop on C would fall inside the B block
+    that boundary opens, where nothing is published). Why: under sparse
+    retention vLLM publishes a Mamba block only for a boundary it keeps; a
+    chunk that runs across any other boundary, or ends between two, leaves a
+    block nobody hashes, so only the stops at kept
     boundaries (:attr:`stop_at_boundaries`) are needed and flooring every
     chunk end to B costs steps for nothing. Off where every boundary is kept
     (dense) and where the backend's state lands off the manager's grid: lean

@@ -168,16 +168,25 @@ def lean_route(
     checkpoint_at: CheckpointRule | None,
 ) -> Route:
     """lean (:attr:`StopPolicy.stock_chunk_ends`): vLLM's own chunk ends, and a
-    stop at every boundary ``retention`` keeps.
+    stop at every boundary ``retention`` keeps; one call of vLLM's split per
+    chunk.
 
     A prefill chunk whose step allowance reaches no kept boundary gets vLLM's
-    own answer on vLLM's own grid (:func:`_on_vllms_grid`). One whose
-    allowance reaches a kept boundary gets ``kept``'s answer (the route's),
-    ending on that boundary at the latest, unless vLLM's own chunk gives the
-    boundary's column to the prompt checkpoint (:class:`_CheckpointYield`).
-    Every other call (decodes included) is ``kept``'s."""
-    prefill_rule, decisions = policy.prefill, checkpoint_decisions
-    first_kept_after = retention.first_kept_after
+    own answer on vLLM's own grid (:func:`_on_vllms_grid`), except the last
+    chunk of a prefill from a kept boundary: that one gets vLLM's answer on B,
+    as PR #54076 computes it. On C vLLM would stop it once more at its last
+    cacheable position, which lies inside the B block the kept boundary opens
+    (or, with EAGLE's one-block back-off, before it), where no Mamba state is
+    published; on B that position is the kept boundary or one block before it,
+    so the stop falls away while vLLM's partial-tail and junction stops stay.
+    One whose allowance reaches a kept boundary gets ``kept``'s answer (the
+    route's), ending on that boundary at the latest, unless vLLM's own chunk
+    gives the boundary's column to the prompt checkpoint
+    (:class:`_CheckpointYield`); when it does not, the chunk stops at the
+    boundary, as ``kept``'s route would, without asking vLLM again. Every
+    other call (decodes included) is ``kept``'s."""
+    prefill_rule, decisions, grid = policy.prefill, checkpoint_decisions, policy.grid
+    first_kept_after, keeps = retention.first_kept_after, retention.keeps
     yields = (
         _CheckpointYield(policy.grid, retention, checkpoint_at)
         if policy.yield_replay_to_checkpoint and checkpoint_at is not None
@@ -203,16 +212,27 @@ def lean_route(
         )
         if not in_prefill(prefill_rule, request, start):
             return kept(request, *counts)
+        reach = start + num_new_tokens
         boundary = first_kept_after(request, start)
-        if boundary is None or boundary > start + num_new_tokens:
-            return on_vllms_grid(request, start, counts)  # nothing kept in reach
-        if yields is not None and yields.may(request, start + num_new_tokens, boundary):
+        if boundary is None or boundary > reach:  # nothing kept in reach
+            # The prefill's last chunk from a kept boundary: vLLM's split on B.
+            on_state_grid = (
+                start > 0
+                and start % grid == 0
+                and reach >= prefill_end(request)
+                and keeps(request, start)
+            )
+            return on_vllms_grid(request, start, counts, on_state_grid)
+        if yields is not None and yields.may(request, reach, boundary):
             taken_before = decisions.taken
-            num_tokens = on_vllms_grid(request, start, counts)
+            num_tokens = on_vllms_grid(request, start, counts, False)
             if decisions.taken != taken_before and yields.does(
                 start, start + num_tokens, request.num_prompt_tokens
             ):
                 return num_tokens  # vLLM's own chunk: see _CheckpointYield
+            # kept's stop at the boundary (a chunk past it only where the
+            # backend writes the boundary's state, which then is vLLM's own).
+            return boundary - start
         num_tokens = kept(request, *counts)
         return num_tokens if start + num_tokens > boundary else boundary - start
 
@@ -221,23 +241,28 @@ def lean_route(
 
 def _on_vllms_grid(
     scheduler: Scheduler, call: StockCall, grid: int
-) -> Callable[[Request, int, tuple[int, ...]], int]:
+) -> Callable[[Request, int, tuple[int, ...], bool], int]:
     """vLLM's answer on its own grid (C) for a chunk from ``start``; from a
     start off that grid (after a stop at a kept boundary, where vLLM would add
     its stop after a mid-block start), its answer on B stretched back onto C's
     grid as far as the allowance (``counts[0]``) goes (lean only calls it where
-    nothing up to there is kept)."""
+    nothing up to there is kept); with ``on_state_grid``, its answer on B as
+    it stands (a prefill's last chunk, which no grid floors)."""
 
-    def on_vllms_grid(request: Request, start: int, counts: tuple[int, ...]) -> int:
+    def on_vllms_grid(
+        request: Request, start: int, counts: tuple[int, ...], on_state_grid: bool
+    ) -> int:
         shared = scheduler.cache_config
         own = shared.block_size
-        if start % own == 0:
+        if start % own == 0 and not on_state_grid:
             return int(call(scheduler, request, *counts))  # type: ignore[arg-type]
         scheduler.cache_config = _StateGridCacheConfig(shared, grid)
         try:
             num_tokens = int(call(scheduler, request, *counts))  # type: ignore[arg-type]
         finally:
             scheduler.cache_config = shared
+        if on_state_grid:
+            return num_tokens
         return max(num_tokens, (start + counts[0]) // own * own - start)
 
     return on_vllms_grid
