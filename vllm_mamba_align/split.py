@@ -167,26 +167,21 @@ def lean_route(
     kept: Route,
     checkpoint_at: CheckpointRule | None,
 ) -> Route:
-    """lean (:attr:`StopPolicy.stock_chunk_ends`): vLLM's own chunk ends, and a
-    stop at every boundary ``retention`` keeps; one call of vLLM's split per
-    chunk.
+    """lean (:attr:`StopPolicy.stock_chunk_ends`): vLLM's chunk ends, a stop at
+    every boundary ``retention`` keeps, one call of vLLM's split per chunk.
 
-    A prefill chunk whose step allowance reaches no kept boundary gets vLLM's
-    own answer on vLLM's own grid (:func:`_on_vllms_grid`), except the last
-    chunk of a prefill from a kept boundary: that one gets vLLM's answer on B,
-    as PR #54076 computes it. On C vLLM would stop it once more at its last
-    cacheable position, which lies inside the B block the kept boundary opens
-    (or, with EAGLE's one-block back-off, before it), where no Mamba state is
-    published; on B that position is the kept boundary or one block before it,
-    so the stop falls away while vLLM's partial-tail and junction stops stay.
-    One whose allowance reaches a kept boundary gets ``kept``'s answer (the
-    route's), ending on that boundary at the latest, unless vLLM's own chunk
-    gives the boundary's column to the prompt checkpoint
-    (:class:`_CheckpointYield`); when it does not, the chunk stops at the
-    boundary, as ``kept``'s route would, without asking vLLM again. Every
-    other call (decodes included) is ``kept``'s."""
-    prefill_rule, decisions, grid = policy.prefill, checkpoint_decisions, policy.grid
-    first_kept_after, keeps = retention.first_kept_after, retention.keeps
+    A prefill chunk reaching no kept boundary gets vLLM's answer on C
+    (:func:`_on_vllms_grid`); a prefill's last chunk from a kept boundary, on B
+    (PR #54076): vLLM's last-cacheable stop on C lies inside the B block that
+    boundary opens, where nothing is published (on B it is the boundary, or
+    with EAGLE's back-off the one before). One reaching a kept boundary gets
+    ``kept``'s answer, ending there at the latest, unless vLLM's own chunk
+    yields the boundary's column to the prompt checkpoint
+    (:class:`_CheckpointYield`; if not, it stops there without asking vLLM
+    again). Other calls (decodes) are ``kept``'s."""
+    prefill_rule, decisions = policy.prefill, checkpoint_decisions
+    first_kept_after = retention.first_kept_after
+    last_from_kept = _last_chunk_from_kept(policy.grid, retention)
     yields = (
         _CheckpointYield(policy.grid, retention, checkpoint_at)
         if policy.yield_replay_to_checkpoint and checkpoint_at is not None
@@ -200,29 +195,18 @@ def lean_route(
         num_new_local_computed_tokens: int = 0,
         num_external_computed_tokens: int = 0,
     ) -> int:
-        counts = (
-            num_new_tokens,
-            num_new_local_computed_tokens,
-            num_external_computed_tokens,
-        )
+        local, external = num_new_local_computed_tokens, num_external_computed_tokens
+        counts = (num_new_tokens, local, external)
         if num_new_tokens <= 1:
             return kept(request, *counts)
-        start = chunk_start(
-            request, num_new_local_computed_tokens, num_external_computed_tokens
-        )
+        start = chunk_start(request, local, external)
         if not in_prefill(prefill_rule, request, start):
             return kept(request, *counts)
         reach = start + num_new_tokens
         boundary = first_kept_after(request, start)
         if boundary is None or boundary > reach:  # nothing kept in reach
-            # The prefill's last chunk from a kept boundary: vLLM's split on B.
-            on_state_grid = (
-                start > 0
-                and start % grid == 0
-                and reach >= prefill_end(request)
-                and keeps(request, start)
-            )
-            return on_vllms_grid(request, start, counts, on_state_grid)
+            last = last_from_kept(request, start, reach)  # then on B
+            return on_vllms_grid(request, start, counts, last)
         if yields is not None and yields.may(request, reach, boundary):
             taken_before = decisions.taken
             num_tokens = on_vllms_grid(request, start, counts, False)
@@ -230,13 +214,30 @@ def lean_route(
                 start, start + num_tokens, request.num_prompt_tokens
             ):
                 return num_tokens  # vLLM's own chunk: see _CheckpointYield
-            # kept's stop at the boundary (a chunk past it only where the
-            # backend writes the boundary's state, which then is vLLM's own).
+            # kept's stop (kept runs past the boundary only where the backend
+            # writes its state in the chunk: a stop there loses nothing).
             return boundary - start
         num_tokens = kept(request, *counts)
         return num_tokens if start + num_tokens > boundary else boundary - start
 
     return lean
+
+
+def _last_chunk_from_kept(
+    grid: int, retention: Retention
+) -> Callable[[Request, int, int], bool]:
+    """Whether a prefill chunk from ``start`` reaching ``reach`` is the
+    prefill's last and starts on a boundary ``retention`` keeps."""
+
+    def last_from_kept(request: Request, start: int, reach: int) -> bool:
+        return bool(
+            start > 0
+            and start % grid == 0
+            and reach >= prefill_end(request)
+            and retention.keeps(request, start)
+        )
+
+    return last_from_kept
 
 
 def _on_vllms_grid(
