@@ -20,8 +20,7 @@ from typing import Any
 import pytest
 from helpers import cache_block_for, scheduler_mode
 
-from vllm_mamba_align import activation
-from vllm_mamba_align.recognition import SPLIT_METHOD
+from vllm_mamba_align import split
 from vllm_mamba_align.tools.modes import STOCK
 from vllm_mamba_align.tools.sim import (
     Geometry,
@@ -80,29 +79,32 @@ def served(
 def vllm_calls_per_split_call(
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[Callable[[Simulation], list[int]]]:
-    """Inside: schedulers bind their route around a counted vLLM split. Yields
-    a function that counts, for a simulation built inside, the calls of
-    vLLM's split each call of the scheduler's route made (read once run)."""
+    """Inside: schedulers bind their route around a counted call of vLLM's
+    split (everything else the route reads of vLLM's function unchanged).
+    Yields a function that lists, for a simulation built inside, how many
+    calls of vLLM's split each call of the scheduler's route made."""
     made: list[int] = []
-    bind = activation.state_grid_split
+    bind = split.bind_route
 
-    def counting(scheduler: Any, stock: Any, *rest: Any) -> Any:
-        @functools.wraps(stock)
-        def counted(*args: Any) -> Any:
-            made[-1] += 1
-            return stock(*args)
+    def counting_bind(make: Any, stock: Any, *rest: Any) -> Any:
+        def counted_make(call: Any) -> Any:
+            def counted(*args: Any) -> Any:
+                made[-1] += 1
+                return call(*args)
 
-        route = bind(scheduler, counted, *rest)
+            return make(counted)
 
-        def split(*args: Any) -> Any:
+        route = bind(counted_make, stock, *rest)
+
+        @functools.wraps(route)
+        def counted_route(*args: Any) -> Any:
             made.append(0)
             return route(*args)
 
-        split.__dict__["counts"] = made
-        return split
+        return counted_route
 
-    monkeypatch.setattr(activation, "state_grid_split", counting)
-    yield lambda sim: list(sim.scheduler.__dict__[SPLIT_METHOD].counts)
+    monkeypatch.setattr(split, "bind_route", counting_bind)
+    yield lambda sim: list(made)
 
 
 @pytest.mark.parametrize("families", [False, True], ids=["unique", "families"])
