@@ -160,7 +160,7 @@ def render(results: dict[str, dict[str, Count]], count: int, seed: int) -> str:
         + ", ".join(
             f"{mode} {both[mode] / both[STOCK]:.3f}x" for mode in MODES if mode != STOCK
         )
-        + f" stock's {both[STOCK]} steps.",
+        + f" (stock: {both[STOCK]} steps).",
     ]
     return "\n".join(lines) + "\n"
 
