@@ -6,9 +6,16 @@ import platform
 import textwrap
 
 import pytest
-from helpers import built_or_skipped, run_python, scheduler_mode, vllm_refuses
+from helpers import (
+    StartLines,
+    built_or_skipped,
+    run_python,
+    scheduler_mode,
+    vllm_refuses,
+)
 
-from vllm_mamba_align import MambaAlignError, __version__, register
+from vllm_mamba_align import MambaAlignError, __version__, activation, register
+from vllm_mamba_align.recognition import SPLIT_METHOD
 from vllm_mamba_align.releases import (
     SUPPORTED_RELEASES,
     V1_RUNNER_REMOVED_IN,
@@ -23,14 +30,36 @@ from vllm_mamba_align.tools.sim import (
 )
 
 
-def test_disagreeing_mamba_groups_refuse_to_start() -> None:
-    """A scheduler built on groups that disagree, as a worker that checks the
-    groups only at its first step lets vLLM build it (0.15.0-0.31.0, Model
-    Runner V1 on 0.32.0-0.33.0): refused, naming ways out that work there."""
+@pytest.mark.parametrize("mode", ["full", "off"])
+def test_disagreeing_mamba_groups_refuse_to_start_except_in_off(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mamba groups that disagree on their block size (which stock vLLM cannot
+    build: the KV-cache config is crafted) refuse a fixing mode; ``off``
+    changes nothing whatever it finds: vLLM's own split, no attribute set, and
+    a start line that says why it stands aside. A fixing mode refuses as a
+    worker that checks the groups only at its first step lets vLLM build it
+    (0.15.0-0.31.0, Model Runner V1 on 0.32.0-0.33.0), naming ways out that
+    work there."""
     geometry = Geometry(cache_block=816, state_block=1648, extra_mamba_block=1600)
+    lines = StartLines()
+    monkeypatch.setattr(activation, "_logger", lambda: lines)
+    if mode == "off":
+        with built_or_skipped(), scheduler_mode("off"):
+            scheduler = build_scheduler(geometry)
+        own = vars(type(scheduler))[SPLIT_METHOD].__wrapped__
+        assert scheduler._mamba_block_aligned_split.__func__ is own
+        assert activation.STATE_BLOCK_ATTRIBUTE not in vars(scheduler)
+        assert scheduler.cache_config.block_size == 816
+        (line,) = lines.lines
+        assert "mode=off (stock vLLM split)" in line
+        assert "disagree on their block size" in line
+        assert "block_size=1648" in line and "block_size=1600" in line
+        assert "mode off leaves vLLM as it is" in line
+        return
     with (
         built_or_skipped(),
-        scheduler_mode("full"),
+        scheduler_mode(mode),
         pytest.raises(MambaAlignError) as error,
     ):
         build_scheduler(geometry)
@@ -48,6 +77,7 @@ def test_disagreeing_mamba_groups_refuse_to_start() -> None:
     assert f"vLLM {release_range(before=since)} starts such a model" in message
     assert f"from {since} Model Runner V2 stops it" in message
     assert release_range(since, before=V1_RUNNER_REMOVED_IN) in message
+    assert lines.lines == []
 
 
 @pytest.mark.parametrize("mode", ["bogus", "FULLY"])

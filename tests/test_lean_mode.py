@@ -11,11 +11,16 @@ token (in steps) no worse than ``kept``'s. The random workloads
 
 from __future__ import annotations
 
+import functools
 import random
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 from helpers import cache_block_for, scheduler_mode
 
+from vllm_mamba_align import split
 from vllm_mamba_align.tools.modes import STOCK
 from vllm_mamba_align.tools.sim import (
     Geometry,
@@ -70,6 +75,38 @@ def served(
     return sim, ttft
 
 
+@contextmanager
+def vllm_calls_per_split_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[Callable[[Simulation], list[int]]]:
+    """Inside: schedulers bind their route around a counted call of vLLM's
+    split (everything else the route reads of vLLM's function unchanged).
+    Yields a function that lists, for a simulation built inside, how many
+    calls of vLLM's split each call of the scheduler's route made."""
+    made: list[int] = []
+    bind = split.bind_route
+
+    def counting_bind(make: Any, stock: Any, *rest: Any) -> Any:
+        def counted_make(call: Any) -> Any:
+            def counted(*args: Any) -> Any:
+                made[-1] += 1
+                return call(*args)
+
+            return make(counted)
+
+        route = bind(counted_make, stock, *rest)
+
+        @functools.wraps(route)
+        def counted_route(*args: Any) -> Any:
+            made.append(0)
+            return route(*args)
+
+        return counted_route
+
+    monkeypatch.setattr(split, "bind_route", counting_bind)
+    yield lambda sim: list(made)
+
+
 @pytest.mark.parametrize("families", [False, True], ids=["unique", "families"])
 def test_lean_keeps_every_kept_state_and_publishes_nothing_wrong(
     families: bool,
@@ -118,7 +155,10 @@ def test_lean_is_kept_under_dense_retention() -> None:
     ids=["tail-is-the-boundary", "backend-declines", "tail-takes-the-column"],
 )
 def test_lean_leaves_the_replay_boundary_to_the_backends_prompt_checkpoint(
-    length: int, lean_ends: list[int], boundary_kept: bool
+    length: int,
+    lean_ends: list[int],
+    boundary_kept: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With backend prefill checkpoints (GDN on FlashInfer, alignment
     lcm(16, 64) from the chunk's start) the backend writes the prompt
@@ -143,15 +183,53 @@ def test_lean_leaves_the_replay_boundary_to_the_backends_prompt_checkpoint(
         prefill_checkpoint="gdn-flashinfer",
     )
     tokens = prompt(length, seed=9)
-    with scheduler_mode("lean"):
+    with scheduler_mode("lean"), vllm_calls_per_split_call(monkeypatch) as calls:
         sim = Simulation(geometry)
         if sim.retention_interval != 0:
             pytest.skip("vLLM's default retention keeps every boundary here")
         sim.add("p", tokens)
         sim.run()
+    # One call of vLLM's split per chunk, whether or not vLLM's own chunk
+    # yields the boundary (it asks before it knows).
+    assert max(calls(sim)) == 1
     assert sim.chunk_ends("p") == lean_ends
     assert not sim.poisoned, [str(p) for p in sim.poisoned.values()]
     tail = (length - 1) // 16 * 16
     assert state_id(tokens, tail) in sim.published_states
     assert (4 * B in sim.materialized_boundaries("p")) == boundary_kept
     assert sim.missing_kept == ([] if boundary_kept else [f"p: {4 * B} inside a chunk"])
+
+
+def test_lean_ends_a_prefill_from_its_kept_boundary_as_the_fix_on_b_would() -> None:
+    """C divides B: after lean's stop at the replay boundary K, the prompt's
+    last chunk runs on B, where vLLM's last cacheable position is K itself; on
+    C it would stop once more at 4,352, inside the B block K opens, where
+    nothing is published. So lean spends no more chunks than stock here, and
+    K's state is materialized, nothing wrong published."""
+    state_block, cache_block, length = 1024, 256, 4 * 1024 + 300
+    geometry = Geometry(
+        cache_block=cache_block,
+        state_block=state_block,
+        hash_block=16,
+        budget=8192,
+        num_blocks=8000,
+        retention="default",
+    )
+    tokens = prompt(length, seed=11)
+    ends = {}
+    for mode in (STOCK, "lean"):
+        with scheduler_mode(mode):
+            sim = Simulation(geometry)
+            if sim.retention_interval != 0:
+                pytest.skip("vLLM's default retention keeps every boundary here")
+            sim.add("p", tokens)
+            sim.run()
+        ends[mode] = sim.chunk_ends("p")
+    last_cacheable_on_c = (length - 1) // cache_block * cache_block
+    assert last_cacheable_on_c in ends[STOCK]
+    assert last_cacheable_on_c not in ends["lean"]
+    assert ends["lean"][0] == 4 * state_block
+    assert len(ends["lean"]) <= len(ends[STOCK])
+    assert 4 * state_block in sim.materialized_boundaries("p")
+    assert not sim.poisoned, [str(p) for p in sim.poisoned.values()]
+    assert sim.missing_kept == []

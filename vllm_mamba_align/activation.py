@@ -16,7 +16,7 @@ from typing import Any
 
 from . import audit, hazard, messages, metrics, settings
 from .errors import MambaAlignError
-from .geometry import state_block_size
+from .geometry import mamba_groups, state_block_size
 from .layers import Chain, walk
 from .policy import StopPolicy, step_budget
 from .protocols import Scheduler
@@ -38,37 +38,38 @@ SPLIT_ATTRIBUTE = "_vllm_mamba_align_split"
 def attach(scheduler: Scheduler, recognition: Recognition) -> None:
     """Decide for one freshly built scheduler; raise to refuse it, never half-apply.
 
-    The split's layers are walked once, here: the refusal checks, mode ``off``'s
-    binding and its start line all read that one walk.
+    The mode is read once, first: in ``off`` nothing found here refuses
+    (vLLM's split runs unchanged, whoever wrote it, whatever the Mamba groups
+    say); the start line says why the plugin stands aside. The split's layers
+    are walked once, here: the refusal checks, mode ``off``'s binding and its
+    start line all read that one walk.
     """
     mode = settings.read_mode()
     if not _needs_align_split(scheduler):
-        _log(scheduler, recognition, "inactive (no Mamba layers in align mode)", None)
+        _log(scheduler, recognition, mode, "inactive (no Mamba layers in align mode)")
         return
     if upstream_fix_present(type(scheduler)):
         upstream = getattr(scheduler, STATE_BLOCK_ATTRIBUTE, None)
         _log(
             scheduler,
             recognition,
+            mode,
             "inactive (vLLM already derives mamba_state_block_size itself: "
             "the upstream fix is present)",
             upstream,
         )
         return
+    if mode is Mode.OFF:
+        _stand_aside(scheduler, recognition)
+        return
     state_grid = state_block_size(scheduler.kv_cache_config)
     if state_grid is None:
-        _log(scheduler, recognition, "inactive (no Mamba spec among KV groups)", None)
+        _log(scheduler, recognition, mode, "inactive (no Mamba spec among KV groups)")
         return
     chain = walk(type(scheduler), SPLIT_METHOD)
-    refusal = split_refusal(recognition, chain)
+    refusal = split_refusal(recognition, chain, mode)
     if refusal is not None:
         raise refusal
-    if mode is Mode.OFF:  # also unverified code, or another plugin's: unchanged
-        _bind_unchanged(scheduler, chain)
-        _log(
-            scheduler, recognition, messages.off_status(recognition, chain), state_grid
-        )
-        return
     body = recognition.body
     assert body is not None  # split_refusal refuses every body-less recognition
     retention = read_retention(scheduler, state_grid)
@@ -80,6 +81,7 @@ def attach(scheduler: Scheduler, recognition: Recognition) -> None:
         _log(
             scheduler,
             recognition,
+            mode,
             f"{audit.ACTIVE_STATUS}; {retention.describe()}",
             state_grid,
         )
@@ -87,6 +89,23 @@ def attach(scheduler: Scheduler, recognition: Recognition) -> None:
     if not body.wide_block_exemption:
         _refuse_stall(scheduler, body, state_grid)
     _activate_fix(scheduler, recognition, mode, retention, state_grid)
+
+
+def _stand_aside(scheduler: Scheduler, recognition: Recognition) -> None:
+    """Mode ``off``: refuse nothing, bind vLLM's own split (or leave another
+    plugin's layer in place), and say on the start line what a fixing mode
+    would have refused, so an A/B run shows why the two differ."""
+    groups = mamba_groups(scheduler.kv_cache_config)
+    if not groups:
+        status = "inactive (no Mamba spec among KV groups)"
+        _log(scheduler, recognition, Mode.OFF, status)
+        return
+    sizes = {group.block_size for group in groups}
+    state_grid = next(iter(sizes)) if len(sizes) == 1 else None
+    chain = walk(type(scheduler), SPLIT_METHOD)
+    _bind_unchanged(scheduler, chain)
+    status = messages.off_status(recognition, chain, groups if len(sizes) > 1 else ())
+    _log(scheduler, recognition, Mode.OFF, status, state_grid)
 
 
 def _activate_fix(
@@ -119,6 +138,7 @@ def _activate_fix(
     _log(
         scheduler,
         recognition,
+        mode,
         f"ACTIVE, mode={mode.value}: {summary} "
         "(backport of vLLM PR #54076)" + (f"; {invariance}" if invariance else ""),
         state_grid,
@@ -171,7 +191,9 @@ def _assigns_state_block(source_file: str) -> bool:
 # -- refusal checks ------------------------------------------------------------
 
 
-def split_refusal(recognition: Recognition, chain: Chain) -> MambaAlignError | None:
+def split_refusal(
+    recognition: Recognition, chain: Chain, mode: Mode | None = None
+) -> MambaAlignError | None:
     """Why a hybrid align-mode scheduler of the chain's class would be refused,
     if at all: a layer in its split (``chain``, layers.walk) the plugin has not
     verified (another plugin's wrapper, a subclass's override), or vLLM code the
@@ -179,27 +201,33 @@ def split_refusal(recognition: Recognition, chain: Chain) -> MambaAlignError | N
 
     The one decision both :func:`attach` and ``vllm-mamba-align doctor`` use. In
     mode ``off`` nothing is refused: the split runs unchanged, whoever wrote it.
+    ``mode``: the one :func:`attach` read (None: read it here, for ``doctor``).
     """
-    mode = settings.read_mode()
+    if mode is None:
+        mode = settings.read_mode()
     if mode is Mode.OFF:
         return None
     found = split_findings(recognition, chain)
     if any(not finding.verified for finding in found):
         return messages.refuse_unverified_layers(recognition, chain, found)
-    refused = hybrid_refusal(recognition)
+    refused = hybrid_refusal(recognition, mode)
     if refused is not None:
         return refused
     return subclass_refusal(chain.scheduler_class, audit=mode is Mode.AUDIT)
 
 
-def hybrid_refusal(recognition: Recognition) -> MambaAlignError | None:
+def hybrid_refusal(
+    recognition: Recognition, mode: Mode | None = None
+) -> MambaAlignError | None:
     """Why a hybrid align-mode scheduler would be refused with this code, if at all.
 
     The one decision both :func:`attach` and ``vllm-mamba-align doctor`` use, so
     the doctor cannot disagree with what vLLM will do at start.
     In mode ``off`` nothing is refused: vLLM's own split runs unchanged.
     """
-    if recognition.body is None and settings.read_mode() is not Mode.OFF:
+    if mode is None:
+        mode = settings.read_mode()
+    if recognition.body is None and mode is not Mode.OFF:
         return messages.refuse_unknown_code(recognition)
     return None
 
@@ -218,7 +246,7 @@ def subclass_refusal(scheduler_class: type, audit: bool) -> MambaAlignError | No
 def _refuse_stall(scheduler: Scheduler, body: SplitBody, state_grid: int) -> None:
     """Stall guard for bodies without vLLM's "block too wide for one chunk" rule.
 
-    Those bodies (0.15.1-0.26.0) floor every non-final chunk to the grid; on the B
+    Those bodies (0.15.0-0.26.0) floor every non-final chunk to the grid; on the B
     grid a B wider than the step budget floors to 0 tokens forever.
     """
     budget, source = step_budget(scheduler)
@@ -264,7 +292,11 @@ def _logger() -> Any:
 
 
 def _log(
-    scheduler: Any, recognition: Recognition, status: str, state_grid: int | None
+    scheduler: Any,
+    recognition: Recognition,
+    mode: Mode,
+    status: str,
+    state_grid: int | None = None,
 ) -> None:
     _logger().info(
         "%s", messages.start_line(scheduler, recognition, status, state_grid)
@@ -274,7 +306,7 @@ def _log(
     )
     metrics.publish_info(
         scheduler,
-        mode=settings.read_mode().value,
+        mode=mode.value,
         status=metrics.status_word(status),
         state_block=state_grid,
         vllm_version=recognition.vllm_version,

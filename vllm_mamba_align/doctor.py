@@ -461,7 +461,7 @@ def collect(
     if shape is None:
         meaning = (
             f"this vLLM has no Scheduler.{SPLIT_METHOD}: it predates align mode "
-            "(before 0.15.1); the plugin has nothing to fix"
+            f"(before {SUPPORTED_RELEASES[0]}); the plugin has nothing to fix"
         )
     elif recognition.split is None:
         meaning = (

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-# The parameters every released split function starts with (0.15.1 ... 0.33.0).
+# The parameters every released split function starts with (0.15.0 ... 0.34.0).
 SPLIT_PARAMETERS = (
     "self",
     "request",
@@ -51,7 +51,7 @@ class CodeShape:
     floor_guard_bounds: frozenset[str] = frozenset()
     """The names compared against in every ``if`` whose body floors a position
     to the grid (``x // block_size * block_size``): ``last_cache_position``
-    before 0.27.1, ``prefill_end`` from 0.27.1 (:func:`floor_guard_bounds`)."""
+    before 0.27.0, ``prefill_end`` from 0.27.0 (:func:`floor_guard_bounds`)."""
     stops_at_next_boundary: bool = False
     """Whether the function computes the grid boundary after a position it
     tests to be off the grid (:func:`stops_at_next_boundary`): vLLM's stop of a

@@ -9,10 +9,12 @@ read what it decided and the scheduler it decided for, and change nothing.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from . import metrics, settings
 from .errors import MambaAlignError
+from .geometry import MambaGroup
 from .layers import Chain, Finding, Order, describe_distribution
 from .protocols import Scheduler
 from .recognition import SPLIT_METHOD, Recognition, split_findings
@@ -23,11 +25,13 @@ from .releases import (
     WORKER_CHECKS_GROUPS_AT_START_SINCE,
     SplitBody,
     describe_mismatch,
+    describe_releases,
     describe_version,
     expected_body,
     mamba_backends_accepting_batch_invariance,
     refuses_batch_invariance_for_mamba,
     release_range,
+    releases_where,
 )
 from .retention import Retention
 from .settings import Mode
@@ -126,8 +130,9 @@ def refuse_stall(
         f"{body.name} a prefill chunk must end on the state grid, so no request "
         f"could ever finish its prefill. Raise --max-num-batched-tokens (and "
         f"--long-prefill-token-threshold, if set) to at least {state_grid}, or "
-        "lower --mamba-block-size, or upgrade to vLLM 0.27.1+ (which lets a wide "
-        "block advance in sub-block steps)."
+        "lower --mamba-block-size, or upgrade to vLLM "
+        f"{describe_releases(releases_where(lambda b: b.wide_block_exemption))} "
+        "(which lets a wide block advance in sub-block steps)."
     )
 
 
@@ -307,19 +312,31 @@ def _data_parallel_rank(scheduler: Any) -> str:
     return f"; data-parallel rank {rank}" + (f" of {size}" if lockstep else "")
 
 
-def off_status(recognition: Recognition, chain: Chain) -> str:
-    """The start line's status in mode ``off``: the split runs unchanged."""
+def off_status(
+    recognition: Recognition, chain: Chain, disagreeing: Sequence[MambaGroup] = ()
+) -> str:
+    """The start line's status in mode ``off``: the split runs unchanged.
+    ``disagreeing``: the Mamba groups, when their block sizes differ (which a
+    fixing mode refuses: geometry.py)."""
     unverified = [
         finding.layer.describe()
         for finding in split_findings(recognition, chain)
         if not finding.verified
     ]
-    if not unverified:
-        return "loaded, mode=off (stock vLLM split)"
-    return (
-        "loaded, mode=off (the split runs unchanged, with layers the plugin has "
-        f"not verified: {'; '.join(unverified)})"
+    status = (
+        "loaded, mode=off (stock vLLM split)"
+        if not unverified
+        else "loaded, mode=off (the split runs unchanged, with layers the plugin "
+        f"has not verified: {'; '.join(unverified)})"
     )
+    if disagreeing:
+        listing = "; ".join(group.describe() for group in disagreeing)
+        status += (
+            "; the Mamba KV-cache groups disagree on their block size "
+            f"({listing}): no single state grid exists, so a fixing mode would "
+            "refuse this scheduler and mode off leaves vLLM as it is"
+        )
+    return status
 
 
 CANONICAL = (

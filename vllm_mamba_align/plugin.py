@@ -46,7 +46,7 @@ docs/maintaining/patches.md, which a test holds to the code:
    groups). Delete when: as 2.
 5. **Model Runner V2's worker seed** (``MambaHybridModelState.add_request`` and
    ``_get_mamba_group_info``, of the GPU runner and 0.34.0's CPU runner; not in
-   ``off`` mode). Why: 0.25.1-0.31.0 seed a resumed request's running-state
+   ``off`` mode). Why: 0.25.0-0.31.0 seed a resumed request's running-state
    column with C instead of B (vLLM issue #53142: a wrong pre-copy, illegal
    memory access); 0.32.0+ with ``cache_config.mamba_block_size``, which is not
    B once a hidden-state layer larger than the common page has scaled every

@@ -164,9 +164,9 @@ backend_off_manager_grid`, 0.30.0-0.31.0) a longer chunk gets a wrongly
     mid-block, which vLLM lacks. Why: before 0.26.0 there is no such stop, so
     the start's block (holding a KV connector's loaded state) is published as
     the boundary's; 0.26.0 still lacks it in its drafter tail (unaligned before
-    0.27.1: with MTP, C = B = 168 and a 176-token prompt next to a decode,
+    0.27.0: with MTP, C = B = 168 and a 176-token prompt next to a decode,
     stock runs 0 -> 166 -> 176 and publishes the block of 168 holding
-    state@166). Releases: 0.15.1-0.25.1; 0.26.0 with a drafter. Delete when:
+    state@166). Releases: 0.15.0-0.25.1; 0.26.0 with a drafter. Delete when:
     0.26.0 and older are no longer supported."""
     guard_scratch: bool
     """Cut a chunk vLLM checkpoints internally at its first boundary when a
@@ -191,7 +191,7 @@ backend_off_manager_grid`, 0.30.0-0.31.0) a longer chunk gets a wrongly
     squeezes short of the next one, where vLLM would leave it unaligned. Why: its
     boundary's state would come from two chunks; vLLM's split waits for a whole
     block itself except 0.29.0 once checkpoint blocks exist, and bodies before
-    0.27.1 with an EAGLE/MTP drafter in the last block but one. Releases: all,
+    0.27.0 with an EAGLE/MTP drafter in the last block but one. Releases: all,
     where boundary states must be canonical (full; kept under dense retention)
     and B fits the budget. Delete when: as :attr:`stop_at_boundaries`."""
     checkpoint_blocks_unalign: bool
@@ -203,9 +203,12 @@ backend_off_manager_grid`, 0.30.0-0.31.0) a longer chunk gets a wrongly
     """lean mode: run vLLM's split on its own grid (C, as stock does) for a
     chunk that starts on that grid, and on B for one that starts off it (after
     a stop at a kept boundary, so vLLM does not add its stop after a mid-block
-    start). Why: under sparse retention vLLM publishes a Mamba block only for
-    a boundary it keeps; a chunk that runs across any other boundary, or ends
-    between two, leaves a block nobody hashes, so only the stops at kept
+    start), and on B for a prefill's last chunk from a kept boundary (where
+    vLLM's last-cacheable-position stop on C would fall inside the B block
+    that boundary opens, where nothing is published). Why: under sparse
+    retention vLLM publishes a Mamba block only for a boundary it keeps; a
+    chunk that runs across any other boundary, or ends between two, leaves a
+    block nobody hashes, so only the stops at kept
     boundaries (:attr:`stop_at_boundaries`) are needed and flooring every
     chunk end to B costs steps for nothing. Off where every boundary is kept
     (dense) and where the backend's state lands off the manager's grid: lean

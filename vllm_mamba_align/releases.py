@@ -4,7 +4,7 @@ Read by the plugin (plugin.py, activation.py, policy.py, split.py, audit/,
 worker_seed.py), by ``doctor`` and by the tests; nothing else re-derives these
 facts.
 
-- **Split bodies**: every vLLM release from 0.15.1 has
+- **Split bodies**: every vLLM release from 0.15.0 has
   ``Scheduler._mamba_block_aligned_split``; its body changed 11 times. An entry
   says which code (by fingerprint) it describes, which releases shipped it, and
   the facts the fix needs to apply correctly there (how it tells prefill, how
@@ -30,6 +30,7 @@ import enum
 import functools
 import importlib.util
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -49,9 +50,9 @@ class PrefillRule(enum.Enum):
     """How a body decides that a chunk is still prefill (only prefill is split)."""
 
     NO_OUTPUT_YET = "request.num_output_tokens == 0"
-    """0.15.1, 0.16.0."""
+    """0.15.0-0.16.0."""
     BEFORE_PREFILL_END = "start < max(num_prompt_tokens, num_tokens - 1)"
-    """0.17.1 onwards: also resumed requests replaying their output tokens."""
+    """0.17.0 onwards: also resumed requests replaying their output tokens."""
 
 
 def in_prefill(rule: PrefillRule, request: Request, start: int) -> bool:
@@ -93,7 +94,7 @@ class SplitBody:
     internal_checkpoint: InternalCheckpoint
     wide_block_exemption: bool
     """Whether vLLM lets a state block wider than the step budget advance sub-block
-    (0.27.1+). Without it, such a geometry stalls prefill forever."""
+    (0.27.0+). Without it, such a geometry stalls prefill forever."""
     extra_parameter: str | None = None
     """The fifth parameter after ``self`` (0.24.0-0.25.1 only), passed through."""
     checkpoint_grid: CheckpointGrid | None = None
@@ -104,7 +105,7 @@ class SplitBody:
     boundary (0.26.0+), read from the code: :func:`stops_after_mid_block_start`."""
     aligns_drafter_tail: bool = False
     """Whether vLLM's split aligns every non-final chunk with an EAGLE/MTP
-    drafter (0.27.1+), read from the code: :func:`aligns_drafter_tail`. Before,
+    drafter (0.27.0+), read from the code: :func:`aligns_drafter_tail`. Before,
     once it backs the last cacheable position off one block for the drafter,
     every chunk after it runs unaligned across the prompt's last boundary, and
     stock publishes wrong states there even with C = B."""
@@ -274,6 +275,41 @@ SUPPORTED_RELEASES: tuple[str, ...] = tuple(
 _BY_FINGERPRINT = {body.fingerprint: body for body in BODIES}
 
 
+def releases_where(holds: Callable[[SplitBody], object]) -> tuple[str, ...]:
+    """The supported releases whose split body ``holds`` is true for, in
+    release order: a message that names where a fact holds derives it here,
+    from the rows, instead of writing the range down a second time."""
+    return tuple(
+        release
+        for release in SUPPORTED_RELEASES
+        for body in BODIES
+        if release in body.releases and holds(body)
+    )
+
+
+def describe_releases(releases: Sequence[str]) -> str:
+    """Supported releases as a person reads them: each run of consecutive
+    supported releases as ``X-Y``, or ``X+`` when it reaches the newest."""
+    runs: list[list[str]] = []
+    previous = -2
+    for release in releases:
+        index = SUPPORTED_RELEASES.index(release)
+        if index == previous + 1:
+            runs[-1].append(release)
+        else:
+            runs.append([release])
+        previous = index
+    newest = SUPPORTED_RELEASES[-1]
+    return ", ".join(
+        f"{run[0]}+"
+        if run[-1] == newest and len(run) > 1
+        else run[0]
+        if len(run) == 1
+        else f"{run[0]}-{run[-1]}"
+        for run in runs
+    )
+
+
 def body_for(fingerprint: str | None) -> SplitBody | None:
     """The known body with this fingerprint, if any."""
     if fingerprint is None:
@@ -291,7 +327,7 @@ def stops_after_mid_block_start(shape: CodeShape) -> bool:
 
 def aligns_drafter_tail(shape: CodeShape) -> bool:
     """Read from the split's code: the ``if`` that floors a chunk end to the
-    grid compares it with ``prefill_end`` (0.27.1+), not with
+    grid compares it with ``prefill_end`` (0.27.0+), not with
     ``last_cache_position``, which a drafter backs off one block (0.26.0 and
     before; :attr:`CodeShape.floor_guard_bounds`)."""
     return "prefill_end" in shape.floor_guard_bounds
@@ -560,7 +596,7 @@ class SeedSite(enum.Enum):
     """What the installed worker does with the running-state seed."""
 
     SEEDS_WITH_CACHE_BLOCK = "seeds with cache_config.block_size (fixed by plugin)"
-    """0.25.1-0.31.0: ``(n - 1) // cache_config.block_size``, a wrong column when
+    """0.25.0-0.31.0: ``(n - 1) // cache_config.block_size``, a wrong column when
     C < B (vLLM issue #53142); the plugin re-seeds with B."""
     SEEDS_WITH_MAMBA_BLOCK = (
         "seeds with cache_config.mamba_block_size (fixed by plugin)"
@@ -658,16 +694,15 @@ V1_RUNNER_REMOVED_IN = "0.34.0"
 
 def release_range(first: str | None = None, before: str | None = None) -> str:
     """The supported releases from ``first`` up to (not including) ``before``,
-    as ``a-b`` (or ``a``), read from :data:`SUPPORTED_RELEASES`."""
-    chosen = [
-        r
-        for r in SUPPORTED_RELEASES
-        if (first is None or Version(r) >= Version(first))
-        and (before is None or Version(r) < Version(before))
-    ]
-    if not chosen:
-        return ""
-    return chosen[0] if len(chosen) == 1 else f"{chosen[0]}-{chosen[-1]}"
+    as :func:`describe_releases` writes them."""
+    return describe_releases(
+        [
+            r
+            for r in SUPPORTED_RELEASES
+            if (first is None or Version(r) >= Version(first))
+            and (before is None or Version(r) < Version(before))
+        ]
+    )
 
 
 # -- features of the installed vLLM that the tools and tests adapt to ---------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import os
+from typing import Any
 
 from .errors import MambaAlignError
 
@@ -98,19 +99,30 @@ STARTUP_CHECKS = (read_mode, audit_interval)
 """Every setting ``register()`` reads when vLLM loads the plugin: a bad value
 raises there, and vLLM (0.33.0's ``load_general_plugins``) does not start. The
 doctor runs these same functions (:func:`startup_problems`), so it cannot pass a
-setting that stops ``vllm serve``; a setting read later belongs here too."""
+setting that stops ``vllm serve``; a setting read later belongs here too. In
+mode ``off`` only the mode is read (:func:`_startup_checks`)."""
+
+
+def _startup_checks() -> tuple[Any, ...]:
+    """The checks ``register()`` runs: all of them, but in mode ``off`` only
+    the mode's, since ``off`` changes nothing and so reads no other setting."""
+    try:
+        off = read_mode() is Mode.OFF
+    except MambaAlignError:
+        off = False
+    return (read_mode,) if off else STARTUP_CHECKS
 
 
 def check_startup() -> None:
     """Raise the first ``MambaAlignError`` a setting gives (``register()``)."""
-    for check in STARTUP_CHECKS:
+    for check in _startup_checks():
         check()
 
 
 def startup_problems() -> list[str]:
     """Each setting's error, as ``register()`` would raise it (the doctor)."""
     problems = []
-    for check in STARTUP_CHECKS:
+    for check in _startup_checks():
         try:
             check()
         except MambaAlignError as error:

@@ -69,7 +69,7 @@ class _FifthArgument(threading.local):
 
 
 def _no_output_yet_shortcut(full: SplitFunction) -> SplitFunction:
-    """:data:`PrefillRule.NO_OUTPUT_YET` (0.15.1-0.16.0, four parameters)."""
+    """:data:`PrefillRule.NO_OUTPUT_YET` (0.15.0-0.16.0, four parameters)."""
 
     def no_output_yet(
         request: Any,
@@ -90,7 +90,7 @@ def _no_output_yet_shortcut(full: SplitFunction) -> SplitFunction:
 
 
 def _before_prefill_end_shortcut(full: SplitFunction) -> SplitFunction:
-    """:data:`PrefillRule.BEFORE_PREFILL_END` (0.17.1+), four parameters."""
+    """:data:`PrefillRule.BEFORE_PREFILL_END` (0.17.0+), four parameters."""
 
     def before_prefill_end(
         request: Any,
@@ -145,7 +145,7 @@ def _past_prefill_shortcut(
     prefill get ``num_new_tokens`` back at once.
 
     Every released body returns ``num_new_tokens`` unchanged for such a call
-    (0.15.1-0.22.1 after asserting that no external tokens came with it: the
+    (0.15.0-0.22.1 after asserting that no external tokens came with it: the
     shortcut leaves any call with external tokens to the route, so that
     assertion still speaks). The test is the body's own, as
     :func:`releases.in_prefill` states it, written out in each shortcut

@@ -234,17 +234,21 @@ def lean_route(
     kept: Route,
     checkpoint_at: CheckpointRule | None,
 ) -> Route:
-    """lean (:attr:`StopPolicy.stock_chunk_ends`): vLLM's own chunk ends, and a
-    stop at every boundary ``retention`` keeps.
+    """lean (:attr:`StopPolicy.stock_chunk_ends`): vLLM's chunk ends, a stop at
+    every boundary ``retention`` keeps, one call of vLLM's split per chunk.
 
-    A prefill chunk whose step allowance reaches no kept boundary gets vLLM's
-    own answer on vLLM's own grid (:func:`_on_vllms_grid`). One whose
-    allowance reaches a kept boundary gets ``kept``'s answer (the route's),
-    ending on that boundary at the latest, unless vLLM's own chunk gives the
-    boundary's column to the prompt checkpoint (:class:`_CheckpointYield`).
-    Every other call (decodes included) is ``kept``'s."""
+    A prefill chunk reaching no kept boundary gets vLLM's answer on C
+    (:func:`_on_vllms_grid`); a prefill's last chunk from a kept boundary, on B
+    (PR #54076): vLLM's last-cacheable stop on C lies inside the B block that
+    boundary opens, where nothing is published (on B it is the boundary, or
+    with EAGLE's back-off the one before). One reaching a kept boundary gets
+    ``kept``'s answer, ending there at the latest, unless vLLM's own chunk
+    yields the boundary's column to the prompt checkpoint
+    (:class:`_CheckpointYield`; if not, it stops there without asking vLLM
+    again). Other calls (decodes) are ``kept``'s."""
     prefill_rule, decisions = policy.prefill, checkpoint_decisions
     first_kept_after = retention.first_kept_after
+    last_from_kept = _last_chunk_from_kept(policy.grid, retention)
     yields = (
         _CheckpointYield(policy.grid, retention, checkpoint_at, stays_whole(scheduler))
         if policy.yield_replay_to_checkpoint and checkpoint_at is not None
@@ -258,53 +262,75 @@ def lean_route(
         num_new_local_computed_tokens: int = 0,
         num_external_computed_tokens: int = 0,
     ) -> int:
-        counts = (
-            num_new_tokens,
-            num_new_local_computed_tokens,
-            num_external_computed_tokens,
-        )
+        local, external = num_new_local_computed_tokens, num_external_computed_tokens
+        counts = (num_new_tokens, local, external)
         if num_new_tokens <= 1:
             return kept(request, *counts)
-        start = chunk_start(
-            request, num_new_local_computed_tokens, num_external_computed_tokens
-        )
+        start = chunk_start(request, local, external)
         if not in_prefill(prefill_rule, request, start):
             return kept(request, *counts)
+        reach = start + num_new_tokens
         boundary = first_kept_after(request, start)
-        if boundary is None or boundary > start + num_new_tokens:
-            return on_vllms_grid(request, start, counts)  # nothing kept in reach
-        if yields is not None and yields.may(request, start + num_new_tokens, boundary):
+        if boundary is None or boundary > reach:  # nothing kept in reach
+            last = last_from_kept(request, start, reach)  # then on B
+            return on_vllms_grid(request, start, counts, last)
+        if yields is not None and yields.may(request, reach, boundary):
             taken_before = decisions.taken
-            num_tokens = on_vllms_grid(request, start, counts)
+            num_tokens = on_vllms_grid(request, start, counts, False)
             if decisions.taken != taken_before and yields.does(
                 request, start, start + num_tokens
             ):
                 return num_tokens  # vLLM's own chunk: see _CheckpointYield
+            # kept's stop (kept runs past the boundary only where the backend
+            # writes its state in the chunk: a stop there loses nothing).
+            return boundary - start
         num_tokens = kept(request, *counts)
         return num_tokens if start + num_tokens > boundary else boundary - start
 
     return lean
 
 
+def _last_chunk_from_kept(
+    grid: int, retention: Retention
+) -> Callable[[Request, int, int], bool]:
+    """Whether a prefill chunk from ``start`` reaching ``reach`` is the
+    prefill's last and starts on a boundary ``retention`` keeps."""
+
+    def last_from_kept(request: Request, start: int, reach: int) -> bool:
+        return bool(
+            start > 0
+            and start % grid == 0
+            and reach >= prefill_end(request)
+            and retention.keeps(request, start)
+        )
+
+    return last_from_kept
+
+
 def _on_vllms_grid(
     scheduler: Scheduler, call: StockCall, grid: int
-) -> Callable[[Request, int, tuple[int, ...]], int]:
+) -> Callable[[Request, int, tuple[int, ...], bool], int]:
     """vLLM's answer on its own grid (C) for a chunk from ``start``; from a
     start off that grid (after a stop at a kept boundary, where vLLM would add
     its stop after a mid-block start), its answer on B stretched back onto C's
     grid as far as the allowance (``counts[0]``) goes (lean only calls it where
-    nothing up to there is kept)."""
+    nothing up to there is kept); with ``on_state_grid``, its answer on B as
+    it stands (a prefill's last chunk, which no grid floors)."""
 
-    def on_vllms_grid(request: Request, start: int, counts: tuple[int, ...]) -> int:
+    def on_vllms_grid(
+        request: Request, start: int, counts: tuple[int, ...], on_state_grid: bool
+    ) -> int:
         shared = scheduler.cache_config
         own = shared.block_size
-        if start % own == 0:
+        if start % own == 0 and not on_state_grid:
             return int(call(scheduler, request, *counts))  # type: ignore[arg-type]
         scheduler.cache_config = _StateGridCacheConfig(shared, grid)
         try:
             num_tokens = int(call(scheduler, request, *counts))  # type: ignore[arg-type]
         finally:
             scheduler.cache_config = shared
+        if on_state_grid:
+            return num_tokens
         return max(num_tokens, (start + counts[0]) // own * own - start)
 
     return on_vllms_grid
@@ -543,7 +569,8 @@ def _keep_mid_block_stop(
     retention: Retention,
     checkpoint_at: CheckpointRule | None,
 ) -> BoundaryStop:
-    """:attr:`StopPolicy.mid_block_stop` (grid, 0.30.0+): vLLM's answer, with its
+    """:attr:`StopPolicy.mid_block_stop` (grid, on the
+    :attr:`InternalCheckpoint.OBSERVED` bodies, 0.30.0+): vLLM's answer, with its
     own stop at the boundary after a chunk that starts mid-block kept when vLLM
     checkpoints the chunk internally.
 

@@ -3,7 +3,7 @@
 In align mode ``MambaHybridModelState.add_request`` seeds a new or resumed request's
 running-state column as ``(num_computed_tokens - 1) // block_size``; the column is
 counted in Mamba blocks (B, the Mamba spec's ``block_size``, which the block table
-and the worker's per-step copies follow). Releases 0.25.1-0.31.0 divide by
+and the worker's per-step copies follow). Releases 0.25.0-0.31.0 divide by
 ``cache_config.block_size`` (C): with C < B the first step of a resumed or prefix-hit
 request pre-copies from a wrong column (vLLM issue #53142, fixed upstream by #53798
 in 0.32.0). 0.32.0+ divide by ``cache_config.mamba_block_size``, which is B until a

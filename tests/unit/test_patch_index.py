@@ -405,3 +405,58 @@ def test_a_new_site_without_its_card_fails_the_check(source: str, key: str) -> N
 def test_the_index_is_read_from_backticked_sites() -> None:
     page = "- `split.py: scheduler.cache_config` (the view)\n- `<file>.py: <what>`\n"
     assert indexed_sites(page) == {"split.py: scheduler.cache_config"}
+
+
+def _defined(tree: ast.Module) -> set[str]:
+    """A module's top-level names, and ``Class.name`` for its classes' names."""
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign)
+            else []
+        )
+        names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        if isinstance(node, ast.ClassDef):
+            for inner in node.body:
+                for name in _defined(ast.Module(body=[inner], type_ignores=[])):
+                    names.add(f"{node.name}.{name}")
+    return names
+
+
+def test_dropping_a_release_names_only_what_exists() -> None:
+    """The page's checklist for dropping a release names files that exist and
+    names that the file it places them in defines (the package, unless a
+    ``file.py``'s comes right before the name)."""
+    text = INDEX.read_text()
+    section = text[text.index("## Dropping a release") :]
+    trees = {
+        path: ast.parse(path.read_text()) for path in sorted(PACKAGE.rglob("*.py"))
+    }
+    package = set().union(*(_defined(tree) for tree in trees.values()))
+    missing = []
+    for match in re.finditer(r"(`([\w/.]+\.py)`'s )?`([\w/.*]+)`", section):
+        owner, name = match.group(2), match.group(3)
+        if name.endswith((".py", "/")):
+            if not any((root / name).exists() for root in (PACKAGE, REPO)):
+                missing.append(name)
+            continue
+        if owner is not None:
+            defined = _defined(ast.parse((REPO / owner).read_text()))
+        elif "." in name and (PACKAGE / f"{name.split('.')[0]}.py").exists():
+            module, name = name.split(".", 1)
+            defined = _defined(trees[PACKAGE / f"{module}.py"])
+        else:
+            defined = package
+        found = (
+            any(d.startswith(name[:-1]) for d in defined)
+            if name.endswith("*")
+            else name in defined
+        )
+        if not found:
+            missing.append(match.group(0))
+    assert missing == []

@@ -62,3 +62,21 @@ def test_the_unverified_opt_in(
     else:
         monkeypatch.setenv(settings.ALLOW_UNVERIFIED_VARIABLE, raw)
     assert settings.allow_unverified() is allowed
+
+
+@pytest.mark.parametrize("mode", ["off", "lean", "audit"])
+def test_off_reads_no_setting_but_its_own(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``off`` changes nothing, so a bad value of a setting only the fix or the
+    audit reads stops no vLLM in ``off`` (register() and doctor alike); in
+    every other mode it does."""
+    monkeypatch.setenv(settings.MODE_VARIABLE, mode)
+    monkeypatch.setenv(settings.AUDIT_INTERVAL_VARIABLE, "abc")
+    if mode == "off":
+        settings.check_startup()
+        assert settings.startup_problems() == []
+        return
+    with pytest.raises(MambaAlignError, match="AUDIT_INTERVAL='abc'"):
+        settings.check_startup()
+    assert len(settings.startup_problems()) == 1

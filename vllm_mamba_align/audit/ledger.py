@@ -24,7 +24,7 @@ def computes_known_tokens(request: Request, start: int) -> bool:
 
     Under async scheduling a request's first decode is scheduled before its
     first output token comes back, so ``num_output_tokens`` is still 0 and the
-    0.15.1-0.16.0 bodies (:attr:`PrefillRule.NO_OUTPUT_YET`) call it prefill.
+    0.15.0-0.16.0 bodies (:attr:`PrefillRule.NO_OUTPUT_YET`) call it prefill.
     It computes a token no one knows yet; a boundary it ends on is no prompt
     state, and it is no prefill chunk of the audit's (found by the release
     matrix: a 7-token prompt, B = 8, the first decode ``[7, 8)`` counted as a
