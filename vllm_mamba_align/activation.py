@@ -16,7 +16,7 @@ from typing import Any
 
 from . import audit, hazard, messages, metrics, settings
 from .errors import MambaAlignError
-from .geometry import mamba_groups, state_block_size
+from .geometry import mamba_groups
 from .layers import Chain, walk
 from .policy import StopPolicy, step_budget
 from .protocols import Scheduler
@@ -62,7 +62,13 @@ def attach(scheduler: Scheduler, recognition: Recognition) -> None:
     if mode is Mode.OFF:
         _stand_aside(scheduler, recognition)
         return
-    state_grid = state_block_size(scheduler.kv_cache_config)
+    groups = mamba_groups(scheduler.kv_cache_config)
+    if len({group.block_size for group in groups}) > 1:
+        # No single grid can keep every slot's state at its boundary: guessing
+        # one would publish wrong states.
+        listing = "; ".join(group.describe() for group in groups)
+        raise messages.refuse_disagreeing_groups(listing, recognition.vllm_version)
+    state_grid = groups[0].block_size if groups else None
     if state_grid is None:
         _log(scheduler, recognition, mode, "inactive (no Mamba spec among KV groups)")
         return

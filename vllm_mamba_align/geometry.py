@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .messages import refuse_disagreeing_groups
 from .protocols import KVCacheConfig
-from .releases import installed_version
 
 
 @dataclass(frozen=True)
@@ -50,17 +48,3 @@ def mamba_groups(kv_cache_config: KVCacheConfig) -> list[MambaGroup]:
         elif isinstance(spec, mamba_spec):
             found.append(MambaGroup(index, tuple(group.layer_names), spec.block_size))
     return found
-
-
-def state_block_size(kv_cache_config: KVCacheConfig) -> int | None:
-    """B, the block size shared by all Mamba groups; None when there are none.
-
-    Raises when the groups disagree: no single grid can then keep every slot's
-    state at its boundary, and guessing one would publish wrong states.
-    """
-    groups = mamba_groups(kv_cache_config)
-    sizes = {g.block_size for g in groups}
-    if len(sizes) > 1:
-        listing = "; ".join(g.describe() for g in groups)
-        raise refuse_disagreeing_groups(listing, installed_version())
-    return sizes.pop() if sizes else None
