@@ -34,10 +34,10 @@ from .releases import (
     releases_where,
 )
 from .retention import Retention
+from .seed_site import seed_grid
 from .settings import Mode
 from .subclasses import describe_class, foreign_classes, problems
 from .version import __version__
-from .worker_seed import seed_grid
 
 # -- refusals ------------------------------------------------------------------
 

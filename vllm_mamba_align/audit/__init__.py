@@ -369,10 +369,10 @@ def install(
     class is untouched); the split observer (around ``stock_split``, vLLM's own
     function) is returned for ``activation`` to bind as this scheduler's split.
     """
-    from .. import metrics
+    from .export import audit_exporter
 
     options.setdefault("interval", settings.audit_interval())
-    options.setdefault("export", metrics.audit_exporter(scheduler))
+    options.setdefault("export", audit_exporter(scheduler))
     options.setdefault(
         "backend_checkpoint",
         own_slot_write(scheduler, stock_split, body, state_block),
