@@ -160,6 +160,8 @@ LEAN_START = textwrap.dedent(
     }
     others = installed if named is None else set(named.split(","))
     os.environ["VLLM_PLUGINS"] = ",".join(sorted(others - {"mamba_align"}))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the tiny model is local
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
     import vllm.v1.core.sched.scheduler as scheduler_module
     from vllm_mamba_align.tools.sim import Geometry, build_scheduler

@@ -100,22 +100,39 @@ def lean_start() -> dict[str, Any]:
     return serving_path.loaded_record(result.stdout)
 
 
-def test_a_lean_scheduler_loads_only_the_fix(lean_start: dict[str, Any]) -> None:
+def test_the_measure_sees_the_fix_a_lean_scheduler_binds(
+    lean_start: dict[str, Any],
+) -> None:
+    """The control: the process bound the fix, and the measure sees it."""
     assert lean_start["fixing"], lean_start
-    loaded = set(lean_start["modules"])
-    # The control: the measure sees the fix and what binds it.
     assert {
         "vllm_mamba_align.plugin",
         "vllm_mamba_align.activation",
         "vllm_mamba_align.split",
-    } <= loaded, loaded
-    apart = [
-        f"{module}: {APART_FROM_A_LEAN_START[part]}"
-        for module in sorted(loaded)
-        for part in module.split(".")[1:2]
-        if part in APART_FROM_A_LEAN_START
-    ]
-    assert apart == []
+    } <= set(lean_start["modules"])
+
+
+@pytest.mark.parametrize(
+    "apart",
+    [
+        pytest.param(
+            name,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="activation.py imports audit/ in every mode (issue 66's "
+                "decision part makes it load in audit mode only)",
+            ),
+        )
+        if name == "audit"
+        else name
+        for name in APART_FROM_A_LEAN_START
+    ],
+)
+def test_a_lean_scheduler_loads_only_the_fix(
+    lean_start: dict[str, Any], apart: str
+) -> None:
+    loaded = [m for m in lean_start["modules"] if m.split(".")[1:2] == [apart]]
+    assert loaded == [], f"{loaded}: {APART_FROM_A_LEAN_START[apart]}"
 
 
 @pytest.mark.xfail(
