@@ -1,14 +1,29 @@
-"""The serving path's size: the package modules ``register()`` reaches, and
-their lines of code.
+"""The serving path's size: the package modules a lean scheduler's process
+loads, the modules ``register()`` reaches, and their lines of code.
+
+Two measures, one count of code lines:
+
+- **loaded** (``--loaded``, needs vLLM in this Python): the package modules in
+  ``sys.modules`` of a fresh process after ``register()`` and the start of a
+  real lean scheduler (vLLM's ``Scheduler`` built as its engine core builds it,
+  tools.sim's tiny hybrid model on CPU). The scheduler's inputs are built first
+  with the plugin not loaded (``VLLM_PLUGINS`` names every other installed
+  plugin); then every package module the tools imported leaves
+  ``sys.modules``, the package is imported afresh, ``register()`` runs and
+  vLLM's ``Scheduler`` is built from the same inputs: what is loaded then is
+  what the plugin loads, and nothing of the tools'. This is the measure of
+  what serving costs.
+- **reached** (always): the modules an ``import`` or ``from ... import`` of
+  ``vllm_mamba_align`` names, at module level or inside a function, starting
+  from the package's ``__init__`` (the entry point's module); what only the
+  tools, the probe, ``doctor`` or the CLI import is not reached. An upper
+  bound: it counts what a refusal, the audit or a drafter's hazard would load.
 
 ``python -m maintainers.serving_path`` prints one row per module (lines, code
-lines) and the total; ``--json`` for a record. A module is reached when an
-``import`` or ``from ... import`` of ``vllm_mamba_align`` names it, at module
-level or inside a function, starting from the package's ``__init__`` (the entry
-point's module); what only the tools, the probe, ``doctor`` or the CLI import
-is not reached. Code lines are lines with a token that is neither a comment nor
-part of a bare string statement (docstrings and attribute docstrings), so
-moving code out shrinks the count and rewrapping prose does not.
+lines) and the total; ``--loaded`` prints the loaded modules and both totals;
+``--json`` for a record. Code lines are lines with a token that is neither a
+comment nor part of a bare string statement (docstrings and attribute
+docstrings), so moving code out shrinks the count and rewrapping prose does not.
 """
 
 from __future__ import annotations
@@ -17,6 +32,10 @@ import argparse
 import ast
 import io
 import json
+import os
+import subprocess
+import sys
+import textwrap
 import tokenize
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -123,34 +142,148 @@ def code_lines(source: str) -> int:
     return len(code)
 
 
-def measure() -> list[Module]:
+LEAN_START = textwrap.dedent(
+    """
+    import json
+    import os
+    import sys
+    from importlib import metadata
+
+    # The inputs of a real scheduler, built by the tools with the plugin not
+    # loaded: vLLM loads every installed plugin VLLM_PLUGINS names (all when
+    # it is unset) while it builds the config.
+    named = os.environ.get("VLLM_PLUGINS")
+    installed = {
+        entry.name
+        for group in ("vllm.general_plugins", "vllm.platform_plugins")
+        for entry in metadata.entry_points(group=group)
+    }
+    others = installed if named is None else set(named.split(","))
+    os.environ["VLLM_PLUGINS"] = ",".join(sorted(others - {"mamba_align"}))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the tiny model is local
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+    import vllm.v1.core.sched.scheduler as scheduler_module
+    from vllm_mamba_align.tools.sim import Geometry, build_scheduler
+
+    inputs = {}
+    vllms_init = scheduler_module.Scheduler.__init__
+
+    def keep_inputs(self, *args, **kwargs):
+        inputs.update(kwargs)
+        vllms_init(self, *args, **kwargs)
+
+    scheduler_module.Scheduler.__init__ = keep_inputs
+    build_scheduler(Geometry(cache_block=1648, state_block=1648)).shutdown()
+    scheduler_module.Scheduler.__init__ = vllms_init
+
+    # Forget the package modules the tools imported; from here on only the
+    # plugin and vLLM run.
+    def package_modules():
+        return sorted(n for n in sys.modules if n.split(".")[0] == "vllm_mamba_align")
+
+    for name in package_modules():
+        del sys.modules[name]
+    import vllm_mamba_align
+
+    vllm_mamba_align.register()
+    scheduler = scheduler_module.Scheduler(**inputs)
+    record = {
+        "fixing": "mamba_state_block_size" in vars(scheduler),
+        "modules": package_modules(),
+    }
+    scheduler.shutdown()
+    print("loaded:", json.dumps(record))
+    """
+)
+"""A fresh process's ``register()`` and lean scheduler start; prints ``loaded:``
+and a JSON record (``fixing``: the fix bound; ``modules``: the package's)."""
+
+
+def loaded_record(output: str) -> dict[str, object]:
+    """The record :data:`LEAN_START` printed."""
+    line = next(line for line in output.splitlines() if line.startswith("loaded: "))
+    record: dict[str, object] = json.loads(line.removeprefix("loaded: "))
+    return record
+
+
+def loaded_by_lean_scheduler(python: str = sys.executable) -> list[str]:
+    """The package modules a lean scheduler's process loads (run in ``python``,
+    which must have vLLM; the package imported from this checkout)."""
+    env = {
+        **os.environ,
+        "VLLM_MAMBA_ALIGN_MODE": "lean",
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (str(PACKAGE.parent), os.environ.get("PYTHONPATH", "")) if p
+        ),
+    }
+    done = subprocess.run(
+        [python, "-c", LEAN_START], env=env, capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"the lean scheduler did not start:\n{done.stderr}")
+    record = loaded_record(done.stdout)
+    if not record["fixing"]:
+        raise SystemExit(f"the fix is not bound in the lean scheduler:\n{done.stderr}")
+    modules = record["modules"]
+    assert isinstance(modules, list)
+    return [str(name) for name in modules]
+
+
+def measure(names: list[str] | None = None) -> list[Module]:
+    """Lines and code lines of each module ``names`` (default: the reach)."""
     modules = []
-    for name in reached_from_register():
+    for name in reached_from_register() if names is None else names:
         path = module_path(name)
-        assert path is not None
+        assert path is not None, name
         source = path.read_text()
         modules.append(Module(name, len(source.splitlines()), code_lines(source)))
     return modules
 
 
+def totals(modules: list[Module]) -> dict[str, int]:
+    return {
+        "modules": len(modules),
+        "lines": sum(m.lines for m in modules),
+        "code_lines": sum(m.code_lines for m in modules),
+    }
+
+
+def summary(modules: list[Module]) -> str:
+    found = totals(modules)
+    return (
+        f"{found['modules']} modules: {found['lines']:,} lines, "
+        f"{found['code_lines']:,} of code"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--loaded",
+        action="store_true",
+        help="also the modules a lean scheduler's process loads (needs vLLM)",
+    )
     arguments = parser.parse_args()
-    modules = measure()
-    lines = sum(m.lines for m in modules)
-    code = sum(m.code_lines for m in modules)
+    reached = measure()
+    loaded = measure(loaded_by_lean_scheduler()) if arguments.loaded else None
+    shown = reached if loaded is None else loaded
     if arguments.json:
-        record = {
-            "modules": [asdict(m) for m in modules],
-            "lines": lines,
-            "code_lines": code,
+        record: dict[str, object] = {
+            "modules": [asdict(m) for m in shown],
+            **{k: v for k, v in totals(shown).items() if k != "modules"},
         }
+        if loaded is not None:
+            record["measure"] = "loaded by a lean scheduler"
+            record["reached"] = totals(reached)
         print(json.dumps(record, indent=2))
         return
-    for module in modules:
+    for module in shown:
         print(f"{module.name:<40} {module.lines:>6} {module.code_lines:>6}")
-    print(f"{len(modules)} modules: {lines:,} lines, {code:,} of code")
+    if loaded is not None:
+        print(f"loaded by a lean scheduler: {summary(loaded)}")
+    print(f"reached from register(): {summary(reached)}")
 
 
 if __name__ == "__main__":

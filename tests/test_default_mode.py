@@ -147,14 +147,14 @@ def test_under_dense_retention_the_start_line_says_lean_is_full(
 
 def test_the_info_metric_names_the_default_mode(unset_mode: None) -> None:
     pytest.importorskip("prometheus_client")
-    made = metrics.process_metrics()
-    assert made is not None
-    made.info.clear()
+    info = metrics.process_info()
+    assert info is not None
+    info.clear()
     sim = Simulation(any_release_geometry())
     labels = metrics.scheduler_labels(sim.scheduler)
     modes = {
         (sample.labels["mode"], sample.labels["status"])
-        for family in made.info.collect()
+        for family in info.collect()
         for sample in family.samples
         if all(sample.labels[k] == v for k, v in labels.items())
     }

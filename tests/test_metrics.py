@@ -1,4 +1,5 @@
-"""Prometheus export of the audit (``vllm_mamba_align.metrics``).
+"""Prometheus export of the audit (``vllm_mamba_align.audit.export``) and the
+info series (``vllm_mamba_align.metrics``).
 
 The counters must say what the audit's summary line says; labels follow vLLM's
 own metrics (``model_name``, ``engine``). The e2e test ``tests/e2e/test_serve.py``
@@ -14,6 +15,7 @@ import pytest
 from helpers import cache_block_for, geometry_rule, scheduler_mode
 
 from vllm_mamba_align import audit, metrics
+from vllm_mamba_align.audit import export
 from vllm_mamba_align.tools.sim import Geometry, Simulation, build_scheduler, prompt
 
 prometheus_client = pytest.importorskip("prometheus_client")
@@ -24,21 +26,21 @@ LABELS = {"model_name": "m", "engine": "3"}
 
 
 def exported(registry: Any, field: str, labels: dict[str, str]) -> float | None:
-    name = metrics.PREFIX + metrics.COUNTERS[field][0] + "_total"
+    name = metrics.PREFIX + export.COUNTERS[field][0] + "_total"
     value = registry.get_sample_value(name, labels)
     return None if value is None else float(value)
 
 
 def test_counters_follow_the_audit_by_differences() -> None:
     registry = prometheus_client.CollectorRegistry()
-    exporter = metrics.AuditExporter(metrics.Metrics(registry), LABELS)
+    exporter = export.AuditExporter(export.AuditCounters(registry), LABELS)
     found = audit.Audit(B, C, log=[].append, warn=[].append, export=exporter.update)
     found.count_chunk(SimpleNamespace(), 8160, 16320)  # 1 poisoned, 4 skipped
     found.report()
     found.count_chunk(SimpleNamespace(), 0, 8160)  # another request: 4 skipped
     found.close()
     figures = found.snapshot()
-    for field in metrics.COUNTERS:
+    for field in export.COUNTERS:
         assert exported(registry, field, LABELS) == getattr(figures, field), field
     assert figures.poisoned_slots == 1 and figures.skipped_boundaries == 8
     assert figures.requests == figures.requests_affected == 2
@@ -46,10 +48,10 @@ def test_counters_follow_the_audit_by_differences() -> None:
 
 def test_each_engine_has_its_own_series() -> None:
     registry = prometheus_client.CollectorRegistry()
-    made = metrics.Metrics(registry)
+    made = export.AuditCounters(registry)
     for engine, chunks in (("0", 1), ("1", 2)):
         labels = {"model_name": "m", "engine": engine}
-        exporter = metrics.AuditExporter(made, labels)
+        exporter = export.AuditExporter(made, labels)
         found = audit.Audit(B, C, log=[].append, warn=[].append)
         for _ in range(chunks):
             found.count_chunk(SimpleNamespace(), 8160, 16320)
@@ -67,13 +69,13 @@ def test_a_real_audited_scheduler_exports_its_summary_figures() -> None:
     labels = metrics.scheduler_labels(sim.scheduler)
     assert labels["engine"] == "0"
     registry = prometheus_client.REGISTRY
-    before = {f: exported(registry, f, labels) or 0.0 for f in metrics.COUNTERS}
+    before = {f: exported(registry, f, labels) or 0.0 for f in export.COUNTERS}
     sim.add("first", prompt(16764, seed=1))
     sim.run()
     sim.scheduler.shutdown()
     figures = observer.snapshot()
     assert figures.poisoned_slots > 0
-    for field in metrics.COUNTERS:
+    for field in export.COUNTERS:
         gained = (exported(registry, field, labels) or 0.0) - before[field]
         assert gained == getattr(figures, field), field
     info = {
@@ -128,14 +130,14 @@ def test_the_info_status_is_a_word_the_alert_rules_know(
 
 
 def test_export_status_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in metrics.MULTIPROC_VARIABLES:
+    for name in export.MULTIPROC_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    status = metrics.export_status()
+    status = export.export_status()
     assert status.available and not status.exported
     assert "PROMETHEUS_MULTIPROC_DIR is not set" in status.describe()
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/tmp/x")
-    assert metrics.export_status().exported
-    missing = metrics.ExportStatus(available=False, multiprocess="/tmp/x")
+    assert export.export_status().exported
+    missing = export.ExportStatus(available=False, multiprocess="/tmp/x")
     assert not missing.exported and "not importable" in missing.describe()
 
 
@@ -148,19 +150,19 @@ def test_in_a_ray_actor_the_status_says_ray_withholds_the_directory(
     import sys
     import types
 
-    for name in metrics.MULTIPROC_VARIABLES:
+    for name in export.MULTIPROC_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     context = types.SimpleNamespace(get_actor_id=lambda: "a1b2")
     ray = types.SimpleNamespace(
         is_initialized=lambda: True, get_runtime_context=lambda: context
     )
     monkeypatch.setitem(sys.modules, "ray", ray)
-    status = metrics.export_status()
+    status = export.export_status()
     assert status.ray_actor and not status.exported
     assert "Ray actor" in status.describe()
     assert "audit lines" in status.describe()
     context.get_actor_id = lambda: None  # the driver: the launching process
     assert not metrics.in_ray_actor()
-    assert "PROMETHEUS_MULTIPROC_DIR is not set" in metrics.export_status().describe()
+    assert "PROMETHEUS_MULTIPROC_DIR is not set" in export.export_status().describe()
     monkeypatch.delitem(sys.modules, "ray")
     assert not metrics.in_ray_actor()

@@ -9,7 +9,8 @@ import pytest
 from helpers import plugins, run_python, scheduler_mode
 
 from vllm_mamba_align import __version__, register
-from vllm_mamba_align.plugin import SCHEDULER_MODULE, is_patched, patch_scheduler_module
+from vllm_mamba_align.plugin import is_patched, patch_scheduler_module
+from vllm_mamba_align.subclasses import SCHEDULER_MODULE
 
 # Equal geometry (C == B == 1648), reachable on every release: stock runs the
 # 4,000-token prompt's first chunk across two boundaries, mode=full stops at each

@@ -110,7 +110,8 @@ def test_stock_worker_seeds_another_column() -> None:
 
 
 def test_the_seed_site_is_classified() -> None:
-    from vllm_mamba_align.plugin import RESEEDED, is_patched
+    from vllm_mamba_align.plugin import is_patched
+    from vllm_mamba_align.seed_site import RESEEDED
 
     site = _site()
     patched = is_patched(vars(_model_state_class() or object).get("add_request"))

@@ -12,14 +12,13 @@ import functools
 import sys
 import types
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import audit, hazard, messages, metrics, settings
 from .errors import MambaAlignError
 from .geometry import mamba_groups
 from .layers import Chain, walk
 from .policy import StopPolicy, step_budget
-from .protocols import Scheduler
 from .recognition import SPLIT_METHOD as SPLIT_METHOD  # re-exported
 from .recognition import Recognition, split_findings
 from .releases import SplitBody
@@ -28,6 +27,9 @@ from .settings import Mode
 from .signature import SplitFunction
 from .split import state_grid_split
 from .subclasses import foreign_classes, problems
+
+if TYPE_CHECKING:
+    from .protocols import Scheduler
 
 # The attribute upstream's fix (PR #54076) adds; if vLLM set it itself, the fix landed.
 STATE_BLOCK_ATTRIBUTE = "mamba_state_block_size"

@@ -31,9 +31,9 @@ from importlib import metadata
 from pathlib import Path
 
 from . import settings, topology
+from .audit.export import export_status as metrics_export_status
 from .errors import MambaAlignError
 from .fingerprint import fingerprint_node, method_in_file
-from .metrics import export_status as metrics_export_status
 from .releases import (
     BATCH_INVARIANT_VARIABLE,
     CPU_WORKER_FILE,
@@ -436,9 +436,8 @@ def collect(
     from .activation import split_refusal, upstream_fix_present
     from .layers import walk
     from .messages import scheduler_note
-    from .plugin import SCHEDULER_MODULE
     from .recognition import SPLIT_METHOD, recognize, split_findings
-    from .subclasses import vllm_scheduler
+    from .subclasses import SCHEDULER_MODULE, vllm_scheduler
 
     notes: list[str] = []
     platform_name, platform_detail = load_as_vllm_does()

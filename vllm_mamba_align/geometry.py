@@ -10,8 +10,10 @@ executors).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .protocols import KVCacheConfig
+if TYPE_CHECKING:
+    from .protocols import KVCacheConfig
 
 
 @dataclass(frozen=True)

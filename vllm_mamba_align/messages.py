@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import metrics, settings
 from .errors import MambaAlignError
 from .geometry import MambaGroup
 from .layers import Chain, Finding, Order, describe_distribution
-from .protocols import Scheduler
 from .recognition import SPLIT_METHOD, Recognition, split_findings
 from .releases import (
     BATCH_INVARIANT_VARIABLE,
@@ -34,10 +33,13 @@ from .releases import (
     releases_where,
 )
 from .retention import Retention
+from .seed_site import seed_grid
 from .settings import Mode
 from .subclasses import describe_class, foreign_classes, problems
 from .version import __version__
-from .worker_seed import seed_grid
+
+if TYPE_CHECKING:
+    from .protocols import Scheduler
 
 # -- refusals ------------------------------------------------------------------
 

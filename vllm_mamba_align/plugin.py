@@ -86,14 +86,12 @@ from typing import Any
 
 import wrapt
 
-from . import headless, settings
+from . import settings
 from .activation import SPLIT_ATTRIBUTE, attach
 from .checkpoints import observe_checkpoint_decision
 from .errors import MambaAlignError
-from .layers import MARKER as MARKER  # re-exported
-from .layers import contains_ours
-from .recognition import SPLIT_METHOD as SPLIT_METHOD  # re-exported
-from .recognition import recognize
+from .layers import MARKER, contains_ours
+from .recognition import SPLIT_METHOD, recognize
 from .releases import (
     GROUP_INFO_METHOD,
     MODEL_STATE,
@@ -101,12 +99,9 @@ from .releases import (
     WORKER_SITES,
     InternalCheckpoint,
 )
+from .seed_site import RESEEDED
 from .settings import Mode
-from .subclasses import vllm_scheduler
-from .worker_seed import RESEEDED as RESEEDED  # re-exported
-from .worker_seed import Reseed, classify, column_tensor
-
-SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
+from .subclasses import SCHEDULER_MODULE, vllm_scheduler
 
 ENVS_MODULE = "vllm.envs"
 CHECKPOINT_DECISION = "is_mamba_prefill_checkpoint_valid"
@@ -121,7 +116,10 @@ def register() -> None:
         settings.check_startup()  # a bad setting fails here, before any patch
     except MambaAlignError as error:
         # The launcher of `vllm serve --headless` raises it once it knows the
-        # head's address, and tells the head first (headless.py).
+        # head's address, and tells the head first (headless.py: imported only
+        # on a refusal, the one time it has something to do).
+        from . import headless
+
         if headless.hold(error):
             return
         raise
@@ -190,6 +188,8 @@ def patch_scheduler_module(module: ModuleType) -> None:
             attach(instance, recognition)
         except MambaAlignError as error:
             # An engine core of a headless node: the head hears it (headless.py).
+            from . import headless
+
             headless.tell_head_from_engine_core(error)
             raise
 
@@ -219,12 +219,18 @@ def split_wrapper(
 
 
 def patch_worker_module(module: ModuleType) -> None:
-    """Post-import hook: fix the worker's state seed where the code needs it, once."""
+    """Post-import hook: fix the worker's state seed where the code needs it, once.
+
+    The re-seed (worker_seed.py) is imported here, in the process that imports
+    vLLM's worker module: a scheduler's process without a worker never loads it.
+    """
     model_state = getattr(module, MODEL_STATE, None)
     if model_state is None or is_patched(vars(model_state).get(SEED_METHOD)):
         return
     if settings.read_mode() is Mode.OFF:
         return
+    from .worker_seed import Reseed, classify, column_tensor
+
     site = classify(model_state)
     if site not in RESEEDED:
         return

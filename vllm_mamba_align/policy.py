@@ -15,6 +15,7 @@ Importing this module needs neither vLLM nor torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from .checkpoints import (
     FLASHKDA_CHUNK_SIZE,
@@ -24,10 +25,12 @@ from .checkpoints import (
     manager_rekeys_checkpoint_block,
     spec_reserves_checkpoints,
 )
-from .protocols import Scheduler
 from .releases import PrefillRule, SplitBody
 from .retention import Retention, mamba_manager
 from .settings import Mode
+
+if TYPE_CHECKING:
+    from .protocols import Scheduler
 
 FIXING_MODES = (Mode.FULL, Mode.KEPT, Mode.GRID, Mode.LEAN)
 """The modes that bind the fix (``off`` and ``audit`` leave vLLM's split as it is)."""

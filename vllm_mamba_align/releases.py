@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from packaging.version import InvalidVersion, Version
 
@@ -43,7 +44,9 @@ from .checkpoints import CheckpointGrid as CheckpointGrid
 from .checkpoints import InternalCheckpoint as InternalCheckpoint
 from .checkpoints import checkpoint_backends_in as checkpoint_backends_in
 from .fingerprint import SPLIT_PARAMETERS, CodeShape
-from .protocols import Request
+
+if TYPE_CHECKING:
+    from .protocols import Request
 
 
 class PrefillRule(enum.Enum):

@@ -41,9 +41,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .protocols import Request, Scheduler
+if TYPE_CHECKING:
+    from .protocols import Request, Scheduler
 
 RETENTION_VARIABLE = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
 """Where 0.24.0-0.28.0 read the setting (later releases: the cache config)."""

@@ -19,31 +19,18 @@ makes before the seed is read. Where vLLM's divisor already is B the re-seed
 writes the value vLLM wrote.
 
 Only code recognized by the fingerprints in releases.py is patched, in Model
-Runner V2's model state and 0.34.0's CPU runner's.
+Runner V2's model state and 0.34.0's CPU runner's. Loaded only where vLLM's
+worker module is imported (plugin.patch_worker_module); what the start line
+reads of the installed seed is seed_site.py's.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from .fingerprint import analyse_function, fingerprint_node, method_in_file
-from .releases import (
-    GROUP_INFO_METHOD,
-    MODEL_STATE,
-    SEED_METHOD,
-    WORKER_FILE,
-    SeedCode,
-    SeedSite,
-    classify_seed,
-    seed_code,
-    vllm_package_dir,
-)
-
-RESEEDED = (SeedSite.SEEDS_WITH_CACHE_BLOCK, SeedSite.SEEDS_WITH_MAMBA_BLOCK)
-"""The seed sites the plugin re-seeds with B (every mode but ``off``)."""
+from .fingerprint import analyse_function
+from .releases import GROUP_INFO_METHOD, SEED_METHOD, SeedSite, classify_seed, seed_code
 
 # Seeds waiting for the Mamba spec, per model state: {request index: computed}.
 PENDING_ATTRIBUTE = "_vllm_mamba_align_pending_seeds"
@@ -59,42 +46,6 @@ def classify(model_state_class: type | None) -> SeedSite:
         analyse_function(group_info).fingerprint if group_info else None,
         present=add_request is not None,
     )
-
-
-@functools.cache
-def site_in_file(path: Path) -> tuple[SeedSite, SeedCode | None]:
-    """The seed site of a worker module's source file, read without importing
-    it (GPU code), by the fingerprints the plugin patches by; ``doctor`` and the
-    start line use it."""
-    if not path.exists():
-        return SeedSite.ABSENT, None
-    try:
-        seed = method_in_file(str(path), MODEL_STATE, SEED_METHOD)
-        group_info = method_in_file(str(path), MODEL_STATE, GROUP_INFO_METHOD)
-    except (OSError, SyntaxError, ValueError):
-        return SeedSite.UNRECOGNIZED, None
-    fingerprint = fingerprint_node(seed) if seed else None
-    site = classify_seed(
-        fingerprint,
-        fingerprint_node(group_info) if group_info else None,
-        present=seed is not None,
-    )
-    return site, seed_code(fingerprint)
-
-
-def seed_grid(fixing: bool) -> str | None:
-    """For the start line: which grid Model Runner V2's seed lands on, read from
-    the installed worker file (the engine core does not import it); None where
-    this vLLM has no such seed. ``fixing``: the mode is not ``off``."""
-    root = vllm_package_dir()
-    if root is None:
-        return None
-    site, code = site_in_file(root / WORKER_FILE)
-    if site not in RESEEDED or code is None:
-        return None
-    if fixing:
-        return f"worker seed on B (the plugin re-seeds vLLM's {code.divisor} seed)"
-    return f"worker seed on vLLM's {code.divisor} (not B where it differs)"
 
 
 def column_tensor(model_state_class: type) -> str:

@@ -236,7 +236,7 @@ AUDIT_SUMMARY = re.compile(
     r"\((?P<requests_poisoning>[\d,]+) poisoning\), "
     r"(?P<prefill_tokens>[\d,]+) prefill tokens scheduled"
 )
-# Audit figure -> counter on /metrics (vllm_mamba_align.metrics.COUNTERS).
+# Audit figure -> counter on /metrics (vllm_mamba_align.audit.export.COUNTERS).
 COUNTER_NAMES = {
     "poisoned_slots": "vllm_mamba_align_audit_would_be_poisoned_slots_total",
     "skipped_boundaries": "vllm_mamba_align_audit_skipped_state_boundaries_total",

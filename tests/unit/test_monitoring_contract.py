@@ -1,11 +1,12 @@
 """The alert rules and the dashboard (deploy/monitoring) speak the package's names.
 
 Every metric name, label and status word they use is one the package exports
-(``vllm_mamba_align.metrics``), or Prometheus's own (``up``, ``job``,
-``instance``), or one of vLLM's series the live check shows a real server
-exporting (tests/e2e/test_monitoring.py). A rename in the package fails here,
-not as an alert that never fires. ``nox -s monitoring`` runs promtool on the
-same files; docs/audit.md shows them, held equal below.
+(``vllm_mamba_align.metrics``, ``vllm_mamba_align.audit.export``), or
+Prometheus's own (``up``, ``job``, ``instance``), or one of vLLM's series the
+live check shows a real server exporting (tests/e2e/test_monitoring.py). A
+rename in the package fails here, not as an alert that never fires. ``nox -s
+monitoring`` runs promtool on the same files; docs/audit.md shows them, held
+equal below.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import monitoring_files as files
 import pytest
 
 from vllm_mamba_align import audit, metrics
+from vllm_mamba_align.audit import export
 
 pytest.importorskip("yaml")
 
-COUNTERS = {metrics.PREFIX + name + "_total" for name, _ in metrics.COUNTERS.values()}
+COUNTERS = {metrics.PREFIX + name + "_total" for name, _ in export.COUNTERS.values()}
 LABELS_OF = {
     **{name: set(metrics.LABELS) for name in COUNTERS},
     metrics.INFO: set(metrics.INFO_LABELS),

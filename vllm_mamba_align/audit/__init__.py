@@ -56,12 +56,11 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import settings
 from ..checkpoints import own_slot_write
 from ..errors import MambaAlignError
-from ..protocols import Request, Scheduler, SchedulerOutput
 from ..releases import PrefillRule, SplitBody, chunk_start
 from ..retention import Retention
 from ..signature import Route, SplitFunction, StockCall, bind_route
@@ -82,6 +81,9 @@ from .reporter import (
     vllm_log,
     vllm_warn,
 )
+
+if TYPE_CHECKING:
+    from ..protocols import Request, Scheduler, SchedulerOutput
 
 __all__ = [
     "ACTIVE_STATUS",
@@ -369,10 +371,10 @@ def install(
     class is untouched); the split observer (around ``stock_split``, vLLM's own
     function) is returned for ``activation`` to bind as this scheduler's split.
     """
-    from .. import metrics
+    from .export import audit_exporter
 
     options.setdefault("interval", settings.audit_interval())
-    options.setdefault("export", metrics.audit_exporter(scheduler))
+    options.setdefault("export", audit_exporter(scheduler))
     options.setdefault(
         "backend_checkpoint",
         own_slot_write(scheduler, stock_split, body, state_block),

@@ -12,10 +12,13 @@ of a step are cleared after it: nothing grows with traffic.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-from ..protocols import Request, SchedulerOutput
 from ..releases import PrefillRule, in_prefill
 from .counting import Counts
+
+if TYPE_CHECKING:
+    from ..protocols import Request, SchedulerOutput
 
 
 def computes_known_tokens(request: Request, start: int) -> bool:

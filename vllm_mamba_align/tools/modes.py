@@ -31,7 +31,8 @@ nothing (``settings.DEFAULT_MODE``)."""
 def _patched_sites() -> list[tuple[Any, str]]:
     import vllm.v1.core.sched.scheduler as module
 
-    from ..plugin import CHECKPOINT_DECISION, SPLIT_METHOD
+    from ..plugin import CHECKPOINT_DECISION
+    from ..recognition import SPLIT_METHOD
 
     return [
         (module.Scheduler, "__init__"),
