@@ -132,8 +132,10 @@ def cache_block_rule(version: str | None) -> CacheBlockRule:
 def supports_retention_setting() -> bool:
     """Whether this vLLM has a state retention setting for Mamba states (0.24.0+:
     an environment variable until 0.28.0, the cache config from 0.29.0)."""
-    from vllm_mamba_align.releases import retention_in_kv_config
-    from vllm_mamba_align.retention import retention_variable_reaches_mamba
+    from vllm_mamba_align.tools.installed import retention_in_kv_config
+    from vllm_mamba_align.tools.retention_report import (
+        retention_variable_reaches_mamba,
+    )
 
     return retention_in_kv_config() or retention_variable_reaches_mamba()
 
@@ -186,7 +188,7 @@ def async_republishes_partial_tail() -> bool:
     copy-on-write moved it away. Needs a prompt ending on a hash block inside a
     state block, and async scheduling.
     """
-    from vllm_mamba_align.releases import supports_hash_block
+    from vllm_mamba_align.tools.installed import supports_hash_block
     from vllm_mamba_align.tools.sim import Geometry, Simulation, prompt
 
     if not supports_hash_block():

@@ -22,10 +22,10 @@ from helpers import (
 )
 
 from vllm_mamba_align import activation, messages, metrics, settings
-from vllm_mamba_align.releases import (
+from vllm_mamba_align.batch_invariance import (
     mamba_backends_accepting_batch_invariance,
 )
-from vllm_mamba_align.releases import (
+from vllm_mamba_align.batch_invariance import (
     refuses_batch_invariance_for_mamba as refuses_for_mamba,
 )
 from vllm_mamba_align.tools.sim import Geometry, Simulation, prompt
@@ -110,7 +110,7 @@ def test_at_default_retention_the_default_spends_no_step_on_dropped_states(
     16,320: C-aligned, not B-aligned) but for the replay boundary 16,480 and
     vLLM's own stop at the prompt's tail after it, so it takes fewer prefill
     steps than ``full`` and keeps the same states."""
-    from vllm_mamba_align.releases import retention_in_kv_config
+    from vllm_mamba_align.tools.installed import retention_in_kv_config
 
     if not retention_in_kv_config():
         pytest.skip("this vLLM keeps every state by default (kept is full here)")
@@ -127,7 +127,7 @@ def test_at_default_retention_the_default_spends_no_step_on_dropped_states(
 def test_the_start_line_names_the_default_mode(
     unset_mode: None, start_lines: StartLines
 ) -> None:
-    from vllm_mamba_align.releases import retention_in_kv_config
+    from vllm_mamba_align.tools.installed import retention_in_kv_config
 
     Simulation(any_release_geometry())
     (line,) = start_lines.lines

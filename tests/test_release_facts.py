@@ -13,8 +13,9 @@ import ast
 
 from helpers import installed_body
 
-from vllm_mamba_align import releases
+from vllm_mamba_align import batch_invariance, releases
 from vllm_mamba_align.fingerprint import CodeShape, analyse_source, method_in_file
+from vllm_mamba_align.tools import installed
 
 
 def _installed_split_shape() -> CodeShape:
@@ -96,3 +97,37 @@ def test_where_the_worker_checks_the_mamba_groups_is_the_tables() -> None:
     assert binds_at_start == (version >= since)
     has_v1 = (root / "v1" / "worker" / "gpu_model_runner.py").exists()
     assert has_v1 == (version < Version(releases.V1_RUNNER_REMOVED_IN))
+
+
+def test_what_the_installed_code_says_is_the_release_facts_row() -> None:
+    """Each reading of the installed vLLM's code (batch_invariance.py,
+    tools/installed.py) answers as the release-fact row says of the installed
+    release, so a docstring or message that names the row's releases names
+    where the code behaves so."""
+    import pytest
+
+    version = releases.installed_version()
+    if version not in releases.SUPPORTED_RELEASES:
+        pytest.skip(f"vLLM {version} is no release of the table")
+    root = releases.vllm_package_dir()
+    assert root is not None
+    registry = root / batch_invariance.BACKEND_REGISTRY_FILE
+    readings = [
+        (
+            "SELECTOR_ASKS_BATCH_INVARIANCE",
+            batch_invariance.refuses_batch_invariance_for_mamba(),
+        ),
+        (
+            "MAMBA_BACKEND_ENUM",
+            registry.exists()
+            and f"class {batch_invariance.MAMBA_BACKEND_ENUM}" in registry.read_text(),
+        ),
+        ("REQUEST_NEEDS_EOS_TOKEN_ID", installed.requests_need_eos_token_id()),
+        ("HASH_BLOCK_CHOSEN", installed.supports_hash_block()),
+        ("RETENTION_IN_KV_CONFIG", installed.retention_in_kv_config()),
+        ("LOOKAHEAD_HASHES", installed.supports_lookahead_hashes()),
+        ("MODEL_RUNNER_V1", (root / "v1" / "worker" / "gpu_model_runner.py").exists()),
+    ]
+    for name, read in readings:
+        fact = getattr(releases, name)
+        assert read == fact.holds(version), f"{name}: read {read} on {version}"

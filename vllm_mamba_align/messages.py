@@ -28,8 +28,6 @@ from .releases import (
     describe_releases,
     describe_version,
     expected_body,
-    mamba_backends_accepting_batch_invariance,
-    refuses_batch_invariance_for_mamba,
     release_range,
     releases_where,
 )
@@ -406,6 +404,8 @@ def batch_invariance_note(
     when it is on (None when it is off)."""
     if not batch_invariance_requested():
         return None
+    from .batch_invariance import refuses_batch_invariance_for_mamba
+
     release = describe_version(version)
     if refuses_batch_invariance_for_mamba():
         return (
@@ -432,6 +432,8 @@ def batch_invariance_note(
 def except_accepting() -> str:
     """`` other than SHORT_CONV (it accepts it)`` where the installed vLLM's
     selector lets some Mamba backends run batch-invariant (0.34.0), else ""."""
+    from .batch_invariance import mamba_backends_accepting_batch_invariance
+
     accepting = mamba_backends_accepting_batch_invariance()
     if not accepting:
         return ""

@@ -10,6 +10,14 @@ facts.
   the facts the fix needs to apply correctly there (how it tells prefill, how
   vLLM's internal prefill checkpointing is decided, whether a state block wider
   than the step budget may advance sub-block, its parameters).
+- **Release facts** beside the bodies (:data:`RELEASE_FACTS`): what changed in
+  a release outside the split (a config field, a worker check, the Mamba
+  backend selector), each row a first release and the first one without it.
+  Where a message or a docstring names the releases of a body field or a row,
+  it derives them (:func:`releases_where`, ``str(fact)``) or
+  tests/unit/test_release_ranges.py holds it to the table; where code reads
+  the fact off the installed vLLM (batch_invariance.py, tools/installed.py),
+  tests/test_release_facts.py holds the reading to the row.
 - **The prefill predicate** (:func:`in_prefill`): the one judgement of "is this
   chunk prefill" for the fix's stop and the audit's counts.
 - The backend's in-chunk checkpoint (how a body decides it, which grid it
@@ -25,9 +33,7 @@ Importing this module needs neither vLLM nor torch.
 
 from __future__ import annotations
 
-import ast
 import enum
-import functools
 import importlib.util
 import sys
 from collections.abc import Callable, Sequence
@@ -310,6 +316,106 @@ def describe_releases(releases: Sequence[str]) -> str:
     )
 
 
+def release_range(first: str | None = None, before: str | None = None) -> str:
+    """The supported releases from ``first`` up to (not including) ``before``,
+    as :func:`describe_releases` writes them."""
+    return describe_releases(
+        [
+            r
+            for r in SUPPORTED_RELEASES
+            if (first is None or Version(r) >= Version(first))
+            and (before is None or Version(r) < Version(before))
+        ]
+    )
+
+
+# -- release facts beside the split bodies ------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReleaseFact:
+    """A release-scoped fact of vLLM that is no property of the split's body:
+    it holds on the supported releases from ``first`` up to (not including)
+    ``before``. Prose that names its releases writes ``str(fact)`` or is held to
+    the row by tests/unit/test_release_ranges.py; where the plugin or a tool
+    reads the fact off the installed code (a nightly or vendor build answers as
+    its code does), tests/test_release_facts.py holds the reading to the row on
+    every release of the matrix."""
+
+    first: str
+    before: str | None = None
+
+    @property
+    def releases(self) -> tuple[str, ...]:
+        """The supported releases the fact holds on, in release order."""
+        first, before = Version(self.first), self.before and Version(self.before)
+        return tuple(
+            r
+            for r in SUPPORTED_RELEASES
+            if first <= Version(r) and (not before or Version(r) < before)
+        )
+
+    def holds(self, release: str) -> bool:
+        return release in self.releases
+
+    def __str__(self) -> str:
+        return release_range(self.first, self.before)
+
+
+SELECTOR_ASKS_BATCH_INVARIANCE = ReleaseFact("0.20.2")
+"""With ``VLLM_BATCH_INVARIANT=1`` vLLM's Mamba backend selector asks each
+backend's ``supports_batch_invariance`` and refuses one that answers False
+(batch_invariance.py); the releases before have the mode and take every Mamba
+backend."""
+MAMBA_BACKEND_ENUM = ReleaseFact("0.27.1")
+"""vLLM names its Mamba attention backends in ``MambaAttentionBackendEnum``
+(v1/attention/backends/registry.py: member name = ``"module.path.ClassName"``)."""
+REQUEST_NEEDS_EOS_TOKEN_ID = ReleaseFact("0.15.1", "0.17.0")
+"""``Request()`` requires an ``eos_token_id`` argument."""
+HASH_BLOCK_CHOSEN = ReleaseFact("0.26.0")
+"""The hash block can be chosen (``CacheConfig.prefix_match_unit``)."""
+RETENTION_IN_KV_CONFIG = ReleaseFact("0.29.0")
+"""The KV-cache config carries the state retention
+(``KVCacheConfig.prefix_cache_retention_interval``)."""
+LOOKAHEAD_HASHES = ReleaseFact("0.33.0")
+"""Lookahead block hashes for EAGLE-like drafters
+(``SpeculativeConfig.disable_lookahead_block_hashes``): the scheduler drops
+EAGLE's last block only when they are turned off."""
+HIDDEN_STATE_SCALING = ReleaseFact("0.30.0")
+"""The group builder (``_ensure_min_page_size`` in v1/core/kv_cache_utils.py;
+v1/core/kv_cache_planning.py from 0.33.0) multiplies every group's block size,
+the Mamba spec's too, when a hidden-state layer (``extract_hidden_states``)
+costs more per token than the common page."""
+V1_RUNNER_REMOVED_IN = "0.34.0"
+"""The first release without Model Runner V1 (``v1/worker/gpu_model_runner.py``;
+``VLLM_USE_V2_MODEL_RUNNER=0`` picks it before)."""
+MODEL_RUNNER_V1 = ReleaseFact(SUPPORTED_RELEASES[0], V1_RUNNER_REMOVED_IN)
+"""Model Runner V1 is there (:data:`V1_RUNNER_REMOVED_IN`)."""
+WORKER_CHECKS_GROUPS_AT_START = ReleaseFact("0.32.0")
+"""Model Runner V2 asserts, while the worker initializes its KV cache and so
+before the engine core builds its scheduler, that every Mamba group has one
+block size (v1/worker/gpu/model_states/mamba_hybrid.py ``_get_mamba_group_info``,
+called from ``initialize_kv_cache``; the CPU runner's model state alike).
+Earlier, and in Model Runner V1, the worker asserts it only when a step first
+needs the Mamba groups (``get_mamba_groups``/``MambaBuffers.create``,
+v1/worker/mamba_utils.py), after the scheduler exists."""
+WORKER_CHECKS_GROUPS_AT_START_SINCE = WORKER_CHECKS_GROUPS_AT_START.first
+
+RELEASE_FACTS: tuple[ReleaseFact, ...] = (
+    SELECTOR_ASKS_BATCH_INVARIANCE,
+    MAMBA_BACKEND_ENUM,
+    REQUEST_NEEDS_EOS_TOKEN_ID,
+    HASH_BLOCK_CHOSEN,
+    RETENTION_IN_KV_CONFIG,
+    LOOKAHEAD_HASHES,
+    HIDDEN_STATE_SCALING,
+    MODEL_RUNNER_V1,
+    WORKER_CHECKS_GROUPS_AT_START,
+)
+"""The table beside :data:`BODIES`: every release-scoped fact that is no
+property of the split's body."""
+
+
 def body_for(fingerprint: str | None) -> SplitBody | None:
     """The known body with this fingerprint, if any."""
     if fingerprint is None:
@@ -442,21 +548,12 @@ def installed_version() -> str | None:
     return None
 
 
-# -- vLLM's batch-invariant mode --------------------------------------------------
+# -- the installed vLLM ---------------------------------------------------------------
 
 BATCH_INVARIANT_VARIABLE = "VLLM_BATCH_INVARIANT"
-SELECTOR_FILE = "v1/attention/selector.py"
-"""Where vLLM selects a Mamba attention backend, relative to its package directory."""
-BATCH_INVARIANCE_CHECK = "supports_batch_invariance"
-"""The backend method vLLM's Mamba backend selector asks when
-``VLLM_BATCH_INVARIANT=1`` (``get_mamba_attn_backend``;
-``_cached_get_mamba_attn_backend`` in 0.33.0): the base class answers False and no
-Mamba/GDN backend overrides it through 0.33.0 (0.34.0: the short-convolution
-backend answers True, :func:`mamba_backends_accepting_batch_invariance`), so where
-the selector asks, vLLM
-raises ``RuntimeError("VLLM batch_invariant mode is not supported for …")`` while
-the worker loads the model, before the engine core builds its scheduler and before
-the plugin's start line. 0.20.2-0.33.0 ask; 0.15.1-0.19.1 have the mode and do not."""
+"""vLLM's switch for its batch-invariant mode. What the installed vLLM does with
+it for hybrid models is read from its code by batch_invariance.py, loaded only
+when the switch is on and by ``doctor``."""
 
 
 def vllm_package_dir() -> Path | None:
@@ -471,100 +568,6 @@ def vllm_package_dir() -> Path | None:
             return None
         origin = spec.origin if spec is not None else None
     return Path(origin).parent if origin else None
-
-
-@functools.cache
-def _selector_asks_batch_invariance(selector: Path) -> bool | None:
-    try:
-        tree = ast.parse(selector.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, ValueError):
-        return None
-    return any(
-        isinstance(node, ast.Attribute) and node.attr == BATCH_INVARIANCE_CHECK
-        for function in ast.walk(tree)
-        if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef)
-        and "mamba_attn_backend" in function.name
-        for node in ast.walk(function)
-    )
-
-
-def refuses_batch_invariance_for_mamba() -> bool:
-    """Whether the installed vLLM refuses batch-invariant mode for hybrid models.
-
-    Read from the installed selector (:data:`SELECTOR_FILE`): a function selecting
-    Mamba backends that asks :data:`BATCH_INVARIANCE_CHECK`. The version is not
-    consulted, so a dev, nightly or vendor build answers as its code does. True
-    when the file cannot be read: every release since 0.20.2 refuses."""
-    root = vllm_package_dir()
-    answer = (
-        None if root is None else _selector_asks_batch_invariance(root / SELECTOR_FILE)
-    )
-    return True if answer is None else answer
-
-
-BACKEND_REGISTRY_FILE = "v1/attention/backends/registry.py"
-"""Where vLLM 0.27.1+ names its Mamba attention backends
-(``MambaAttentionBackendEnum``: member name = ``"module.path.ClassName"``)."""
-MAMBA_BACKEND_ENUM = "MambaAttentionBackendEnum"
-
-
-def _answers_true(function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
-    returns = [n for n in ast.walk(function) if isinstance(n, ast.Return)]
-    return bool(returns) and all(
-        isinstance(r.value, ast.Constant) and r.value.value is True for r in returns
-    )
-
-
-@functools.cache
-def _backends_accepting(root: Path) -> tuple[str, ...]:
-    try:
-        registry = ast.parse((root / BACKEND_REGISTRY_FILE).read_text("utf-8"))
-    except (OSError, SyntaxError, ValueError):
-        return ()
-    paths: dict[str, str] = {}
-    for node in ast.walk(registry):
-        if isinstance(node, ast.ClassDef) and node.name == MAMBA_BACKEND_ENUM:
-            for item in node.body:
-                if (
-                    isinstance(item, ast.Assign)
-                    and len(item.targets) == 1
-                    and isinstance(item.targets[0], ast.Name)
-                    and isinstance(item.value, ast.Constant)
-                    and isinstance(item.value.value, str)
-                ):
-                    paths[item.targets[0].id] = item.value.value
-    accepting = []
-    for name, path in paths.items():
-        module, _, class_name = path.rpartition(".")
-        relative = module.removeprefix("vllm.").replace(".", "/") + ".py"
-        try:
-            tree = ast.parse((root / relative).read_text("utf-8"))
-        except (OSError, SyntaxError, ValueError):
-            continue
-        if any(
-            isinstance(node, ast.ClassDef)
-            and node.name == class_name
-            and any(
-                isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
-                and item.name == BATCH_INVARIANCE_CHECK
-                and _answers_true(item)
-                for item in node.body
-            )
-            for node in tree.body
-        ):
-            accepting.append(name)
-    return tuple(accepting)
-
-
-def mamba_backends_accepting_batch_invariance() -> tuple[str, ...]:
-    """The installed vLLM's Mamba attention backends whose class answers
-    :data:`BATCH_INVARIANCE_CHECK` with True, by their enum names: none through
-    0.33.0; ``SHORT_CONV`` (short convolutions, LFM2's layers) from 0.34.0. vLLM's
-    selector lets those run batch-invariant while it refuses the others. Read
-    from the code (:data:`BACKEND_REGISTRY_FILE` and each backend's module);
-    () when it cannot be read or vLLM is not installed."""
-    root = vllm_package_dir()
-    return () if root is None else _backends_accepting(root)
 
 
 # -- Model Runner V2's running-state seed (worker side) -----------------------------
@@ -583,13 +586,10 @@ WORKER_SITES: tuple[tuple[str, str], ...] = (
 MODEL_STATE = "MambaHybridModelState"
 SEED_METHOD = "add_request"
 GROUP_INFO_METHOD = "_get_mamba_group_info"
-HIDDEN_STATE_SCALING_SINCE = "0.30.0"
-"""The first release whose group builder (``_ensure_min_page_size``, 0.30.0-0.32.0
-v1/core/kv_cache_utils.py, 0.33.0+ v1/core/kv_cache_planning.py) multiplies every
-group's block size, the Mamba spec's too, when a hidden-state layer
-(``extract_hidden_states``) costs more per token than the common page. Nothing
-rewrites ``cache_config.mamba_block_size`` then, so a seed divided by it names a
-column k times too far."""
+HIDDEN_STATE_SCALING_SINCE = HIDDEN_STATE_SCALING.first
+"""The first release of :data:`HIDDEN_STATE_SCALING`. Nothing rewrites
+``cache_config.mamba_block_size`` then, so a seed divided by it names a column k
+times too far."""
 
 
 class SeedSite(enum.Enum):
@@ -675,70 +675,3 @@ def classify_seed(
     if group_info not in GROUP_INFO_BODIES:
         return SeedSite.UNRECOGNIZED  # the re-seed could not be trusted
     return code.site
-
-
-# -- Mamba groups that disagree on their block size ---------------------------------
-
-WORKER_CHECKS_GROUPS_AT_START_SINCE = "0.32.0"
-"""From this release Model Runner V2 asserts, while the worker initializes its KV
-cache and so before the engine core builds its scheduler, that every Mamba group
-has one block size (0.32.0-0.34.0 v1/worker/gpu/model_states/mamba_hybrid.py
-``_get_mamba_group_info``, called from ``initialize_kv_cache``; 0.34.0's CPU
-runner alike). Earlier, and in Model Runner V1, the worker asserts it only when a
-step first needs the Mamba groups (``get_mamba_groups``/``MambaBuffers.create``,
-v1/worker/mamba_utils.py), after the scheduler exists."""
-V1_RUNNER_REMOVED_IN = "0.34.0"
-"""The first release without Model Runner V1 (``v1/worker/gpu_model_runner.py``;
-``VLLM_USE_V2_MODEL_RUNNER=0`` picks it before)."""
-
-
-def release_range(first: str | None = None, before: str | None = None) -> str:
-    """The supported releases from ``first`` up to (not including) ``before``,
-    as :func:`describe_releases` writes them."""
-    return describe_releases(
-        [
-            r
-            for r in SUPPORTED_RELEASES
-            if (first is None or Version(r) >= Version(first))
-            and (before is None or Version(r) < Version(before))
-        ]
-    )
-
-
-# -- features of the installed vLLM that the tools and tests adapt to ---------------
-# (each imports vLLM when called; the plugin itself never calls them)
-
-
-def retention_in_kv_config() -> bool:
-    """Whether this vLLM's KV-cache config carries the state retention (0.29.0+)."""
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-
-    return "prefix_cache_retention_interval" in getattr(
-        KVCacheConfig, "__dataclass_fields__", {}
-    )
-
-
-def supports_hash_block() -> bool:
-    """Whether this vLLM lets the hash block be chosen (prefix_match_unit, 0.26.0+)."""
-    from vllm.config import CacheConfig
-
-    return "prefix_match_unit" in getattr(CacheConfig, "__dataclass_fields__", {})
-
-
-def supports_lookahead_hashes() -> bool:
-    """Whether this vLLM has lookahead block hashes for EAGLE-like drafters
-    (``SpeculativeConfig.disable_lookahead_block_hashes``, 0.33.0): then the
-    scheduler drops EAGLE's last block only when they are turned off."""
-    from vllm.config import SpeculativeConfig
-
-    fields = getattr(SpeculativeConfig, "__dataclass_fields__", {})
-    return "disable_lookahead_block_hashes" in fields
-
-
-def requests_need_eos_token_id() -> bool:
-    """Whether ``Request()`` requires an ``eos_token_id`` argument (0.15.1-0.16.0)."""
-    import inspect
-
-    from vllm.v1.request import Request
-
-    return "eos_token_id" in inspect.signature(Request.__init__).parameters

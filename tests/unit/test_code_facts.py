@@ -148,7 +148,7 @@ def test_the_checkpoint_rekey_fact_comes_from_the_manager(
     source: str, rekeys: bool
 ) -> None:
     """Where the backend's in-chunk state is published when its position lies
-    below its column's own boundary (checkpoints.own_slot_write)."""
+    below its column's own boundary (audit.slots.own_slot_write)."""
     assert rekeys_checkpoint_block(source) is rekeys
 
 

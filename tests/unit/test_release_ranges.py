@@ -30,7 +30,7 @@ from vllm_mamba_align.releases import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-RANGE = re.compile(r"(?<![\w.])(0\.\d+\.\d+)(?:(\+)|-(0\.\d+\.\d+))(?![\w.])")
+RANGE = re.compile(r"(?<![\w.])(0\.\d+\.\d+)(?:(\+)|[-–](0\.\d+\.\d+))(?![\w.])")
 GENERATED = re.compile(r"<!-- (\w+):begin.*?<!-- \1:end -->", re.DOTALL)
 WINDOW = 100
 """Characters on either side of a range in which a fact's words make it that
@@ -109,6 +109,39 @@ FACTS = (
         _seed_site,
     ),
 )
+"""The split bodies' facts and the worker seed's."""
+
+RELEASE_FACT_WORDS: dict[str, str] = {
+    "SELECTOR_ASKS_BATCH_INVARIANCE": r"batch.invarian|VLLM_BATCH_INVARIANT",
+    "MAMBA_BACKEND_ENUM": r"MambaAttentionBackendEnum|backend enum|backends/registry"
+    r"|attention.backend names",
+    "REQUEST_NEEDS_EOS_TOKEN_ID": r"eos_token_id",
+    "HASH_BLOCK_CHOSEN": r"supports_hash_block|hash block (can|may) be chosen",
+    "RETENTION_IN_KV_CONFIG": r"retention_in_kv_config|KV-cache config carries",
+    "LOOKAHEAD_HASHES": r"lookahead (block )?hashes|supports_lookahead_hashes",
+    "HIDDEN_STATE_SCALING": r"HIDDEN_STATE_SCALING|multiplies every group",
+    "MODEL_RUNNER_V1": r"Model Runner V1|VLLM_USE_V2_MODEL_RUNNER",
+    "WORKER_CHECKS_GROUPS_AT_START": r"WORKER_CHECKS_GROUPS_AT_START"
+    r"|worker (asserts|checks|stops)|initiali[sz]es? its KV cache"
+    r"|initialize_kv_cache|Model Runner V2 (stops|asserts)",
+}
+"""The words that name each row of ``releases.RELEASE_FACTS`` in prose, by the
+row's name in releases.py."""
+
+
+def _release_fact(name: str) -> Fact:
+    fact = getattr(releases, name)
+    assert isinstance(fact, releases.ReleaseFact), name
+    return Fact(name, RELEASE_FACT_WORDS[name], fact.holds)
+
+
+FACTS += tuple(_release_fact(name) for name in RELEASE_FACT_WORDS)
+
+
+def test_every_release_fact_has_its_words() -> None:
+    """A row added to the table gets words here, so its prose is checked too."""
+    named = {id(getattr(releases, name)) for name in RELEASE_FACT_WORDS}
+    assert named == {id(fact) for fact in releases.RELEASE_FACTS}
 
 
 def _changes(fact: Fact) -> tuple[set[str], set[str]]:
@@ -143,6 +176,21 @@ def _agrees(fact: Fact, first: str, last: str | None) -> bool:
     return all(fact.value(r) != before for r in SUPPORTED_RELEASES[begin:])
 
 
+def _agrees_with_any(near: list[Fact], first: str, last: str | None) -> bool:
+    """Whether the range agrees with a fact named near it; a closed range may
+    also run from where one such fact changes to where another does ("with
+    Model Runner V1 on 0.32.0-0.33.0": from the release whose worker checks
+    the groups to the last with Model Runner V1)."""
+    if any(_agrees(fact, first, last) for fact in near):
+        return True
+    if last is None:
+        return False
+    changes = [_changes(fact) for fact in near]
+    return any(first in starts for starts, _ in changes) and any(
+        last in ends for _, ends in changes
+    )
+
+
 def _texts() -> Iterator[tuple[str, str]]:
     """The package's code and the project's docs, whitespace collapsed."""
     paths = [
@@ -171,7 +219,7 @@ def drifts(texts: Iterator[tuple[str, str]]) -> list[str]:
                 continue  # not a range of releases the table covers
             around = text[max(0, match.start() - WINDOW) : match.end() + WINDOW]
             near = [fact for fact in FACTS if re.search(fact.words, around)]
-            if near and not any(_agrees(fact, first, last) for fact in near):
+            if near and not _agrees_with_any(near, first, last):
                 found.append(
                     f"{name}: {match.group(0)!r} near "
                     f"{', '.join(fact.name for fact in near)}: "
@@ -189,6 +237,9 @@ def test_a_new_drift_is_caught() -> None:
     late = "which lets a wide block advance in sub-block steps (0.27.1+)"
     early = "the fifth parameter (0.24.0-0.25.0 only)"
     assert len(drifts(iter([("late", late), ("early", early)]))) == 2
+    row = "Request() requires an eos_token_id argument (0.15.1-0.17.0)"
+    enum = "backends named in MambaAttentionBackendEnum (0.28.0+)"
+    assert len(drifts(iter([("row", row), ("enum", enum)]))) == 2
     assert drifts(iter([("derived", late.replace("0.27.1", "0.27.0"))])) == []
 
 

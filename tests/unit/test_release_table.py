@@ -11,7 +11,7 @@ import pytest
 from helpers import CacheBlockRule, cache_block_rule
 from packaging.version import Version
 
-from vllm_mamba_align import releases
+from vllm_mamba_align import batch_invariance, releases
 from vllm_mamba_align.releases import (
     BODIES,
     SEED_BODIES,
@@ -203,23 +203,23 @@ def test_batch_invariance_refusal_is_read_from_the_mamba_selector(
     package = tmp_path / "vllm"
     (package / "v1" / "attention").mkdir(parents=True)
     (package / "__init__.py").write_text("__version__ = '0.1.dev1+g0000000'\n")
-    (package / releases.SELECTOR_FILE).write_text(SELECTORS[selector])
+    (package / batch_invariance.SELECTOR_FILE).write_text(SELECTORS[selector])
     monkeypatch.setitem(
         sys.modules,
         "vllm",
         SimpleNamespace(__file__=str(package / "__init__.py")),
     )
-    assert releases.refuses_batch_invariance_for_mamba() is refuses
+    assert batch_invariance.refuses_batch_invariance_for_mamba() is refuses
 
 
 def test_an_unreadable_selector_counts_as_refusing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every release since 0.20.2 refuses: the likelier answer for code the
+    """The newest releases refuse: the likelier answer for code the
     plugin cannot read."""
     monkeypatch.setitem(
         sys.modules,
         "vllm",
         SimpleNamespace(__file__=str(tmp_path / "vllm" / "__init__.py")),
     )
-    assert releases.refuses_batch_invariance_for_mamba() is True
+    assert batch_invariance.refuses_batch_invariance_for_mamba() is True

@@ -59,7 +59,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .. import settings
-from ..checkpoints import own_slot_write
 from ..errors import MambaAlignError
 from ..protocols import Request, Scheduler, SchedulerOutput
 from ..releases import PrefillRule, SplitBody, chunk_start
@@ -82,6 +81,7 @@ from .reporter import (
     vllm_log,
     vllm_warn,
 )
+from .slots import own_slot_write
 
 __all__ = [
     "ACTIVE_STATUS",

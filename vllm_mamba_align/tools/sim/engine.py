@@ -20,12 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...checkpoints import CHECKPOINT_BACKEND_FILES, checkpoint_backends_in
-from ...releases import (
-    installed_version,
+from ...releases import installed_version, vllm_package_dir
+from ..installed import (
     retention_in_kv_config,
     supports_hash_block,
     supports_lookahead_hashes,
-    vllm_package_dir,
 )
 from ..modes import environment_variable
 
