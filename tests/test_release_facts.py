@@ -128,6 +128,38 @@ def test_what_the_installed_code_says_is_the_release_facts_row() -> None:
         ("LOOKAHEAD_HASHES", installed.supports_lookahead_hashes()),
         ("MODEL_RUNNER_V1", (root / "v1" / "worker" / "gpu_model_runner.py").exists()),
     ]
+    readings += _retention_readings()
     for name, read in readings:
         fact = getattr(releases, name)
         assert read == fact.holds(version), f"{name}: read {read} on {version}"
+
+
+def _retention_readings() -> list[tuple[str, bool]]:
+    """What retention.read_retention reads off a built scheduler's coordinator
+    and Mamba manager, one reading per row it stands for."""
+    from helpers import cache_block_for
+
+    from vllm_mamba_align.retention import mamba_manager, masks_by_retention
+    from vllm_mamba_align.tools.sim import Geometry, Simulation
+
+    state_block = 1648
+    sim = Simulation(
+        Geometry(cache_block=cache_block_for(state_block), state_block=state_block)
+    )
+    coordinator = sim.scheduler.kv_cache_manager.coordinator
+    manager = mamba_manager(coordinator)
+    assert manager is not None
+    module = __import__(type(coordinator).__module__, fromlist=["replay_boundaries"])
+    function = callable(getattr(module, "replay_boundaries", None))
+    method = callable(getattr(coordinator, "get_replay_boundaries", None))
+    return [
+        (
+            "RETENTION_FOR_MAMBA",
+            hasattr(coordinator, "retention_interval")
+            and masks_by_retention(type(manager)),
+        ),
+        ("HIT_ALIGNMENT", hasattr(manager, "cache_hit_alignment_tokens")),
+        ("EAGLE_REPLAY_PAIR", method or function),
+        ("REPLAY_BOUNDARIES_FUNCTION", function),
+        ("EAGLE_JUNCTION_BLOCK", hasattr(coordinator, "drop_eagle_group_ids")),
+    ]

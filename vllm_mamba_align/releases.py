@@ -386,6 +386,25 @@ HIDDEN_STATE_SCALING = ReleaseFact("0.30.0")
 v1/core/kv_cache_planning.py from 0.33.0) multiplies every group's block size,
 the Mamba spec's too, when a hidden-state layer (``extract_hidden_states``)
 costs more per token than the common page."""
+RETENTION_FOR_MAMBA = ReleaseFact("0.24.0")
+"""A retention setting decides which Mamba states vLLM keeps: the KV-cache
+coordinator holds ``retention_interval`` and the Mamba manager masks what it
+publishes by it (``MambaManager.reachable_block_mask``). 0.23.0's coordinator
+holds it for sliding-window groups only."""
+HIT_ALIGNMENT = ReleaseFact("0.29.0")
+"""Reachable positions are floored to the Mamba manager's hit alignment
+(``cache_hit_alignment_tokens``), not to the scheduler block."""
+EAGLE_REPLAY_PAIR = ReleaseFact("0.30.0")
+"""With EAGLE, vLLM's replay positions are a pair on the scheduler block: the
+coordinator's ``get_replay_boundaries``, then the coordinator module's
+``replay_boundaries`` (:data:`REPLAY_BOUNDARIES_FUNCTION`)."""
+REPLAY_BOUNDARIES_FUNCTION = ReleaseFact("0.32.0")
+"""The coordinator module's ``replay_boundaries(num_prompt_tokens, block,
+use_eagle=...)`` replaces the coordinator's ``get_replay_boundaries``."""
+EAGLE_JUNCTION_BLOCK = ReleaseFact("0.33.0")
+"""The coordinator names the groups whose EAGLE block it drops
+(``drop_eagle_group_ids``; ``eagle_group_ids`` before), and with EAGLE vLLM also
+keeps the block below a shared-prefix junction."""
 V1_RUNNER_REMOVED_IN = "0.34.0"
 """The first release without Model Runner V1 (``v1/worker/gpu_model_runner.py``;
 ``VLLM_USE_V2_MODEL_RUNNER=0`` picks it before)."""
@@ -409,6 +428,11 @@ RELEASE_FACTS: tuple[ReleaseFact, ...] = (
     RETENTION_IN_KV_CONFIG,
     LOOKAHEAD_HASHES,
     HIDDEN_STATE_SCALING,
+    RETENTION_FOR_MAMBA,
+    HIT_ALIGNMENT,
+    EAGLE_REPLAY_PAIR,
+    REPLAY_BOUNDARIES_FUNCTION,
+    EAGLE_JUNCTION_BLOCK,
     MODEL_RUNNER_V1,
     WORKER_CHECKS_GROUPS_AT_START,
 )

@@ -14,13 +14,17 @@ a reusable state only when the boundary is kept. vLLM's rule, per release:
   (``CacheConfig.prefix_cache_retention_interval``), **default 0** (0.29.0 only:
   dense for a hybrid model with an EAGLE drafter); the engine copies it into the
   ``KVCacheConfig``; reachable positions are floored to the hit alignment;
-- 0.30.0+: with EAGLE, two replay positions on the scheduler block; 0.33.0 also
-  keeps the block below an EAGLE junction.
+- 0.30.0+: with EAGLE, two replay positions on the scheduler block; 0.33.0+
+  also keep the block below an EAGLE junction.
 
 The mask rule itself (``MambaManager.reachable_block_mask``) is the same in every
-release whose Mamba manager has one (0.24.0-0.33.0), but for the junction; which
-releases those are is read from the code (:func:`masks_by_retention`), never from
-the version number.
+release whose Mamba manager has one (``releases.RETENTION_FOR_MAMBA``), but for
+the junction. Each of these facts is a row of ``releases.RELEASE_FACTS``;
+:func:`read_retention` reads them off the coordinator and the Mamba manager the
+scheduler built instead of looking its release up, because that object is what
+publishes (a platform's subclass of the manager, a nightly or an opted-in
+unverified build answer as their code does): tests/test_release_facts.py holds
+each reading to its row on every release of the matrix.
 
 ``None`` keeps every boundary; ``0`` keeps only the *reachable* boundaries: the
 prompt's replay boundary (where a re-ask or a longer sibling resumes) and a
@@ -69,7 +73,8 @@ class Retention:
     """vLLM's replay positions of a request (where a re-ask or a longer sibling
     resumes): ``P - 1``, or vLLM's own EAGLE pair on releases that have one."""
     eagle_junction: bool = False
-    """0.33.0 with EAGLE: the block below a junction is kept too."""
+    """With EAGLE, the block below a junction is kept too
+    (``releases.EAGLE_JUNCTION_BLOCK``)."""
 
     @property
     def dense(self) -> bool:
@@ -90,7 +95,8 @@ class Retention:
 
     def _junctions(self, request: Request) -> list[int]:
         """vLLM's junction positions of a request: its detected shared-prefix
-        boundary, and on 0.33.0 with EAGLE the block below it too."""
+        boundary, and with EAGLE the block below it too where vLLM keeps that
+        (:attr:`eagle_junction`)."""
         junction = int(getattr(request, "shared_prefix_boundary", 0) or 0)
         if not junction:
             return []
@@ -212,9 +218,11 @@ def masks_by_retention(manager_class: type) -> bool:
 def read_retention(scheduler: Scheduler, state_block: int) -> Retention:
     """The retention this scheduler's KV-cache manager applies, read where it
     reads it: the coordinator's ``retention_interval`` where the scheduler's
-    Mamba manager masks by it (0.24.0+), the Mamba manager's hit alignment
-    (0.29.0+; the scheduler block before), vLLM's own replay-boundary function
-    (0.30.0+)."""
+    Mamba manager masks by it (``releases.RETENTION_FOR_MAMBA``), the Mamba
+    manager's hit alignment (``releases.HIT_ALIGNMENT``; the scheduler block
+    before), vLLM's own replay positions (``releases.EAGLE_REPLAY_PAIR``).
+    Read off the built objects, not looked up by release: see the module's
+    docstring."""
     coordinator = scheduler.kv_cache_manager.coordinator
     manager = mamba_manager(coordinator)
     scheduler_block = int(
@@ -234,8 +242,8 @@ def read_retention(scheduler: Scheduler, state_block: int) -> Retention:
     interval = coordinator.retention_interval
     eagle = bool(
         getattr(coordinator, "drop_eagle_group_ids", None)
-        if hasattr(coordinator, "drop_eagle_group_ids")  # 0.33.0
-        else getattr(coordinator, "eagle_group_ids", None)  # 0.30.0-0.32.0
+        if hasattr(coordinator, "drop_eagle_group_ids")  # EAGLE_JUNCTION_BLOCK
+        else getattr(coordinator, "eagle_group_ids", None)  # EAGLE_REPLAY_PAIR
     )
     return Retention(
         interval,
@@ -243,8 +251,9 @@ def read_retention(scheduler: Scheduler, state_block: int) -> Retention:
         alignment,
         _source(interval),
         _replay_rule(coordinator, scheduler_block, eagle),
-        # 0.33.0 (the release with drop_eagle_group_ids) also keeps the block
-        # below a junction when its Mamba manager drops EAGLE's last block.
+        # The releases with drop_eagle_group_ids (releases.EAGLE_JUNCTION_BLOCK)
+        # also keep the block below a junction when the Mamba manager drops
+        # EAGLE's last block.
         eagle_junction=hasattr(coordinator, "drop_eagle_group_ids")
         and bool(getattr(manager, "use_eagle", False)),
     )
@@ -253,13 +262,14 @@ def read_retention(scheduler: Scheduler, state_block: int) -> Retention:
 def _replay_rule(
     coordinator: Any, scheduler_block: int, eagle: bool
 ) -> Callable[[Request], Sequence[int]]:
-    """vLLM's own replay positions for this coordinator (``P - 1`` before 0.30.0)."""
+    """vLLM's own replay positions for this coordinator (``P - 1`` before
+    ``releases.EAGLE_REPLAY_PAIR``)."""
     method = getattr(coordinator, "get_replay_boundaries", None)
-    if callable(method):  # 0.30.0-0.31.0
+    if callable(method):  # before releases.REPLAY_BOUNDARIES_FUNCTION
         return method  # type: ignore[no-any-return]
     module = __import__(type(coordinator).__module__, fromlist=["replay_boundaries"])
     function = getattr(module, "replay_boundaries", None)
-    if callable(function) and eagle:  # 0.32.0+
+    if callable(function) and eagle:  # releases.REPLAY_BOUNDARIES_FUNCTION
         return lambda request: function(  # type: ignore[no-any-return]
             request.num_prompt_tokens, scheduler_block, use_eagle=True
         )

@@ -117,9 +117,19 @@ RELEASE_FACT_WORDS: dict[str, str] = {
     r"|attention.backend names",
     "REQUEST_NEEDS_EOS_TOKEN_ID": r"eos_token_id",
     "HASH_BLOCK_CHOSEN": r"supports_hash_block|hash block (can|may) be chosen",
-    "RETENTION_IN_KV_CONFIG": r"retention_in_kv_config|KV-cache config carries",
+    "RETENTION_IN_KV_CONFIG": r"retention_in_kv_config|KV-cache config carries"
+    r"|prefix.cache.retention.interval|retention variable|variable's default"
+    r"|RETENTION_VARIABLE|VLLM_PREFIX_CACHE_RETENTION_INTERVAL",
     "LOOKAHEAD_HASHES": r"lookahead (block )?hashes|supports_lookahead_hashes",
     "HIDDEN_STATE_SCALING": r"HIDDEN_STATE_SCALING|multiplies every group",
+    "RETENTION_FOR_MAMBA": r"reach(es)? Mamba states|masks by|masks_by_retention"
+    r"|RETENTION_VARIABLE|VLLM_PREFIX_CACHE_RETENTION_INTERVAL",
+    "HIT_ALIGNMENT": r"(?<!cache-)hit alignment",
+    "EAGLE_REPLAY_PAIR": r"replay positions|replay.boundary function"
+    r"|get_replay_boundaries",
+    "REPLAY_BOUNDARIES_FUNCTION": r"\b(get_)?replay_boundaries\b",
+    "EAGLE_JUNCTION_BLOCK": r"drop_eagle_group_ids|eagle_group_ids"
+    r"|below (an|the) EAGLE junction|eagle_junction",
     "MODEL_RUNNER_V1": r"Model Runner V1|VLLM_USE_V2_MODEL_RUNNER",
     "WORKER_CHECKS_GROUPS_AT_START": r"WORKER_CHECKS_GROUPS_AT_START"
     r"|worker (asserts|checks|stops)|initiali[sz]es? its KV cache"
