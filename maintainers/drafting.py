@@ -48,6 +48,7 @@ from packaging.version import InvalidVersion, Version
 
 from vllm_mamba_align import releases
 from vllm_mamba_align.checkpoints import (
+    FLASHKDA_CHUNK_SIZE,
     RELOCATE_SCRATCH,
     skips_scratch_move_in_checkpoint_steps,
 )
@@ -483,12 +484,17 @@ def render_entry(body: SplitBody) -> str:
         "checkpoint_grid": None,
         "stops_after_mid_block_start": True,
         "aligns_drafter_tail": True,
+        "checkpoint_write_stride": 0,
+        "checkpoint_blocks_unalign": False,
+        "drops_mid_block_stop": False,
     }
     for name, default in defaults.items():
         value = getattr(body, name)
         if value == default:
             continue
-        if isinstance(value, releases.PrefillRule):
+        if name == "checkpoint_write_stride" and value == FLASHKDA_CHUNK_SIZE:
+            arguments.append(f"{name}=FLASHKDA_CHUNK_SIZE")
+        elif isinstance(value, releases.PrefillRule):
             arguments.append(f"prefill=PrefillRule.{value.name}")
         elif isinstance(value, InternalCheckpoint | CheckpointGrid):
             arguments.append(f"{name}={type(value).__name__}.{value.name}")
