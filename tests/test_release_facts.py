@@ -13,7 +13,7 @@ import ast
 
 from helpers import installed_body
 
-from vllm_mamba_align import batch_invariance, releases
+from vllm_mamba_align import batch_invariance, releases, unverified
 from vllm_mamba_align.fingerprint import CodeShape, analyse_source, method_in_file
 from vllm_mamba_align.tools import installed
 
@@ -30,17 +30,17 @@ def test_the_table_row_states_the_split_facts_of_the_installed_code() -> None:
     shape = _installed_split_shape()
     body = installed_body()
     assert shape.fingerprint == body.fingerprint
-    assert body.stops_after_mid_block_start == releases.stops_after_mid_block_start(
+    assert body.stops_after_mid_block_start == unverified.stops_after_mid_block_start(
         shape
     )
-    assert body.aligns_drafter_tail == releases.aligns_drafter_tail(shape)
+    assert body.aligns_drafter_tail == unverified.aligns_drafter_tail(shape)
 
 
 def test_code_read_as_unverified_gets_the_rows_facts() -> None:
     """The opt-in for unverified code reads the same facts from the same code."""
     shape = _installed_split_shape()
     body = installed_body()
-    drafted = releases.unverified_body(shape)
+    drafted = unverified.unverified_body(shape)
     for name in (
         "prefill",
         "internal_checkpoint",

@@ -49,7 +49,6 @@ from .checkpoints import FLASHKDA_CHUNK_SIZE
 from .checkpoints import CheckpointGrid as CheckpointGrid
 from .checkpoints import InternalCheckpoint as InternalCheckpoint
 from .checkpoints import checkpoint_backends_in as checkpoint_backends_in
-from .fingerprint import SPLIT_PARAMETERS, CodeShape
 from .protocols import Request
 
 
@@ -474,56 +473,6 @@ def body_for(fingerprint: str | None) -> SplitBody | None:
     if fingerprint is None:
         return None
     return _BY_FINGERPRINT.get(fingerprint)
-
-
-def stops_after_mid_block_start(shape: CodeShape) -> bool:
-    """Read from the split's code: the body computes the next grid boundary of
-    a start it tests to be off the grid, the stop it puts on a chunk starting
-    mid-block (absent in 0.25.1 and before, present from 0.26.0;
-    :attr:`CodeShape.stops_at_next_boundary`)."""
-    return shape.stops_at_next_boundary
-
-
-def aligns_drafter_tail(shape: CodeShape) -> bool:
-    """Read from the split's code: the ``if`` that floors a chunk end to the
-    grid compares it with ``prefill_end`` (0.27.0+), not with
-    ``last_cache_position``, which a drafter backs off one block (0.26.0 and
-    before; :attr:`CodeShape.floor_guard_bounds`)."""
-    return "prefill_end" in shape.floor_guard_bounds
-
-
-def unverified_body(shape: CodeShape) -> SplitBody:
-    """Best-effort rules for code no release matches (only with the explicit opt-in).
-
-    Chooses the newest rules whose names the code actually uses.
-    """
-    if "is_mamba_prefill_checkpoint_valid" in shape.names:
-        checkpoint = InternalCheckpoint.OBSERVED
-    elif "self.mamba_has_prefill_checkpoint_blocks" in shape.names:
-        checkpoint = InternalCheckpoint.ALIGNED_START
-    else:
-        checkpoint = InternalCheckpoint.NONE
-    prefill = (
-        PrefillRule.NO_OUTPUT_YET
-        if "request.num_output_tokens" in shape.names
-        and "prefill_end" not in shape.names
-        else PrefillRule.BEFORE_PREFILL_END
-    )
-    extra = shape.parameters[len(SPLIT_PARAMETERS) :]
-    aligned_start = checkpoint is InternalCheckpoint.ALIGNED_START
-    return SplitBody(
-        releases=(UNVERIFIED,),
-        fingerprint=shape.fingerprint or "unreadable",
-        prefill=prefill,
-        internal_checkpoint=checkpoint,
-        wide_block_exemption="max_prefill_tokens" in shape.names,
-        extra_parameter=extra[0] if extra else None,
-        stops_after_mid_block_start=stops_after_mid_block_start(shape),
-        aligns_drafter_tail=aligns_drafter_tail(shape),
-        checkpoint_write_stride=FLASHKDA_CHUNK_SIZE if aligned_start else 0,
-        checkpoint_blocks_unalign=aligned_start,
-        drops_mid_block_stop=checkpoint is InternalCheckpoint.OBSERVED,
-    )
 
 
 def describe_version(version: str | None) -> str:

@@ -15,7 +15,7 @@ from vllm_mamba_align.checkpoints import (
     skips_scratch_move_in_checkpoint_steps,
 )
 from vllm_mamba_align.fingerprint import analyse_source
-from vllm_mamba_align.releases import (
+from vllm_mamba_align.unverified import (
     aligns_drafter_tail,
     stops_after_mid_block_start,
     unverified_body,
