@@ -16,8 +16,8 @@ import pytest
 from helpers import cache_block_for, geometry_rule, run_python
 
 from vllm_mamba_align import MambaAlignError, batch_invariance, releases, settings
-from vllm_mamba_align.checkpoints import CHECKPOINT_BACKEND_FILES
 from vllm_mamba_align.cli import EXIT_OK, EXIT_REFUSE, EXIT_USAGE, main
+from vllm_mamba_align.tools.installed import CHECKPOINT_BACKEND_FILES
 
 VLLM_LOG_LINE = re.compile(r"(\(\w+.*?\) )?(DEBUG|INFO|WARNING|ERROR) \d\d-\d\d ")
 """A line of vLLM's logger on stdout: "(MainProcess pid=...) INFO 11-30 ..." on

@@ -62,7 +62,7 @@ def test_the_checkpoint_backends_read_from_the_layers_are_the_releases() -> None
     body with no internal checkpointing has none to use."""
     from packaging.version import Version
 
-    found = releases.checkpoint_backends_in(releases.vllm_package_dir())
+    found = installed.checkpoint_backends_in(releases.vllm_package_dir())
     version = releases.installed_version()
     if version in releases.SUPPORTED_RELEASES:
         assert found == tuple(

@@ -84,7 +84,7 @@ NO_VLLM = (
 
 
 def _parser(json_errors: bool = False) -> argparse.ArgumentParser:
-    from .checkpoints import CHECKPOINT_BACKEND_FILES
+    from .tools.installed import CHECKPOINT_BACKEND_FILES
     from .settings import Mode
     from .tools.modes import STOCK
     from .tools.simulate import Scenario

@@ -21,8 +21,9 @@ facts.
 - **The prefill predicate** (:func:`in_prefill`): the one judgement of "is this
   chunk prefill" for the fix's stop and the audit's counts.
 - The backend's in-chunk checkpoint (how a body decides it, which grid it
-  uses, which backends have it) lives in checkpoints.py; its names are
-  re-exported here for the tools and tests.
+  uses) lives in checkpoints.py; which GPU backends have it from which release
+  is :data:`CHECKPOINT_BACKENDS_SINCE`, read off the installed layers by
+  tools/installed.py.
 - **Worker-seed sites**: the fingerprints of Model Runner V2's
   ``MambaHybridModelState.add_request`` and ``_get_mamba_group_info`` per
   release, and what each means (:func:`classify_seed`).
@@ -43,12 +44,9 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from .checkpoints import CHECKPOINT_BACKEND_FILES as CHECKPOINT_BACKEND_FILES
-from .checkpoints import CHECKPOINT_BACKENDS_SINCE as CHECKPOINT_BACKENDS_SINCE
 from .checkpoints import FLASHKDA_CHUNK_SIZE
 from .checkpoints import CheckpointGrid as CheckpointGrid
 from .checkpoints import InternalCheckpoint as InternalCheckpoint
-from .checkpoints import checkpoint_backends_in as checkpoint_backends_in
 from .protocols import Request
 
 
@@ -466,6 +464,29 @@ RELEASE_FACTS: tuple[ReleaseFact, ...] = (
 )
 """The table beside :data:`BODIES`: every release-scoped fact that is no
 property of the split's body."""
+
+CHECKPOINT_BACKENDS_SINCE: dict[str, str] = {
+    "flashkda": "0.29.0",
+    "mamba2": "0.32.0",
+    "gdn-flashinfer": "0.33.0",
+    "glm5next-flashkda": "0.32.0",
+    "kimi-k3-amd": "0.32.0",
+    "qwen4exp-ple": "0.33.0",
+}
+"""The first release whose layer file declares the blocks, as read from each
+release's wheel: KDA (models/kimi_k3/nvidia/kda.py:599 in 0.29.0, :805 in
+0.30.0, :747 in 0.31.0, :835 in 0.32.0), Mamba2
+(model_executor/layers/mamba/mamba_mixer2.py:1107 in 0.32.0), GDN
+(model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py:748 in 0.33.0; 0.32.0
+builds the checkpoint metadata for GDN but its layer declares no block),
+GLM-5-Next (models/glm5next/common/kda.py:174 in 0.32.0 and 0.33.0, :208 in
+0.34.0), Kimi-K3 on AMD (models/kimi_k3/amd/kda.py:105 in 0.32.0, :108 in
+0.33.0, :148 in 0.34.0), Qwen4Exp's PLE layer
+(models/qwen4_exp/nvidia/ple_layer.py:219 in 0.33.0 and 0.34.0; 0.32.0 has the
+file without the blocks); 0.31.0 has none of the last three. Kept for the
+documentation and for the tests that hold ``tools.installed.checkpoint_backends_in``
+to it on every release; a nightly build of vLLM main may have a backend's blocks
+before any release does."""
 
 
 def body_for(fingerprint: str | None) -> SplitBody | None:

@@ -21,10 +21,13 @@ from vllm_mamba_align.releases import (
     PrefillRule,
     SeedSite,
     body_for,
-    checkpoint_backends_in,
     classify_seed,
     expected_body,
     in_prefill,
+)
+from vllm_mamba_align.tools.installed import (
+    CHECKPOINT_BACKEND_FILES,
+    checkpoint_backends_in,
 )
 
 ENVS = Path(__file__).resolve().parents[2] / "envs"
@@ -98,7 +101,7 @@ def test_rules_change_where_the_domain_notes_say() -> None:
 def test_checkpoint_backends_are_read_from_the_layer_files(tmp_path: Path) -> None:
     """A backend counts where its layer sets ``num_prefill_checkpoint_blocks``
     (keyword or assignment); naming the field is not declaring it."""
-    files = releases.CHECKPOINT_BACKEND_FILES
+    files = CHECKPOINT_BACKEND_FILES
     assert checkpoint_backends_in(None) == checkpoint_backends_in(tmp_path) == ()
     kda = tmp_path / files["flashkda"]
     kda.parent.mkdir(parents=True)
