@@ -142,6 +142,10 @@ def _retention_readings() -> list[tuple[str, bool]]:
     and Mamba manager, one reading per row it stands for."""
     from helpers import cache_block_for
 
+    from vllm_mamba_align.checkpoints import (
+        installed_manager_skips_scratch_move,
+        manager_rekeys_checkpoint_block,
+    )
     from vllm_mamba_align.retention import mamba_manager, masks_by_retention
     from vllm_mamba_align.tools.sim import Geometry, Simulation
 
@@ -165,4 +169,6 @@ def _retention_readings() -> list[tuple[str, bool]]:
         ("EAGLE_REPLAY_PAIR", method or function),
         ("REPLAY_BOUNDARIES_FUNCTION", function),
         ("EAGLE_JUNCTION_BLOCK", hasattr(coordinator, "drop_eagle_group_ids")),
+        ("MANAGER_LEAVES_SCRATCH", installed_manager_skips_scratch_move()),
+        ("MANAGER_REKEYS_CHECKPOINT", manager_rekeys_checkpoint_block(type(manager))),
     ]

@@ -431,6 +431,15 @@ EAGLE_JUNCTION_BLOCK = ReleaseFact("0.33.0")
 """The coordinator names the groups whose EAGLE block it drops
 (``drop_eagle_group_ids``; ``eagle_group_ids`` before), and with EAGLE vLLM also
 keeps the block below a shared-prefix junction."""
+MANAGER_LEAVES_SCRATCH = ReleaseFact("0.30.0", "0.32.0")
+"""vLLM's Mamba manager leaves a running request's speculative scratch blocks
+where they stand in a step it checkpoints internally
+(``checkpoints.skips_scratch_move_in_checkpoint_steps``, read at bind time off
+the manager class the scheduler runs: ``StopPolicy.guard_scratch``)."""
+MANAGER_REKEYS_CHECKPOINT = ReleaseFact("0.30.0")
+"""vLLM's Mamba manager publishes the backend's in-chunk state under its own
+position's hash (``checkpoints.rekeys_checkpoint_block``, read at bind time off
+the manager class the scheduler runs: ``StopPolicy.yield_replay_to_checkpoint``)."""
 V1_RUNNER_REMOVED_IN = "0.34.0"
 """The first release without Model Runner V1 (``v1/worker/gpu_model_runner.py``;
 ``VLLM_USE_V2_MODEL_RUNNER=0`` picks it before)."""
@@ -459,6 +468,8 @@ RELEASE_FACTS: tuple[ReleaseFact, ...] = (
     EAGLE_REPLAY_PAIR,
     REPLAY_BOUNDARIES_FUNCTION,
     EAGLE_JUNCTION_BLOCK,
+    MANAGER_LEAVES_SCRATCH,
+    MANAGER_REKEYS_CHECKPOINT,
     MODEL_RUNNER_V1,
     WORKER_CHECKS_GROUPS_AT_START,
 )

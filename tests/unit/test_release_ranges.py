@@ -146,6 +146,9 @@ RELEASE_FACT_WORDS: dict[str, str] = {
     "REPLAY_BOUNDARIES_FUNCTION": r"\b(get_)?replay_boundaries\b",
     "EAGLE_JUNCTION_BLOCK": r"drop_eagle_group_ids|eagle_group_ids"
     r"|below (an|the) EAGLE junction|eagle_junction",
+    "MANAGER_LEAVES_SCRATCH": r"skips_scratch_move|leaves? (them|the scratch)"
+    r"|where they stood|MANAGER_LEAVES_SCRATCH",
+    "MANAGER_REKEYS_CHECKPOINT": r"rekeys?_checkpoint|re-keys?",
     "MODEL_RUNNER_V1": r"Model Runner V1|VLLM_USE_V2_MODEL_RUNNER",
     "WORKER_CHECKS_GROUPS_AT_START": r"WORKER_CHECKS_GROUPS_AT_START"
     r"|worker (asserts|checks|stops)|initiali[sz]es? its KV cache"
