@@ -374,11 +374,11 @@ class ReleaseFact:
     @property
     def releases(self) -> tuple[str, ...]:
         """The supported releases the fact holds on, in release order."""
-        first, before = Version(self.first), self.before and Version(self.before)
         return tuple(
             r
             for r in SUPPORTED_RELEASES
-            if first <= Version(r) and (not before or Version(r) < before)
+            if Version(self.first) <= Version(r)
+            and (self.before is None or Version(r) < Version(self.before))
         )
 
     def holds(self, release: str) -> bool:
