@@ -11,8 +11,8 @@ import pytest
 from vllm_mamba_align import doctor, releases, retention
 from vllm_mamba_align.doctor import worker_seed_status, would_load
 from vllm_mamba_align.fingerprint import fingerprint_source
-from vllm_mamba_align.tools import retention_report
 from vllm_mamba_align.releases import SeedCode, SeedSite
+from vllm_mamba_align.tools import retention_report
 
 
 @pytest.mark.parametrize(

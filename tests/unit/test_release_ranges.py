@@ -2,11 +2,12 @@
 
 A range (``X.Y.Z+`` or ``X.Y.Z-A.B.C``, hyphen or en dash) written next to a
 fact the tables hold (a :class:`releases.SplitBody` field, a row of
-``releases.RELEASE_FACTS``, the worker seed's sites, a checkpoint backend's first
-release) must start and end where that fact changes in the table's rows: a range that starts a release
-late (``0.27.1+`` where the row of 0.27.0 already has the field) is a copy that
-drifted. Messages derive their ranges from the table
-(:func:`releases.describe_releases`); this test holds every written copy to it.
+``releases.RELEASE_FACTS``, the worker seed's sites, a checkpoint backend's
+first release) must start and end where that fact changes in the table's rows:
+a range that starts a release late (``0.27.1+`` where the row of 0.27.0 already
+has the field) is a copy that drifted. Messages derive their ranges from the
+table (:func:`releases.describe_releases`); this test holds every written copy
+to it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import os
 
-from ..retention import NO_FIELD, RETENTION_VARIABLE, default_interval, masks_by_retention
+from ..retention import (
+    NO_FIELD,
+    RETENTION_VARIABLE,
+    default_interval,
+    masks_by_retention,
+)
 
 
 def retention_variable_reaches_mamba() -> bool:
