@@ -1,6 +1,6 @@
 """Version ranges written in the package and its docs agree with the release table.
 
-A range (``X.Y.Z+`` or ``X.Y.Z-A.B.C``, hyphen or en dash) written next to a
+A range (``X.Y.Z+`` or ``X.Y.Z-A.B.C``, hyphen or en dash, spaced or not) written next to a
 fact the tables hold (a :class:`releases.SplitBody` field, a row of
 ``releases.RELEASE_FACTS``, the worker seed's sites, a checkpoint backend's
 first release) must start and end where that fact changes in the table's rows:
@@ -32,8 +32,12 @@ from vllm_mamba_align.releases import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-RANGE = re.compile(r"(?<![\w.])(0\.\d+\.\d+)(?:(\+)|[-–](0\.\d+\.\d+))(?![\w.])")
+RANGE = re.compile(
+    r"(?<![\w.])(0\.\d+\.\d+)(?: ?(\+)| ?[-–] ?(0\.\d+\.\d+))(?![\w.])"
+)
 GENERATED = re.compile(r"<!-- (\w+):begin.*?<!-- \1:end -->", re.DOTALL)
+PARAGRAPH = re.compile(r"\n\s*\n|\n\s*[-*] ")
+"""Where a paragraph or a list item ends."""
 WINDOW = 100
 """Characters on either side of a range in which a fact's words make it that
 fact's range (whitespace collapsed, so a wrapped docstring reads as one line)."""
@@ -152,7 +156,8 @@ RELEASE_FACT_WORDS: dict[str, str] = {
     "MANAGER_REKEYS_CHECKPOINT": r"rekeys?_checkpoint|re-keys?",
     "MODEL_RUNNER_V1": r"Model Runner V1|VLLM_USE_V2_MODEL_RUNNER",
     "WORKER_CHECKS_GROUPS_AT_START": r"WORKER_CHECKS_GROUPS_AT_START"
-    r"|worker (asserts|checks|stops)|initiali[sz]es? its KV cache"
+    r"|worker (asserts|checks|stops)|initiali[sz]es? (its|the) KV cache"
+    r"|check the groups|worker's first step"
     r"|initialize_kv_cache|Model Runner V2 (stops|asserts)",
 }
 """The words that name each row of ``releases.RELEASE_FACTS`` in prose, by the
@@ -236,7 +241,8 @@ def _agrees_with_any(near: list[Fact], first: str, last: str | None) -> bool:
 
 
 def _texts() -> Iterator[tuple[str, str]]:
-    """The package's code and the project's docs, whitespace collapsed."""
+    """The package's code and the project's docs, one paragraph or list item
+    at a time, whitespace collapsed."""
     paths = [
         *sorted((ROOT / "vllm_mamba_align").rglob("*.py")),
         *sorted((ROOT / "docs").rglob("*.md")),
@@ -248,7 +254,9 @@ def _texts() -> Iterator[tuple[str, str]]:
         if path.name == "releases.py":
             # The table's own rows are the source, not a copy.
             text = re.sub(r'SeedCode\("[^"]*"|"[0-9a-f]{16}": "[^"]*"', "", text)
-        yield str(path.relative_to(ROOT)), " ".join(text.split())
+        # A range speaks of the words of its own paragraph or list item.
+        for block in PARAGRAPH.split(text):
+            yield str(path.relative_to(ROOT)), " ".join(block.split())
 
 
 def drifts(texts: Iterator[tuple[str, str]]) -> list[str]:
