@@ -36,8 +36,8 @@ RANGE = re.compile(
     r"(?<![\w.])(0\.\d+\.\d+)(?: ?(\+)| ?[-–] ?(0\.\d+\.\d+))(?![\w.])"
 )
 GENERATED = re.compile(r"<!-- (\w+):begin.*?<!-- \1:end -->", re.DOTALL)
-PARAGRAPH = re.compile(r"\n\s*\n|\n\s*[-*] ")
-"""Where a paragraph or a list item ends."""
+PARAGRAPH = re.compile(r"\n\s*\n|\n\s*[-*|] ")
+"""Where a paragraph, a list item or a table row ends."""
 WINDOW = 100
 """Characters on either side of a range in which a fact's words make it that
 fact's range (whitespace collapsed, so a wrapped docstring reads as one line)."""
@@ -187,6 +187,20 @@ FACTS += tuple(
 )
 
 
+def test_the_release_notes_list_every_release_fact_as_its_row_has_it() -> None:
+    """docs/releases.md's table of release facts: each row's releases as
+    ``str(fact)`` writes them, from the row."""
+    notes = (ROOT / "docs" / "releases.md").read_text()
+    listed = {
+        name: line.rsplit("|", 2)[-2].strip()
+        for line in notes.splitlines()
+        for name in RELEASE_FACT_WORDS
+        if line.startswith(f"| `{name}` |")
+    }
+    expected = {name: str(getattr(releases, name)) for name in RELEASE_FACT_WORDS}
+    assert listed == expected
+
+
 def test_every_release_fact_has_its_words() -> None:
     """A row added to the table gets words here, so its prose is checked too."""
     named = {id(getattr(releases, name)) for name in RELEASE_FACT_WORDS}
@@ -254,7 +268,7 @@ def _texts() -> Iterator[tuple[str, str]]:
         if path.name == "releases.py":
             # The table's own rows are the source, not a copy.
             text = re.sub(r'SeedCode\("[^"]*"|"[0-9a-f]{16}": "[^"]*"', "", text)
-        # A range speaks of the words of its own paragraph or list item.
+        # A range speaks of the words of its own paragraph, list item or row.
         for block in PARAGRAPH.split(text):
             yield str(path.relative_to(ROOT)), " ".join(block.split())
 
