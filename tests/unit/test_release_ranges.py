@@ -1,13 +1,13 @@
 """Version ranges written in the package and its docs agree with the release table.
 
-A range (``X.Y.Z+`` or ``X.Y.Z-A.B.C``, hyphen or en dash, spaced or not) written next to a
-fact the tables hold (a :class:`releases.SplitBody` field, a row of
-``releases.RELEASE_FACTS``, the worker seed's sites, a checkpoint backend's
-first release) must start and end where that fact changes in the table's rows:
-a range that starts a release late (``0.27.1+`` where the row of 0.27.0 already
-has the field) is a copy that drifted. Messages derive their ranges from the
-table (:func:`releases.describe_releases`); this test holds every written copy
-to it.
+A range (``X.Y.Z+`` or ``X.Y.Z-A.B.C``, hyphen or en dash, spaced or not)
+written next to a fact the tables hold (a :class:`releases.SplitBody` field, a
+row of ``releases.RELEASE_FACTS``, the worker seed's sites, a checkpoint
+backend's first release) must start and end where that fact changes in the
+table's rows: a range that starts a release late (``0.27.1+`` where the row of
+0.27.0 already has the field) is a copy that drifted. Messages derive their
+ranges from the table (:func:`releases.describe_releases`); this test holds
+every written copy to it.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from vllm_mamba_align.releases import (
 
 ROOT = Path(__file__).resolve().parents[2]
 RANGE = re.compile(
-    r"(?<![\w.])(0\.\d+\.\d+)(?: ?(\+)| ?[-–] ?(0\.\d+\.\d+))(?![\w.])"
+    r"(?<![\w.])(0\.\d+\.\d+)(?: ?(\+)| ?[-\u2013] ?(0\.\d+\.\d+))(?![\w.])"
 )
 GENERATED = re.compile(r"<!-- (\w+):begin.*?<!-- \1:end -->", re.DOTALL)
 PARAGRAPH = re.compile(r"\n\s*\n|\n\s*[-*|] ")
