@@ -114,17 +114,13 @@ def test_what_the_installed_code_says_is_the_release_facts_row() -> None:
         pytest.skip(f"vLLM {version} is no release of the table")
     root = releases.vllm_package_dir()
     assert root is not None
-    registry = root / batch_invariance.BACKEND_REGISTRY_FILE
+    selector = (root / batch_invariance.SELECTOR_FILE).read_text()
     readings = [
         (
             "SELECTOR_ASKS_BATCH_INVARIANCE",
             batch_invariance.refuses_batch_invariance_for_mamba(),
         ),
-        (
-            "MAMBA_BACKEND_ENUM",
-            registry.exists()
-            and f"class {batch_invariance.MAMBA_BACKEND_ENUM}" in registry.read_text(),
-        ),
+        ("SELECTOR_TAKES_BACKEND_ENUM", "MAMBA_TYPE_TO_BACKEND_MAP" not in selector),
         ("REQUEST_NEEDS_EOS_TOKEN_ID", installed.requests_need_eos_token_id()),
         ("HASH_BLOCK_CHOSEN", installed.supports_hash_block()),
         ("RETENTION_IN_KV_CONFIG", installed.retention_in_kv_config()),

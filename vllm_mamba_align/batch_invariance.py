@@ -62,9 +62,8 @@ def refuses_batch_invariance_for_mamba() -> bool:
 
 
 BACKEND_REGISTRY_FILE = "v1/attention/backends/registry.py"
-"""Where vLLM names its Mamba attention backends on the releases of
-``releases.MAMBA_BACKEND_ENUM`` (``MambaAttentionBackendEnum``: member name =
-``"module.path.ClassName"``)."""
+"""Where vLLM names its Mamba attention backends (``MambaAttentionBackendEnum``:
+member name = ``"module.path.ClassName"``), on every supported release."""
 MAMBA_BACKEND_ENUM = "MambaAttentionBackendEnum"
 
 

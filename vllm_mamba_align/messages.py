@@ -20,6 +20,7 @@ from .protocols import Scheduler
 from .recognition import SPLIT_METHOD, Recognition, split_findings
 from .releases import (
     BATCH_INVARIANT_VARIABLE,
+    SELECTOR_ASKS_BATCH_INVARIANCE,
     SUPPORTED_RELEASES,
     V1_RUNNER_REMOVED_IN,
     WORKER_CHECKS_GROUPS_AT_START_SINCE,
@@ -374,8 +375,8 @@ def mode_summary(mode: Mode, retention: Retention, yields_replay: bool = False) 
         return (
             "chunks end on the B grid and stop at every B boundary, also where vLLM "
             f"drops the state (one prefill step each): {CANONICAL} (serial traffic, "
-            "unless vLLM runs batch-invariant, which 0.20.2+ refuses for Mamba "
-            f"backends); {kept}"
+            "unless vLLM runs batch-invariant, which "
+            f"{SELECTOR_ASKS_BATCH_INVARIANCE} refuses for Mamba backends); {kept}"
         )
     return (
         "chunks end on the B grid and stop at every B boundary vLLM keeps (every "

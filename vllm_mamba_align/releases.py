@@ -388,15 +388,18 @@ class ReleaseFact:
         return release_range(self.first, self.before)
 
 
-SELECTOR_ASKS_BATCH_INVARIANCE = ReleaseFact("0.20.2")
+SELECTOR_ASKS_BATCH_INVARIANCE = ReleaseFact("0.20.0")
 """With ``VLLM_BATCH_INVARIANT=1`` vLLM's Mamba backend selector asks each
 backend's ``supports_batch_invariance`` and refuses one that answers False
 (batch_invariance.py); the releases before have the mode and take every Mamba
 backend."""
-MAMBA_BACKEND_ENUM = ReleaseFact("0.27.1")
-"""vLLM names its Mamba attention backends in ``MambaAttentionBackendEnum``
-(v1/attention/backends/registry.py: member name = ``"module.path.ClassName"``)."""
-REQUEST_NEEDS_EOS_TOKEN_ID = ReleaseFact("0.15.1", "0.17.0")
+SELECTOR_TAKES_BACKEND_ENUM = ReleaseFact("0.21.0")
+"""vLLM's Mamba backend selector is asked with a ``MambaAttentionBackendEnum``
+member, the backend's name; before, with a Mamba type it maps to a member
+through ``MAMBA_TYPE_TO_BACKEND_MAP`` (v1/attention/selector.py). Every supported
+release names its Mamba backends in that enum (v1/attention/backends/registry.py,
+read by batch_invariance.py)."""
+REQUEST_NEEDS_EOS_TOKEN_ID = ReleaseFact("0.15.0", "0.17.0")
 """``Request()`` requires an ``eos_token_id`` argument."""
 HASH_BLOCK_CHOSEN = ReleaseFact("0.26.0")
 """The hash block can be chosen (``CacheConfig.prefix_match_unit``)."""
@@ -457,7 +460,7 @@ WORKER_CHECKS_GROUPS_AT_START_SINCE = WORKER_CHECKS_GROUPS_AT_START.first
 
 RELEASE_FACTS: tuple[ReleaseFact, ...] = (
     SELECTOR_ASKS_BATCH_INVARIANCE,
-    MAMBA_BACKEND_ENUM,
+    SELECTOR_TAKES_BACKEND_ENUM,
     REQUEST_NEEDS_EOS_TOKEN_ID,
     HASH_BLOCK_CHOSEN,
     RETENTION_IN_KV_CONFIG,

@@ -133,8 +133,9 @@ FACTS = (
 """The split bodies' facts and the worker seed's."""
 
 RELEASE_FACT_WORDS: dict[str, str] = {
-    "SELECTOR_ASKS_BATCH_INVARIANCE": r"batch.invarian|VLLM_BATCH_INVARIANT",
-    "MAMBA_BACKEND_ENUM": r"MambaAttentionBackendEnum|backend enum|backends/registry"
+    "SELECTOR_ASKS_BATCH_INVARIANCE": r"batch.invarian|VLLM_BATCH_INVARIANT"
+    r"|Mamba backend selector|no such check",
+    "SELECTOR_TAKES_BACKEND_ENUM": r"MAMBA_TYPE_TO_BACKEND_MAP|backend enum"
     r"|attention.backend names",
     "REQUEST_NEEDS_EOS_TOKEN_ID": r"eos_token_id",
     "HASH_BLOCK_CHOSEN": r"supports_hash_block|hash block (can|may) be chosen",
@@ -304,7 +305,7 @@ def test_a_new_drift_is_caught() -> None:
     early = "the fifth parameter (0.24.0-0.25.0 only)"
     assert len(drifts(iter([("late", late), ("early", early)]))) == 2
     row = "Request() requires an eos_token_id argument (0.15.1-0.17.0)"
-    enum = "backends named in MambaAttentionBackendEnum (0.28.0+)"
+    enum = "the selector takes the backend enum (0.28.0+)"
     assert len(drifts(iter([("row", row), ("enum", enum)]))) == 2
     assert drifts(iter([("derived", late.replace("0.27.1", "0.27.0"))])) == []
 
