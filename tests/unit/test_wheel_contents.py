@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 SERVING = {
     "__init__",
     "activation",
+    "batch_invariance",
     "checkpoints",
     "defects",
     "errors",
@@ -47,12 +48,14 @@ SERVING = {
     "signature",
     "split",
     "subclasses",
+    "unverified",
     "version",
     "worker_seed",
     "audit.__init__",
     "audit.counting",
     "audit.ledger",
     "audit.reporter",
+    "audit.slots",
 }
 """What vLLM loads: ``register()``, the fix, the audit, and what they read."""
 
@@ -71,7 +74,9 @@ OPERATOR = {
     "probe.workload",
     "topology",
     "tools.__init__",
+    "tools.installed",
     "tools.modes",
+    "tools.retention_report",
     "tools.simulate",
     "tools.sim.__init__",
     "tools.sim.driver",
