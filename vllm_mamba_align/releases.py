@@ -384,6 +384,14 @@ class ReleaseFact:
     def holds(self, release: str) -> bool:
         return release in self.releases
 
+    def covers(self, version: str) -> bool:
+        """Whether a version, a release of the table or not (a dev or vendor
+        build, by its release number), lies between the row's bounds."""
+        release = Version(Version(version).base_version)
+        return Version(self.first) <= release and (
+            self.before is None or release < Version(self.before)
+        )
+
     def __str__(self) -> str:
         return release_range(self.first, self.before)
 
@@ -443,6 +451,15 @@ MANAGER_REKEYS_CHECKPOINT = ReleaseFact("0.30.0")
 """vLLM's Mamba manager publishes the backend's in-chunk state under its own
 position's hash (``checkpoints.rekeys_checkpoint_block``, read at bind time off
 the manager class the scheduler runs: ``StopPolicy.yield_replay_to_checkpoint``)."""
+CACHE_BLOCK_DIVIDES = ReleaseFact(SUPPORTED_RELEASES[0], "0.20.0")
+"""The engine starts a hybrid model with a cache block C < B only where C divides
+B (a drafter whose per-token KV is k times the target's; 0.18.1 and 0.19.1 also
+with an explicit ``--block-size``)."""
+CACHE_BLOCK_EQUALS = ReleaseFact("0.20.0", "0.28.0")
+"""The hybrid KV coordinator asserts C == B at startup: only the aligned-start
+defect (a chunk crossing several boundaries) exists there. From the row's end
+any C starts (sliding-window drafter groups, hidden-state and ring-buffer
+groups); ``tests/helpers.py``'s ``cache_block_rule`` reads both rows."""
 V1_RUNNER_REMOVED_IN = "0.34.0"
 """The first release without Model Runner V1 (``v1/worker/gpu_model_runner.py``;
 ``VLLM_USE_V2_MODEL_RUNNER=0`` picks it before)."""
@@ -473,6 +490,8 @@ RELEASE_FACTS: tuple[ReleaseFact, ...] = (
     EAGLE_JUNCTION_BLOCK,
     MANAGER_LEAVES_SCRATCH,
     MANAGER_REKEYS_CHECKPOINT,
+    CACHE_BLOCK_DIVIDES,
+    CACHE_BLOCK_EQUALS,
     MODEL_RUNNER_V1,
     WORKER_CHECKS_GROUPS_AT_START,
 )

@@ -155,6 +155,8 @@ RELEASE_FACT_WORDS: dict[str, str] = {
     "MANAGER_LEAVES_SCRATCH": r"skips_scratch_move|leaves? (them|the scratch)"
     r"|where they stood|MANAGER_LEAVES_SCRATCH",
     "MANAGER_REKEYS_CHECKPOINT": r"rekeys?_checkpoint|re-keys?",
+    "CACHE_BLOCK_DIVIDES": r"C must divide B|CACHE_BLOCK_DIVIDES|DIVISOR",
+    "CACHE_BLOCK_EQUALS": r"refuses? C < B|C == B at startup|CACHE_BLOCK_EQUALS",
     "MODEL_RUNNER_V1": r"Model Runner V1|VLLM_USE_V2_MODEL_RUNNER",
     "WORKER_CHECKS_GROUPS_AT_START": r"WORKER_CHECKS_GROUPS_AT_START"
     r"|worker (asserts|checks|stops)|initiali[sz]es? (its|the) KV cache"
