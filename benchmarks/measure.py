@@ -36,8 +36,8 @@ from ablation import (
 
 from vllm_mamba_align import settings
 from vllm_mamba_align.recognition import SPLIT_METHOD
-from vllm_mamba_align.releases import requests_need_eos_token_id
 from vllm_mamba_align.settings import Mode
+from vllm_mamba_align.tools.installed import requests_need_eos_token_id
 from vllm_mamba_align.tools.modes import (
     DEFAULT,
     STOCK,

@@ -13,7 +13,7 @@ The inference rules, one per field of the entry:
 
 - ``prefill``: :attr:`PrefillRule.NO_OUTPUT_YET` when the body reads
   ``request.num_output_tokens`` and computes no ``prefill_end``, else
-  :attr:`PrefillRule.BEFORE_PREFILL_END` (``releases.unverified_body``);
+  :attr:`PrefillRule.BEFORE_PREFILL_END` (``unverified.unverified_body``);
 - ``internal_checkpoint``: ``OBSERVED`` when the body calls
   ``is_mamba_prefill_checkpoint_valid``, ``ALIGNED_START`` when it reads
   ``self.mamba_has_prefill_checkpoint_blocks``, else ``NONE``;
@@ -48,6 +48,7 @@ from packaging.version import InvalidVersion, Version
 
 from vllm_mamba_align import releases
 from vllm_mamba_align.checkpoints import (
+    FLASHKDA_CHUNK_SIZE,
     RELOCATE_SCRATCH,
     skips_scratch_move_in_checkpoint_steps,
 )
@@ -66,8 +67,8 @@ from vllm_mamba_align.releases import (
     SplitBody,
     classify_seed,
     seed_code,
-    unverified_body,
 )
+from vllm_mamba_align.unverified import floor_guard_bounds, unverified_body
 
 SCHEDULER_FILE = "v1/core/sched/scheduler.py"
 SPLIT_SITE = "Scheduler._mamba_block_aligned_split"
@@ -424,7 +425,7 @@ def draft_entry(code: ReleaseCode, release: str | None = None) -> Draft:
         ),
         "aligns_drafter_tail": (
             "the grid floor's guard compares with "
-            + (", ".join(sorted(shape.floor_guard_bounds)) or "nothing")
+            + (", ".join(sorted(floor_guard_bounds(shape))) or "nothing")
         ),
     }
     open_questions: list[str] = []
@@ -483,12 +484,17 @@ def render_entry(body: SplitBody) -> str:
         "checkpoint_grid": None,
         "stops_after_mid_block_start": True,
         "aligns_drafter_tail": True,
+        "checkpoint_write_stride": 0,
+        "checkpoint_blocks_unalign": False,
+        "drops_mid_block_stop": False,
     }
     for name, default in defaults.items():
         value = getattr(body, name)
         if value == default:
             continue
-        if isinstance(value, releases.PrefillRule):
+        if name == "checkpoint_write_stride" and value == FLASHKDA_CHUNK_SIZE:
+            arguments.append(f"{name}=FLASHKDA_CHUNK_SIZE")
+        elif isinstance(value, releases.PrefillRule):
             arguments.append(f"prefill=PrefillRule.{value.name}")
         elif isinstance(value, InternalCheckpoint | CheckpointGrid):
             arguments.append(f"{name}={type(value).__name__}.{value.name}")

@@ -470,6 +470,53 @@ def defects_table() -> str:
     return "\n".join(lines)
 
 
+def release_facts_table() -> str:
+    """docs/releases.md's table of release facts: one row per ``ReleaseFact``
+    of ``releases.RELEASE_FACTS`` (the first sentence of its docstring, its
+    releases from the row), then each GPU checkpoint backend's first release
+    (``releases.CHECKPOINT_BACKENDS_SINCE``)."""
+    import ast
+    import itertools
+    import re
+
+    from vllm_mamba_align import releases
+    from vllm_mamba_align.tools.installed import CHECKPOINT_BACKEND_FILES
+
+    source = Path(releases.__file__).read_text()
+    said: dict[str, str] = {}
+    body = ast.parse(source).body
+    for node, after in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.targets[0], ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            text = " ".join(after.value.value.split()).replace("``", "`")
+            text = re.sub(r":\w+:`", "`", text)  # reST roles: code in Markdown
+            said[node.targets[0].id] = text.split(". ")[0].rstrip(".") + "."
+    names = {
+        id(value): name
+        for name, value in vars(releases).items()
+        if isinstance(value, releases.ReleaseFact)
+    }
+    lines = ["| Row | What | Releases |", "|---|---|---|"]
+    for fact in releases.RELEASE_FACTS:
+        name = names[id(fact)]
+        cells = (f"`{name}`", said[name], str(fact))
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    for backend, since in releases.CHECKPOINT_BACKENDS_SINCE.items():
+        layer = CHECKPOINT_BACKEND_FILES[backend]
+        cells = (
+            f"`{backend}`",
+            f"declares prefill checkpoint blocks (`{layer}`)",
+            releases.release_range(since),
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class Block:
     """A generated block of a file, between ``<!-- name:begin … -->`` and
@@ -521,6 +568,12 @@ BLOCKS = [
     Block(DOCS / "benchmarks.md", "served", "benchmarks/SERVED.md", served_report),
     Block(DOCS / "modes.md", "instead", "benchmarks/RESULTS.md", instead_report),
     Block(DOCS / "defects.md", "defects", "vllm_mamba_align/defects.py", defects_table),
+    Block(
+        DOCS / "releases.md",
+        "facts",
+        "vllm_mamba_align/releases.py",
+        release_facts_table,
+    ),
 ]
 
 

@@ -107,33 +107,38 @@ class CacheBlockRule(enum.Enum):
     """Which cache blocks C < B a release's engine starts a hybrid model with."""
 
     ANY = "any"
-    """0.28.0+: any C (sliding-window drafters, hidden-state and ring-buffer groups)."""
+    """Any C (sliding-window drafters, hidden-state and ring-buffer groups): after
+    ``releases.CACHE_BLOCK_EQUALS``."""
     DIVISOR = "divisor"
-    """0.15.1-0.19.1: C must divide B (a drafter whose per-token KV is k times the
-    target's)."""
+    """C must divide B: ``releases.CACHE_BLOCK_DIVIDES``."""
     EQUAL = "equal"
-    """0.20.2-0.27.1: the hybrid KV coordinator asserts C == B at startup; only the
-    aligned-start defect (a chunk crossing several boundaries) exists there."""
+    """C == B: ``releases.CACHE_BLOCK_EQUALS``."""
 
 
 def cache_block_rule(version: str | None) -> CacheBlockRule:
     """The rule for a release; EQUAL (what every release starts) when unknown."""
+    from vllm_mamba_align.releases import CACHE_BLOCK_DIVIDES, CACHE_BLOCK_EQUALS
+
     try:
-        public = Version(version or "").release
+        Version(version or "")
     except InvalidVersion:
         return CacheBlockRule.EQUAL
-    if public >= (0, 28):
-        return CacheBlockRule.ANY
-    if (0, 15) <= public < (0, 20):
+    assert version is not None
+    if CACHE_BLOCK_DIVIDES.covers(version):
         return CacheBlockRule.DIVISOR
+    after = CACHE_BLOCK_EQUALS.before
+    if after is not None and Version(Version(version).base_version) >= Version(after):
+        return CacheBlockRule.ANY
     return CacheBlockRule.EQUAL
 
 
 def supports_retention_setting() -> bool:
     """Whether this vLLM has a state retention setting for Mamba states (0.24.0+:
     an environment variable until 0.28.0, the cache config from 0.29.0)."""
-    from vllm_mamba_align.releases import retention_in_kv_config
-    from vllm_mamba_align.retention import retention_variable_reaches_mamba
+    from vllm_mamba_align.tools.installed import retention_in_kv_config
+    from vllm_mamba_align.tools.retention_report import (
+        retention_variable_reaches_mamba,
+    )
 
     return retention_in_kv_config() or retention_variable_reaches_mamba()
 
@@ -141,9 +146,9 @@ def supports_retention_setting() -> bool:
 def geometry_rule() -> str:
     """Which C < B geometries the installed vLLM starts with (:func:`cache_block_rule`).
 
-    "any" (0.28.0+), "divisor" (C must divide B: 0.15.1-0.19.1) or "equal"
-    (0.20.2-0.27.1 refuse C < B at startup). Read from the version: nothing is
-    built to find out.
+    "any", "divisor" (C must divide B) or "equal" (C < B refused at startup),
+    by the rows ``releases.CACHE_BLOCK_DIVIDES`` and ``CACHE_BLOCK_EQUALS``. Read
+    from the version: nothing is built to find out.
     """
     from vllm_mamba_align.releases import installed_version
 
@@ -186,7 +191,7 @@ def async_republishes_partial_tail() -> bool:
     copy-on-write moved it away. Needs a prompt ending on a hash block inside a
     state block, and async scheduling.
     """
-    from vllm_mamba_align.releases import supports_hash_block
+    from vllm_mamba_align.tools.installed import supports_hash_block
     from vllm_mamba_align.tools.sim import Geometry, Simulation, prompt
 
     if not supports_hash_block():

@@ -30,14 +30,13 @@ from helpers import (
 
 from vllm_mamba_align import MambaAlignError
 from vllm_mamba_align.checkpoints import installed_manager_skips_scratch_move
-from vllm_mamba_align.releases import (
-    InternalCheckpoint,
-    PrefillRule,
+from vllm_mamba_align.releases import InternalCheckpoint, PrefillRule
+from vllm_mamba_align.retention import read_retention
+from vllm_mamba_align.settings import DEFAULT_MODE
+from vllm_mamba_align.tools.installed import (
     supports_hash_block,
     supports_lookahead_hashes,
 )
-from vllm_mamba_align.retention import read_retention
-from vllm_mamba_align.settings import DEFAULT_MODE
 from vllm_mamba_align.tools.modes import DEFAULT
 from vllm_mamba_align.tools.sim import (
     MAX_MODEL_LEN,

@@ -14,11 +14,8 @@ from __future__ import annotations
 import pytest
 from helpers import installed_body, scheduler_mode, supports_retention_setting
 
-from vllm_mamba_align.releases import (
-    CheckpointGrid,
-    InternalCheckpoint,
-    supports_hash_block,
-)
+from vllm_mamba_align.releases import CheckpointGrid, InternalCheckpoint
+from vllm_mamba_align.tools.installed import supports_hash_block
 from vllm_mamba_align.tools.sim import (
     CHECKPOINT_BACKENDS,
     Geometry,

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from helpers import cache_block_for, geometry_rule, run_python
 
-from vllm_mamba_align import MambaAlignError, releases, settings
-from vllm_mamba_align.checkpoints import CHECKPOINT_BACKEND_FILES
+from vllm_mamba_align import MambaAlignError, batch_invariance, releases, settings
 from vllm_mamba_align.cli import EXIT_OK, EXIT_REFUSE, EXIT_USAGE, main
+from vllm_mamba_align.tools.installed import CHECKPOINT_BACKEND_FILES
 
 VLLM_LOG_LINE = re.compile(r"(\(\w+.*?\) )?(DEBUG|INFO|WARNING|ERROR) \d\d-\d\d ")
 """A line of vLLM's logger on stdout: "(MainProcess pid=...) INFO 11-30 ..." on
@@ -159,7 +159,7 @@ def test_doctor_json_names_the_default_mode(
         "stops at every B boundary vLLM keeps (only replay boundaries"
     )
     assert "serial traffic" in report["retention_by_mode"]["full"]
-    accepting = releases.mamba_backends_accepting_batch_invariance()
+    accepting = batch_invariance.mamba_backends_accepting_batch_invariance()
     exception = (
         f" other than {', '.join(accepting)} (which vLLM lets run batch-invariant)"
         if accepting

@@ -30,7 +30,7 @@ from random_workloads import (
     external_block_undercounted,
 )
 
-from vllm_mamba_align.releases import supports_hash_block
+from vllm_mamba_align.tools.installed import supports_hash_block
 from vllm_mamba_align.tools.sim import (
     Geometry,
     Simulation,

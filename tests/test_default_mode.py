@@ -22,10 +22,10 @@ from helpers import (
 )
 
 from vllm_mamba_align import activation, messages, metrics, settings
-from vllm_mamba_align.releases import (
+from vllm_mamba_align.batch_invariance import (
     mamba_backends_accepting_batch_invariance,
 )
-from vllm_mamba_align.releases import (
+from vllm_mamba_align.batch_invariance import (
     refuses_batch_invariance_for_mamba as refuses_for_mamba,
 )
 from vllm_mamba_align.tools.sim import Geometry, Simulation, prompt
@@ -110,7 +110,7 @@ def test_at_default_retention_the_default_spends_no_step_on_dropped_states(
     16,320: C-aligned, not B-aligned) but for the replay boundary 16,480 and
     vLLM's own stop at the prompt's tail after it, so it takes fewer prefill
     steps than ``full`` and keeps the same states."""
-    from vllm_mamba_align.releases import retention_in_kv_config
+    from vllm_mamba_align.tools.installed import retention_in_kv_config
 
     if not retention_in_kv_config():
         pytest.skip("this vLLM keeps every state by default (kept is full here)")
@@ -127,7 +127,7 @@ def test_at_default_retention_the_default_spends_no_step_on_dropped_states(
 def test_the_start_line_names_the_default_mode(
     unset_mode: None, start_lines: StartLines
 ) -> None:
-    from vllm_mamba_align.releases import retention_in_kv_config
+    from vllm_mamba_align.tools.installed import retention_in_kv_config
 
     Simulation(any_release_geometry())
     (line,) = start_lines.lines
@@ -171,7 +171,7 @@ SELECT_MAMBA_BACKENDS = textwrap.dedent(
     except ImportError:
         from vllm.attention import selector
     kinds = getattr(selector, "MAMBA_TYPE_TO_BACKEND_MAP", None)
-    if kinds is None:  # 0.27.1+: the backend enum
+    if kinds is None:  # the backend enum: releases.SELECTOR_TAKES_BACKEND_ENUM
         from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
         kinds = [m for m in MambaAttentionBackendEnum if m.name != "CUSTOM"]
     answers = {}
@@ -191,10 +191,11 @@ SELECT_MAMBA_BACKENDS = textwrap.dedent(
 
 
 def test_vllm_answers_batch_invariance_for_mamba_as_releases_records() -> None:
-    """With ``VLLM_BATCH_INVARIANT=1`` vLLM 0.20.2+ refuses the Mamba backends
-    that do not declare batch-invariance support (every one through 0.33.0; all
-    but the short-convolution backend on 0.34.0), 0.15.1-0.19.1 select them all;
-    the plugin reads the same from vLLM's code."""
+    """With ``VLLM_BATCH_INVARIANT=1`` vLLM refuses the Mamba backends that do
+    not declare batch-invariance support (every one through 0.33.0; all but the
+    short-convolution backend on 0.34.0) on the releases of
+    ``releases.SELECTOR_ASKS_BATCH_INVARIANCE`` and selects them all before; the
+    plugin reads the same from vLLM's code."""
     result = run_python(SELECT_MAMBA_BACKENDS, VLLM_BATCH_INVARIANT="1")
     assert result.returncode == 0, result.stderr
     line = next(x for x in result.stdout.splitlines() if x.startswith("ANSWERS "))
@@ -218,7 +219,7 @@ def test_the_start_line_says_what_batch_invariance_means_here(
     (line,) = start_lines.lines
     if refuses_for_mamba():
         assert "refuses batch-invariant mode for Mamba backends" in line
-    else:  # 0.15.1-0.19.1: dense retention, so lean stops as full does
+    else:  # before SELECTOR_ASKS_BATCH_INVARIANCE: dense retention, lean as full
         assert "accepts it for hybrid models): with mode=lean a continuation" in line
 
 

@@ -206,7 +206,7 @@ def test_lean_ends_a_prefill_from_its_kept_boundary_as_the_fix_on_b_would() -> N
     C it would stop once more at 4,352, inside the B block K opens, where
     nothing is published. So lean spends no more chunks than stock here, and
     K's state is materialized, nothing wrong published."""
-    from vllm_mamba_align.releases import supports_hash_block
+    from vllm_mamba_align.tools.installed import supports_hash_block
 
     if not supports_hash_block():
         pytest.skip("choosing the hash block needs vLLM 0.26.0+")

@@ -13,8 +13,9 @@ import ast
 
 from helpers import installed_body
 
-from vllm_mamba_align import releases
+from vllm_mamba_align import batch_invariance, releases, unverified
 from vllm_mamba_align.fingerprint import CodeShape, analyse_source, method_in_file
+from vllm_mamba_align.tools import installed
 
 
 def _installed_split_shape() -> CodeShape:
@@ -29,17 +30,17 @@ def test_the_table_row_states_the_split_facts_of_the_installed_code() -> None:
     shape = _installed_split_shape()
     body = installed_body()
     assert shape.fingerprint == body.fingerprint
-    assert body.stops_after_mid_block_start == releases.stops_after_mid_block_start(
+    assert body.stops_after_mid_block_start == unverified.stops_after_mid_block_start(
         shape
     )
-    assert body.aligns_drafter_tail == releases.aligns_drafter_tail(shape)
+    assert body.aligns_drafter_tail == unverified.aligns_drafter_tail(shape)
 
 
 def test_code_read_as_unverified_gets_the_rows_facts() -> None:
     """The opt-in for unverified code reads the same facts from the same code."""
     shape = _installed_split_shape()
     body = installed_body()
-    drafted = releases.unverified_body(shape)
+    drafted = unverified.unverified_body(shape)
     for name in (
         "prefill",
         "internal_checkpoint",
@@ -47,6 +48,9 @@ def test_code_read_as_unverified_gets_the_rows_facts() -> None:
         "extra_parameter",
         "stops_after_mid_block_start",
         "aligns_drafter_tail",
+        "checkpoint_write_stride",
+        "checkpoint_blocks_unalign",
+        "drops_mid_block_stop",
     ):
         assert getattr(drafted, name) == getattr(body, name), name
 
@@ -58,7 +62,7 @@ def test_the_checkpoint_backends_read_from_the_layers_are_the_releases() -> None
     body with no internal checkpointing has none to use."""
     from packaging.version import Version
 
-    found = releases.checkpoint_backends_in(releases.vllm_package_dir())
+    found = installed.checkpoint_backends_in(releases.vllm_package_dir())
     version = releases.installed_version()
     if version in releases.SUPPORTED_RELEASES:
         assert found == tuple(
@@ -96,3 +100,71 @@ def test_where_the_worker_checks_the_mamba_groups_is_the_tables() -> None:
     assert binds_at_start == (version >= since)
     has_v1 = (root / "v1" / "worker" / "gpu_model_runner.py").exists()
     assert has_v1 == (version < Version(releases.V1_RUNNER_REMOVED_IN))
+
+
+def test_what_the_installed_code_says_is_the_release_facts_row() -> None:
+    """Each reading of the installed vLLM's code (batch_invariance.py,
+    tools/installed.py) answers as the release-fact row says of the installed
+    release, so a docstring or message that names the row's releases names
+    where the code behaves so."""
+    import pytest
+
+    version = releases.installed_version()
+    if version not in releases.SUPPORTED_RELEASES:
+        pytest.skip(f"vLLM {version} is no release of the table")
+    root = releases.vllm_package_dir()
+    assert root is not None
+    selector = (root / batch_invariance.SELECTOR_FILE).read_text()
+    readings = [
+        (
+            "SELECTOR_ASKS_BATCH_INVARIANCE",
+            batch_invariance.refuses_batch_invariance_for_mamba(),
+        ),
+        ("SELECTOR_TAKES_BACKEND_ENUM", "MAMBA_TYPE_TO_BACKEND_MAP" not in selector),
+        ("REQUEST_NEEDS_EOS_TOKEN_ID", installed.requests_need_eos_token_id()),
+        ("HASH_BLOCK_CHOSEN", installed.supports_hash_block()),
+        ("RETENTION_IN_KV_CONFIG", installed.retention_in_kv_config()),
+        ("LOOKAHEAD_HASHES", installed.supports_lookahead_hashes()),
+        ("MODEL_RUNNER_V1", (root / "v1" / "worker" / "gpu_model_runner.py").exists()),
+    ]
+    readings += _retention_readings()
+    for name, read in readings:
+        fact = getattr(releases, name)
+        assert read == fact.holds(version), f"{name}: read {read} on {version}"
+
+
+def _retention_readings() -> list[tuple[str, bool]]:
+    """What retention.read_retention reads off a built scheduler's coordinator
+    and Mamba manager, one reading per row it stands for."""
+    from helpers import cache_block_for
+
+    from vllm_mamba_align.checkpoints import (
+        installed_manager_skips_scratch_move,
+        manager_rekeys_checkpoint_block,
+    )
+    from vllm_mamba_align.retention import mamba_manager, masks_by_retention
+    from vllm_mamba_align.tools.sim import Geometry, Simulation
+
+    state_block = 1648
+    sim = Simulation(
+        Geometry(cache_block=cache_block_for(state_block), state_block=state_block)
+    )
+    coordinator = sim.scheduler.kv_cache_manager.coordinator
+    manager = mamba_manager(coordinator)
+    assert manager is not None
+    module = __import__(type(coordinator).__module__, fromlist=["replay_boundaries"])
+    function = callable(getattr(module, "replay_boundaries", None))
+    method = callable(getattr(coordinator, "get_replay_boundaries", None))
+    return [
+        (
+            "RETENTION_FOR_MAMBA",
+            hasattr(coordinator, "retention_interval")
+            and masks_by_retention(type(manager)),
+        ),
+        ("HIT_ALIGNMENT", hasattr(manager, "cache_hit_alignment_tokens")),
+        ("EAGLE_REPLAY_PAIR", method or function),
+        ("REPLAY_BOUNDARIES_FUNCTION", function),
+        ("EAGLE_JUNCTION_BLOCK", hasattr(coordinator, "drop_eagle_group_ids")),
+        ("MANAGER_LEAVES_SCRATCH", installed_manager_skips_scratch_move()),
+        ("MANAGER_REKEYS_CHECKPOINT", manager_rekeys_checkpoint_block(type(manager))),
+    ]

@@ -16,12 +16,9 @@ from dataclasses import dataclass
 import pytest
 from helpers import geometry_rule, scheduler_mode, supports_retention_setting
 
-from vllm_mamba_align.retention import (
-    RETENTION_VARIABLE,
-    installed_setting,
-    read_retention,
-)
+from vllm_mamba_align.retention import RETENTION_VARIABLE, read_retention
 from vllm_mamba_align.tools.modes import environment_variable
+from vllm_mamba_align.tools.retention_report import installed_setting
 from vllm_mamba_align.tools.sim import (
     Geometry,
     Simulation,

@@ -32,8 +32,8 @@ from helpers import (
 from random_workloads import drafters_build
 
 from vllm_mamba_align.checkpoints import installed_manager_skips_scratch_move
-from vllm_mamba_align.releases import (
-    InternalCheckpoint,
+from vllm_mamba_align.releases import InternalCheckpoint
+from vllm_mamba_align.tools.installed import (
     supports_hash_block,
     supports_lookahead_hashes,
 )

@@ -18,15 +18,13 @@ import ast
 import enum
 import functools
 import inspect
-import re
 import textwrap
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from .protocols import Request, Scheduler
+    from .protocols import Scheduler
 
 
 class InternalCheckpoint(enum.Enum):
@@ -65,48 +63,6 @@ class CheckpointGrid(enum.Enum):
     (model_executor/layers/mamba/checkpoint.py:111-133 in 0.32.0)."""
 
 
-CHECKPOINT_BACKEND_FILES: dict[str, str] = {
-    "flashkda": "models/kimi_k3/nvidia/kda.py",
-    "mamba2": "model_executor/layers/mamba/mamba_mixer2.py",
-    "gdn-flashinfer": "model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py",
-    "glm5next-flashkda": "models/glm5next/common/kda.py",
-    "kimi-k3-amd": "models/kimi_k3/amd/kda.py",
-    "qwen4exp-ple": "models/qwen4_exp/nvidia/ple_layer.py",
-}
-"""GPU backends that can declare ``MambaSpec.num_prefill_checkpoint_blocks``,
-and the layer file (relative to vLLM's package directory) whose spec sets it:
-KDA on flashkda (Kimi-K3 on NVIDIA GPUs), Mamba2, GDN on FlashInfer, GLM-5-Next's
-KDA on flashkda, Kimi-K3's KDA on AMD GPUs (its fused or gluon chunk kernel),
-and Qwen4Exp's PLE short-conv layer (a second Mamba spec beside its GDN
-layers). Which of them a vLLM has is read from these files
-(:func:`checkpoint_backends_in`), never from the version."""
-
-CHECKPOINT_BACKENDS_SINCE: dict[str, str] = {
-    "flashkda": "0.29.0",
-    "mamba2": "0.32.0",
-    "gdn-flashinfer": "0.33.0",
-    "glm5next-flashkda": "0.32.0",
-    "kimi-k3-amd": "0.32.0",
-    "qwen4exp-ple": "0.33.0",
-}
-"""The first release whose layer file declares the blocks, as read from each
-release's wheel: KDA (models/kimi_k3/nvidia/kda.py:599 in 0.29.0, :805 in
-0.30.0, :747 in 0.31.0, :835 in 0.32.0), Mamba2
-(model_executor/layers/mamba/mamba_mixer2.py:1107 in 0.32.0), GDN
-(model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py:748 in 0.33.0; 0.32.0
-builds the checkpoint metadata for GDN but its layer declares no block),
-GLM-5-Next (models/glm5next/common/kda.py:174 in 0.32.0 and 0.33.0, :208 in
-0.34.0), Kimi-K3 on AMD (models/kimi_k3/amd/kda.py:105 in 0.32.0, :108 in
-0.33.0, :148 in 0.34.0), Qwen4Exp's PLE layer
-(models/qwen4_exp/nvidia/ple_layer.py:219 in 0.33.0 and 0.34.0; 0.32.0 has the
-file without the blocks); 0.31.0 has none of the last three. Kept for the
-documentation and for the tests that hold :func:`checkpoint_backends_in` to it
-on every release; a nightly build of vLLM main may have a backend's blocks
-before any release does."""
-
-_DECLARES_CHECKPOINT_BLOCKS = re.compile(r"\bnum_prefill_checkpoint_blocks\s*=")
-
-
 class CheckpointFacts(Protocol):
     """What the rules below read of a split body (``releases.SplitBody``).
 
@@ -118,23 +74,6 @@ class CheckpointFacts(Protocol):
 
     @property
     def checkpoint_grid(self) -> CheckpointGrid | None: ...
-
-
-def checkpoint_backends_in(package_dir: Path | None) -> tuple[str, ...]:
-    """The backends of :data:`CHECKPOINT_BACKEND_FILES` whose layer, in the vLLM
-    installed at ``package_dir``, sets ``num_prefill_checkpoint_blocks`` (a
-    keyword or an assignment); () when vLLM is not installed."""
-    if package_dir is None:
-        return ()
-    found = []
-    for backend, relative in CHECKPOINT_BACKEND_FILES.items():
-        try:
-            text = (package_dir / relative).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        if _DECLARES_CHECKPOINT_BLOCKS.search(text):
-            found.append(backend)
-    return tuple(found)
 
 
 FLASHKDA_CHUNK_SIZE = 16
@@ -527,68 +466,3 @@ def _observed_rule(
         return position
 
     return observed
-
-
-OwnSlotWrite = Callable[["Request", int, int], int]
-"""(request, chunk start, chunk end) -> the B boundary whose state the backend
-writes into that boundary's own slot inside the chunk (0: none)."""
-
-
-def own_slot_write(
-    scheduler: Scheduler, stock: Callable[..., int], body: CheckpointFacts, grid: int
-) -> OwnSlotWrite | None:
-    """Which boundary inside a chunk the GPU backend writes into its own slot,
-    read off vLLM's rule and the request's block table; None where the Mamba
-    spec reserves no checkpoint block or the backend's position is unknown.
-
-    The backend writes its state (position: :func:`backend_checkpoint_rule`)
-    into column ``cdiv(end, B) - 2``, and nothing when vLLM left that column
-    null (e.g. 0.29.0 with a drafter moves a speculative scratch block out of
-    it). The column is that boundary's own slot when the position is the last
-    boundary before the chunk's end block. A position further down (the
-    backend's grid, the cache-hit alignment, coarser than B) is published in
-    that column under the position's own hash where the manager re-keys its
-    checkpoint block (:func:`manager_rekeys_checkpoint_block`, 0.30.0+); on
-    0.29.0 such a write makes no boundary exist. E.g. 0.33.0, B = 8, alignment
-    16, a 25-token prompt in one chunk: the state at 16 goes into column 2 and
-    is published there, under 16's hash.
-    """
-    if not spec_reserves_checkpoints(scheduler):
-        return None
-    position_of = backend_checkpoint_rule(scheduler, stock, body, grid)
-    if position_of is None:
-        return None
-    try:
-        groups = scheduler.kv_cache_config.kv_cache_groups
-        managers = scheduler.kv_cache_manager.coordinator.single_type_managers
-        checkpointing = [
-            manager
-            for group, manager in zip(groups, managers, strict=True)
-            if getattr(group.kv_cache_spec, "num_prefill_checkpoint_blocks", 0) > 0
-        ]
-        tables = [manager.req_to_blocks for manager in checkpointing]
-    except (AttributeError, TypeError, ValueError):
-        return None
-    if not checkpointing:
-        return None
-    classes: list[type] = [type(manager) for manager in checkpointing]
-    rekeyed = all(manager_rekeys_checkpoint_block(cls) for cls in classes)
-
-    def held(request: Request, column: int) -> bool:
-        """Whether every checkpointing group holds a real block in ``column``."""
-        for blocks_of in tables:
-            blocks = blocks_of.get(request.request_id)
-            if not blocks or column >= len(blocks) or blocks[column].is_null:
-                return False
-        return True
-
-    def written(request: Request, start: int, end: int) -> int:
-        position = position_of(start, end)
-        if not start < position < end or position % grid:
-            return 0
-        column = -(-end // grid) - 2
-        if position // grid - 1 != column and not rekeyed:
-            return 0
-        return position if held(request, column) else 0
-
-    return written

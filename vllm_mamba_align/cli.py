@@ -84,8 +84,8 @@ NO_VLLM = (
 
 
 def _parser(json_errors: bool = False) -> argparse.ArgumentParser:
-    from .checkpoints import CHECKPOINT_BACKEND_FILES
     from .settings import Mode
+    from .tools.installed import CHECKPOINT_BACKEND_FILES
     from .tools.modes import STOCK
     from .tools.simulate import Scenario
 

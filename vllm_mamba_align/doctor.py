@@ -32,6 +32,7 @@ from pathlib import Path
 
 from . import settings, topology
 from .audit.export import export_status as metrics_export_status
+from .batch_invariance import refuses_batch_invariance_for_mamba
 from .errors import MambaAlignError
 from .fingerprint import fingerprint_node, method_in_file
 from .releases import (
@@ -47,7 +48,6 @@ from .releases import (
     describe_mismatch,
     describe_version,
     expected_body,
-    refuses_batch_invariance_for_mamba,
     seed_code,
     vllm_package_dir,
 )
@@ -279,7 +279,8 @@ def _seed_site_status(
 
 def _retention() -> tuple[str, dict[str, str]]:
     """vLLM's default state retention, and what each mode does under it."""
-    from .retention import RETENTION_VARIABLE, installed_setting, mode_meaning
+    from .retention import RETENTION_VARIABLE
+    from .tools.retention_report import installed_setting, mode_meaning
 
     has_setting, interval, where = installed_setting()
     if not has_setting:

@@ -48,14 +48,9 @@ class CodeShape:
     """Names the function uses, and ``name.attribute`` reads (``self.x``)."""
     problem: str | None = None
     """Why the source could not be analysed, if it could not."""
-    floor_guard_bounds: frozenset[str] = frozenset()
-    """The names compared against in every ``if`` whose body floors a position
-    to the grid (``x // block_size * block_size``): ``last_cache_position``
-    before 0.27.0, ``prefill_end`` from 0.27.0 (:func:`floor_guard_bounds`)."""
-    stops_at_next_boundary: bool = False
-    """Whether the function computes the grid boundary after a position it
-    tests to be off the grid (:func:`stops_at_next_boundary`): vLLM's stop of a
-    chunk that starts mid-block (0.26.0+)."""
+    source: str | None = None
+    """The function's source, for what only unverified code needs read from it
+    (unverified.py)."""
 
     @property
     def structurally_compatible(self) -> bool:
@@ -83,7 +78,8 @@ def _without_docstring(node: ast.FunctionDef) -> ast.FunctionDef:
     return node
 
 
-def _function_def(source: str) -> ast.FunctionDef:
+def function_def(source: str) -> ast.FunctionDef:
+    """The one function ``source`` defines, without its docstring."""
     tree = ast.parse(textwrap.dedent(source))
     node = tree.body[0]
     if not isinstance(node, ast.FunctionDef):
@@ -139,7 +135,7 @@ def fingerprint_node(node: ast.FunctionDef) -> str:
 
 def fingerprint_source(source: str) -> str:
     """Hash of the normalized syntax tree of one function's source text."""
-    return fingerprint_node(_function_def(source))
+    return fingerprint_node(function_def(source))
 
 
 def method_in_file(path: str, class_name: str, method: str) -> ast.FunctionDef | None:
@@ -178,121 +174,9 @@ def _is_grid_read(node: ast.AST) -> bool:
     )
 
 
-def _floors_to_grid(node: ast.AST) -> bool:
-    """Whether ``node`` contains ``x // block_size * block_size``."""
-    return any(
-        isinstance(child, ast.BinOp)
-        and isinstance(child.op, ast.Mult)
-        and isinstance(child.right, ast.Name)
-        and child.right.id == "block_size"
-        and isinstance(child.left, ast.BinOp)
-        and isinstance(child.left.op, ast.FloorDiv)
-        and isinstance(child.left.right, ast.Name)
-        and child.left.right.id == "block_size"
-        for child in ast.walk(node)
-    )
-
-
-def _is_block_size(node: ast.AST) -> bool:
-    return isinstance(node, ast.Name) and node.id == "block_size"
-
-
-def _next_boundary_positions(node: ast.AST) -> set[str]:
-    """The names ``x`` of every ``(x // block_size + 1) * block_size`` in ``node``:
-    the grid boundary after position ``x``."""
-    found: set[str] = set()
-    for child in ast.walk(node):
-        if not (
-            isinstance(child, ast.BinOp)
-            and isinstance(child.op, ast.Mult)
-            and _is_block_size(child.right)
-        ):
-            continue
-        added = child.left
-        if not (
-            isinstance(added, ast.BinOp)
-            and isinstance(added.op, ast.Add)
-            and isinstance(added.right, ast.Constant)
-            and added.right.value == 1
-        ):
-            continue
-        floored = added.left
-        if (
-            isinstance(floored, ast.BinOp)
-            and isinstance(floored.op, ast.FloorDiv)
-            and _is_block_size(floored.right)
-            and isinstance(floored.left, ast.Name)
-        ):
-            found.add(floored.left.id)
-    return found
-
-
-def _off_grid_positions(node: ast.AST) -> set[str]:
-    """The names ``x`` that ``node`` tests to be off the grid:
-    ``x % block_size != 0`` (or ``0 != x % block_size``)."""
-    found: set[str] = set()
-    for child in ast.walk(node):
-        if not (
-            isinstance(child, ast.Compare)
-            and len(child.ops) == 1
-            and isinstance(child.ops[0], ast.NotEq)
-        ):
-            continue
-        for side, other in (
-            (child.left, child.comparators[0]),
-            (child.comparators[0], child.left),
-        ):
-            if (
-                isinstance(other, ast.Constant)
-                and other.value == 0
-                and isinstance(side, ast.BinOp)
-                and isinstance(side.op, ast.Mod)
-                and _is_block_size(side.right)
-                and isinstance(side.left, ast.Name)
-            ):
-                found.add(side.left.id)
-    return found
-
-
-def stops_at_next_boundary(node: ast.AST) -> bool:
-    """Whether the split stops a chunk that starts off the grid at the next
-    boundary: it computes ``(x // block_size + 1) * block_size`` for a position
-    ``x`` it also tests with ``x % block_size != 0``. Read by shape, whatever
-    the names: 0.26.0+ call it ``next_block_boundary`` after ``start``, a
-    nightly build of vLLM main between 0.25.1 and 0.26.0 ``next_boundary`` after
-    ``num_computed_tokens``."""
-    return bool(_next_boundary_positions(node) & _off_grid_positions(node))
-
-
-def floor_guard_bounds(node: ast.AST) -> frozenset[str]:
-    """The names on either side of the comparisons guarding a floor to the grid.
-
-    The guard is the ``if`` one of whose own assignments floors a position to
-    the grid; what it compares the chunk end with decides which chunks vLLM
-    aligns: up to the last cacheable position (which an EAGLE/MTP drafter backs
-    off one block, so later chunks run unaligned) or up to the prefill's end.
-    """
-    bounds: set[str] = set()
-    for child in ast.walk(node):
-        if not isinstance(child, ast.If):
-            continue
-        if not any(
-            isinstance(statement, (ast.Assign, ast.AugAssign, ast.AnnAssign))
-            and _floors_to_grid(statement)
-            for statement in child.body
-        ):
-            continue
-        for comparison in ast.walk(child.test):
-            if isinstance(comparison, ast.Compare):
-                for side in (comparison.left, *comparison.comparators):
-                    if isinstance(side, ast.Name):
-                        bounds.add(side.id)
-    return frozenset(bounds)
-
-
 def analyse_source(source: str) -> CodeShape:
     """Fingerprint and structural facts of one function's source text."""
-    node = _function_def(source)
+    node = function_def(source)
     names: set[str] = set()
     grid_reads = 0
     for child in ast.walk(node):
@@ -309,8 +193,7 @@ def analyse_source(source: str) -> CodeShape:
         grid_reads=grid_reads,
         parameters=parameters,
         names=frozenset(names),
-        floor_guard_bounds=floor_guard_bounds(node),
-        stops_at_next_boundary=stops_at_next_boundary(node),
+        source=source,
     )
 
 

@@ -19,6 +19,7 @@ from .layers import Chain, Finding, Order, describe_distribution
 from .recognition import SPLIT_METHOD, Recognition, split_findings
 from .releases import (
     BATCH_INVARIANT_VARIABLE,
+    SELECTOR_ASKS_BATCH_INVARIANCE,
     SUPPORTED_RELEASES,
     V1_RUNNER_REMOVED_IN,
     WORKER_CHECKS_GROUPS_AT_START_SINCE,
@@ -27,8 +28,6 @@ from .releases import (
     describe_releases,
     describe_version,
     expected_body,
-    mamba_backends_accepting_batch_invariance,
-    refuses_batch_invariance_for_mamba,
     release_range,
     releases_where,
 )
@@ -378,8 +377,8 @@ def mode_summary(mode: Mode, retention: Retention, yields_replay: bool = False) 
         return (
             "chunks end on the B grid and stop at every B boundary, also where vLLM "
             f"drops the state (one prefill step each): {CANONICAL} (serial traffic, "
-            "unless vLLM runs batch-invariant, which 0.20.2+ refuses for Mamba "
-            f"backends); {kept}"
+            "unless vLLM runs batch-invariant, which "
+            f"{SELECTOR_ASKS_BATCH_INVARIANCE} refuses for Mamba backends); {kept}"
         )
     return (
         "chunks end on the B grid and stop at every B boundary vLLM keeps (every "
@@ -408,6 +407,8 @@ def batch_invariance_note(
     when it is on (None when it is off)."""
     if not batch_invariance_requested():
         return None
+    from .batch_invariance import refuses_batch_invariance_for_mamba
+
     release = describe_version(version)
     if refuses_batch_invariance_for_mamba():
         return (
@@ -434,6 +435,8 @@ def batch_invariance_note(
 def except_accepting() -> str:
     """`` other than SHORT_CONV (it accepts it)`` where the installed vLLM's
     selector lets some Mamba backends run batch-invariant (0.34.0), else ""."""
+    from .batch_invariance import mamba_backends_accepting_batch_invariance
+
     accepting = mamba_backends_accepting_batch_invariance()
     if not accepting:
         return ""

@@ -18,7 +18,6 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from .checkpoints import (
-    FLASHKDA_CHUNK_SIZE,
     InternalCheckpoint,
     backend_off_manager_grid,
     installed_manager_skips_scratch_move,
@@ -147,7 +146,7 @@ backend_off_manager_grid`, 0.30.0-0.31.0) a longer chunk gets a wrongly
     checkpoints that chunk internally. Why: 0.30.0+ drop that stop for such a
     chunk (scheduler.py:645-649 in 0.33.0) although the backend writes one
     state, so the start's block is published as the boundary's state it never
-    held. Releases: 0.30.0+ (:attr:`InternalCheckpoint.OBSERVED`), on a
+    held. Releases: 0.30.0+ (``SplitBody.drops_mid_block_stop``), on a
     scheduler that decides internal checkpoints at all
     (:attr:`SchedulerFacts.decides_checkpoints`). Delete when: vLLM keeps its
     stop for internally checkpointed chunks."""
@@ -160,7 +159,8 @@ backend_off_manager_grid`, 0.30.0-0.31.0) a longer chunk gets a wrongly
     reserves that block by the Mamba spec even where the scheduler's own flag
     is off with a drafter (scheduler.py:329-338 and
     single_type_kv_cache_manager.py:1565-1580 in 0.29.0): the guard goes by
-    the spec. Releases: 0.29.0. Modes: every fixing mode. Delete when: 0.29.0
+    the spec. Releases: 0.29.0 (``SplitBody.checkpoint_write_stride``). Modes:
+    every fixing mode. Delete when: 0.29.0
     is no longer supported."""
     mid_block_stop_missing: bool
     """grid mode: add the stop at the boundary after a chunk that starts
@@ -200,7 +200,7 @@ backend_off_manager_grid`, 0.30.0-0.31.0) a longer chunk gets a wrongly
     checkpoint_blocks_unalign: bool
     """For :attr:`align_short_chunks`: vLLM leaves a chunk short of the prefill
     end unaligned anywhere once the scheduler has checkpoint blocks. Releases:
-    0.29.0 (:attr:`InternalCheckpoint.ALIGNED_START`). Delete when: 0.29.0 is
+    0.29.0 (``SplitBody.checkpoint_blocks_unalign``). Delete when: 0.29.0 is
     no longer supported."""
     stock_chunk_ends: bool
     """lean mode: run vLLM's split on its own grid (C, as stock does) for a
@@ -273,8 +273,7 @@ backend_off_manager_grid`, 0.30.0-0.31.0) a longer chunk gets a wrongly
         """The policy for a fixing mode; no vLLM needed."""
         if mode not in FIXING_MODES:
             raise ValueError(f"mode {mode.value} binds no fix")
-        rule = body.internal_checkpoint
-        observed = rule is InternalCheckpoint.OBSERVED
+        observed = body.internal_checkpoint is InternalCheckpoint.OBSERVED
         stop_at_boundaries = mode in (Mode.FULL, Mode.KEPT, Mode.LEAN)
         stop_anywhere = (
             mode is Mode.FULL or retention.dense or facts.backend_off_manager_grid
@@ -285,9 +284,11 @@ backend_off_manager_grid`, 0.30.0-0.31.0) a longer chunk gets a wrongly
             prefill=body.prefill,
             stop_at_boundaries=stop_at_boundaries,
             stop_anywhere=stop_anywhere,
-            mid_block_stop=mode is Mode.GRID and observed and facts.decides_checkpoints,
-            guard_unwritten=rule is InternalCheckpoint.ALIGNED_START
-            and grid % FLASHKDA_CHUNK_SIZE != 0
+            mid_block_stop=mode is Mode.GRID
+            and body.drops_mid_block_stop
+            and facts.decides_checkpoints,
+            guard_unwritten=bool(body.checkpoint_write_stride)
+            and grid % body.checkpoint_write_stride != 0
             and facts.reserves_checkpoints,
             mid_block_stop_missing=mode is Mode.GRID
             and not (
@@ -302,7 +303,7 @@ backend_off_manager_grid`, 0.30.0-0.31.0) a longer chunk gets a wrongly
             align_short_chunks=stop_at_boundaries
             and stop_anywhere
             and 0 < grid <= facts.step_budget,
-            checkpoint_blocks_unalign=rule is InternalCheckpoint.ALIGNED_START,
+            checkpoint_blocks_unalign=body.checkpoint_blocks_unalign,
             stock_chunk_ends=mode is Mode.LEAN and not stop_anywhere,
             yield_replay_to_checkpoint=mode is Mode.LEAN
             and not stop_anywhere

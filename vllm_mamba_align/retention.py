@@ -14,13 +14,17 @@ a reusable state only when the boundary is kept. vLLM's rule, per release:
   (``CacheConfig.prefix_cache_retention_interval``), **default 0** (0.29.0 only:
   dense for a hybrid model with an EAGLE drafter); the engine copies it into the
   ``KVCacheConfig``; reachable positions are floored to the hit alignment;
-- 0.30.0+: with EAGLE, two replay positions on the scheduler block; 0.33.0 also
-  keeps the block below an EAGLE junction.
+- 0.30.0+: with EAGLE, two replay positions on the scheduler block; 0.33.0+
+  also keep the block below an EAGLE junction.
 
 The mask rule itself (``MambaManager.reachable_block_mask``) is the same in every
-release whose Mamba manager has one (0.24.0-0.33.0), but for the junction; which
-releases those are is read from the code (:func:`masks_by_retention`), never from
-the version number.
+release whose Mamba manager has one (``releases.RETENTION_FOR_MAMBA``), but for
+the junction. Each of these facts is a row of ``releases.RELEASE_FACTS``;
+:func:`read_retention` reads them off the coordinator and the Mamba manager the
+scheduler built instead of looking its release up, because that object is what
+publishes (a platform's subclass of the manager, a nightly or an opted-in
+unverified build answer as their code does): tests/test_release_facts.py holds
+each reading to its row on every release of the matrix.
 
 ``None`` keeps every boundary; ``0`` keeps only the *reachable* boundaries: the
 prompt's replay boundary (where a re-ask or a longer sibling resumes) and a
@@ -70,7 +74,8 @@ class Retention:
     """vLLM's replay positions of a request (where a re-ask or a longer sibling
     resumes): ``P - 1``, or vLLM's own EAGLE pair on releases that have one."""
     eagle_junction: bool = False
-    """0.33.0 with EAGLE: the block below a junction is kept too."""
+    """With EAGLE, the block below a junction is kept too
+    (``releases.EAGLE_JUNCTION_BLOCK``)."""
 
     @property
     def dense(self) -> bool:
@@ -91,7 +96,8 @@ class Retention:
 
     def _junctions(self, request: Request) -> list[int]:
         """vLLM's junction positions of a request: its detected shared-prefix
-        boundary, and on 0.33.0 with EAGLE the block below it too."""
+        boundary, and with EAGLE the block below it too where vLLM keeps that
+        (:attr:`eagle_junction`)."""
         junction = int(getattr(request, "shared_prefix_boundary", 0) or 0)
         if not junction:
             return []
@@ -213,9 +219,11 @@ def masks_by_retention(manager_class: type) -> bool:
 def read_retention(scheduler: Scheduler, state_block: int) -> Retention:
     """The retention this scheduler's KV-cache manager applies, read where it
     reads it: the coordinator's ``retention_interval`` where the scheduler's
-    Mamba manager masks by it (0.24.0+), the Mamba manager's hit alignment
-    (0.29.0+; the scheduler block before), vLLM's own replay-boundary function
-    (0.30.0+)."""
+    Mamba manager masks by it (``releases.RETENTION_FOR_MAMBA``), the Mamba
+    manager's hit alignment (``releases.HIT_ALIGNMENT``; the scheduler block
+    before), vLLM's own replay positions (``releases.EAGLE_REPLAY_PAIR``).
+    Read off the built objects, not looked up by release: see the module's
+    docstring."""
     coordinator = scheduler.kv_cache_manager.coordinator
     manager = mamba_manager(coordinator)
     scheduler_block = int(
@@ -235,8 +243,8 @@ def read_retention(scheduler: Scheduler, state_block: int) -> Retention:
     interval = coordinator.retention_interval
     eagle = bool(
         getattr(coordinator, "drop_eagle_group_ids", None)
-        if hasattr(coordinator, "drop_eagle_group_ids")  # 0.33.0
-        else getattr(coordinator, "eagle_group_ids", None)  # 0.30.0-0.32.0
+        if hasattr(coordinator, "drop_eagle_group_ids")  # EAGLE_JUNCTION_BLOCK
+        else getattr(coordinator, "eagle_group_ids", None)  # EAGLE_REPLAY_PAIR
     )
     return Retention(
         interval,
@@ -244,8 +252,9 @@ def read_retention(scheduler: Scheduler, state_block: int) -> Retention:
         alignment,
         _source(interval),
         _replay_rule(coordinator, scheduler_block, eagle),
-        # 0.33.0 (the release with drop_eagle_group_ids) also keeps the block
-        # below a junction when its Mamba manager drops EAGLE's last block.
+        # The releases with drop_eagle_group_ids (releases.EAGLE_JUNCTION_BLOCK)
+        # also keep the block below a junction when the Mamba manager drops
+        # EAGLE's last block.
         eagle_junction=hasattr(coordinator, "drop_eagle_group_ids")
         and bool(getattr(manager, "use_eagle", False)),
     )
@@ -254,13 +263,14 @@ def read_retention(scheduler: Scheduler, state_block: int) -> Retention:
 def _replay_rule(
     coordinator: Any, scheduler_block: int, eagle: bool
 ) -> Callable[[Request], Sequence[int]]:
-    """vLLM's own replay positions for this coordinator (``P - 1`` before 0.30.0)."""
+    """vLLM's own replay positions for this coordinator (``P - 1`` before
+    ``releases.EAGLE_REPLAY_PAIR``)."""
     method = getattr(coordinator, "get_replay_boundaries", None)
-    if callable(method):  # 0.30.0-0.31.0
+    if callable(method):  # before releases.REPLAY_BOUNDARIES_FUNCTION
         return method  # type: ignore[no-any-return]
     module = __import__(type(coordinator).__module__, fromlist=["replay_boundaries"])
     function = getattr(module, "replay_boundaries", None)
-    if callable(function) and eagle:  # 0.32.0+
+    if callable(function) and eagle:  # releases.REPLAY_BOUNDARIES_FUNCTION
         return lambda request: function(  # type: ignore[no-any-return]
             request.num_prompt_tokens, scheduler_block, use_eagle=True
         )
@@ -269,8 +279,8 @@ def _replay_rule(
 
 def _source(interval: int | None) -> str:
     """Where a scheduler's retention value comes from, for messages."""
-    default = _default_interval()
-    if default is _NO_FIELD:  # 0.24.0-0.28.0
+    default = default_interval()
+    if default is NO_FIELD:  # 0.24.0-0.28.0
         raw = os.environ.get(RETENTION_VARIABLE)
         return (
             f"{RETENTION_VARIABLE}={raw}"
@@ -281,88 +291,22 @@ def _source(interval: int | None) -> str:
     return f"{name}={interval}" + (", vLLM's default" if interval == default else "")
 
 
-_NO_FIELD: Any = object()
+NO_FIELD: Any = object()
 
 
-def _default_interval() -> Any:
+def default_interval() -> Any:
     """vLLM's default ``prefix_cache_retention_interval`` (0.29.0+): an int or
-    None; ``_NO_FIELD`` where the cache config has no such field."""
+    None; ``NO_FIELD`` where the cache config has no such field."""
     try:
         from vllm.config import CacheConfig
     except ImportError:
-        return _NO_FIELD
+        return NO_FIELD
     field = getattr(CacheConfig, "__dataclass_fields__", {}).get(
         "prefix_cache_retention_interval"
     )
     if field is None:
-        return _NO_FIELD
+        return NO_FIELD
     try:
         return CacheConfig().prefix_cache_retention_interval
     except Exception:  # a release whose CacheConfig() needs arguments
-        return _NO_FIELD
-
-
-def retention_variable_reaches_mamba() -> bool:
-    """Whether the installed vLLM's retention environment variable (0.24.0 to
-    0.28.0; still read later) decides which Mamba states are kept: the variable
-    is vLLM's and its Mamba manager masks what it publishes
-    (:func:`masks_by_retention`; 0.23.0 reads it for sliding-window
-    groups only)."""
-    import vllm.envs
-    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
-
-    if RETENTION_VARIABLE not in getattr(vllm.envs, "environment_variables", {}):
-        return False
-    return masks_by_retention(MambaManager)
-
-
-def installed_setting() -> tuple[bool, int | None, str]:
-    """The retention a new engine of the installed vLLM runs with when the user
-    sets nothing: (whether vLLM has the setting, the value, where it is set).
-
-    Needs vLLM importable; reads no engine state.
-    """
-    default = _default_interval()
-    if default is not _NO_FIELD:  # 0.29.0+
-        return True, default, "--prefix-cache-retention-interval"
-    if retention_variable_reaches_mamba():
-        raw = os.environ.get(RETENTION_VARIABLE, "").strip()
-        return True, int(raw) if raw else None, RETENTION_VARIABLE
-    return False, None, "no retention setting in this vLLM"
-
-
-def mode_meaning(mode: str, interval: int | None) -> str:
-    """What one plugin mode does under a retention value, for ``doctor``."""
-    dense = interval is None
-    sparse = (
-        "only replay boundaries and shared-prefix junctions are kept"
-        if interval == 0
-        else f"multiples of {interval}, replay boundaries and junctions are kept"
-    )
-    meanings = {
-        "full": "stops at every B boundary: every state vLLM keeps is materialized "
-        "and canonical (cached = fresh bit for bit while the writer runs alone in "
-        "its steps: serial traffic)"
-        + (
-            " (dense: the same as kept)"
-            if dense
-            else f"; {sparse}, so most stops write a state vLLM drops"
-        ),
-        "kept": "stops at every B boundary vLLM keeps"
-        + (" (dense: the same as full)" if dense else f" ({sparse})")
-        + "; no wrong state published",
-        "grid": "ends chunks on the B grid only: no wrong state published; kept "
-        "states inside a chunk are not materialized",
-        "lean": (
-            "the same as kept (dense)"
-            if dense
-            else "ends chunks where stock vLLM does and on every B boundary vLLM "
-            f"keeps ({sparse}), except where a GPU backend checkpoints a prompt "
-            "in its final chunk: vLLM keeps that checkpoint in the replay "
-            "boundary's slot instead, as stock does; no wrong state published"
-        ),
-        "audit": "stock scheduling, counting the wrong publications and lost states "
-        "this retention would keep",
-        "off": "stock vLLM",
-    }
-    return meanings[mode]
+        return NO_FIELD

@@ -1,5 +1,5 @@
 """Which Mamba backends vLLM lets run batch-invariant, read from its code
-(``releases.mamba_backends_accepting_batch_invariance``) on a vLLM package
+(``batch_invariance.mamba_backends_accepting_batch_invariance``) on a vLLM package
 written here: none through 0.33.0, the short-convolution backend from 0.34.0."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mamba_align import releases
+from vllm_mamba_align import batch_invariance, releases
 
 REGISTRY = '''
 class MambaAttentionBackendEnum(Enum, metaclass=_Meta):
@@ -63,13 +63,13 @@ def test_a_backend_answering_true_is_read_as_accepting(
 ) -> None:
     package = vllm_package(tmp_path, short_conv)
     monkeypatch.setattr(releases, "vllm_package_dir", lambda: package)
-    assert releases.mamba_backends_accepting_batch_invariance() == accepting
+    assert batch_invariance.mamba_backends_accepting_batch_invariance() == accepting
 
 
 def test_without_a_readable_registry_no_backend_accepts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(releases, "vllm_package_dir", lambda: tmp_path)
-    assert releases.mamba_backends_accepting_batch_invariance() == ()
+    assert batch_invariance.mamba_backends_accepting_batch_invariance() == ()
     monkeypatch.setattr(releases, "vllm_package_dir", lambda: None)
-    assert releases.mamba_backends_accepting_batch_invariance() == ()
+    assert batch_invariance.mamba_backends_accepting_batch_invariance() == ()

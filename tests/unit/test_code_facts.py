@@ -15,7 +15,7 @@ from vllm_mamba_align.checkpoints import (
     skips_scratch_move_in_checkpoint_steps,
 )
 from vllm_mamba_align.fingerprint import analyse_source
-from vllm_mamba_align.releases import (
+from vllm_mamba_align.unverified import (
     aligns_drafter_tail,
     stops_after_mid_block_start,
     unverified_body,
@@ -148,7 +148,7 @@ def test_the_checkpoint_rekey_fact_comes_from_the_manager(
     source: str, rekeys: bool
 ) -> None:
     """Where the backend's in-chunk state is published when its position lies
-    below its column's own boundary (checkpoints.own_slot_write)."""
+    below its column's own boundary (audit.slots.own_slot_write)."""
     assert rekeys_checkpoint_block(source) is rekeys
 
 

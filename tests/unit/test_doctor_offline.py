@@ -12,6 +12,7 @@ from vllm_mamba_align import doctor, releases, retention
 from vllm_mamba_align.doctor import worker_seed_status, would_load
 from vllm_mamba_align.fingerprint import fingerprint_source
 from vllm_mamba_align.releases import SeedCode, SeedSite
+from vllm_mamba_align.tools import retention_report
 
 
 @pytest.mark.parametrize(
@@ -130,7 +131,7 @@ def test_doctor_calls_a_retention_the_default_only_where_it_is(
 ) -> None:
     """0.24.0-0.28.0 keep every state unless the variable is set: 0 there is
     the user's setting; 0.29.0+ default to 0."""
-    monkeypatch.setattr(retention, "installed_setting", lambda: setting)
+    monkeypatch.setattr(retention_report, "installed_setting", lambda: setting)
     text, _ = doctor._retention()
     assert text.startswith(said)
 

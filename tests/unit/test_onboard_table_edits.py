@@ -14,6 +14,7 @@ from maintainers import drafting
 from maintainers.onboard import __main__ as procedure
 from maintainers.onboard import environment, table, wheels
 from vllm_mamba_align import releases
+from vllm_mamba_align.checkpoints import FLASHKDA_CHUNK_SIZE
 from vllm_mamba_align.releases import (
     BODIES,
     CheckpointGrid,
@@ -32,6 +33,7 @@ def _entries(text: str) -> dict[str, SplitBody]:
         "PrefillRule": PrefillRule,
         "InternalCheckpoint": InternalCheckpoint,
         "CheckpointGrid": CheckpointGrid,
+        "FLASHKDA_CHUNK_SIZE": FLASHKDA_CHUNK_SIZE,
     }
     found = {}
     for node in ast.walk(ast.parse(text)):
@@ -61,6 +63,7 @@ def test_a_rendered_entry_evaluates_to_the_entry(body: SplitBody) -> None:
         "PrefillRule": PrefillRule,
         "InternalCheckpoint": InternalCheckpoint,
         "CheckpointGrid": CheckpointGrid,
+        "FLASHKDA_CHUNK_SIZE": FLASHKDA_CHUNK_SIZE,
     }
     entry = drafting.render_entry(body).rstrip(",")
     assert eval(entry, namespace) == body

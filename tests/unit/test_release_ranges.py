@@ -1,11 +1,13 @@
 """Version ranges written in the package and its docs agree with the release table.
 
-A range (``X.Y.Z+`` or ``X.Y.Z-A.B.C``) written next to a fact the table holds
-(a :class:`releases.SplitBody` field, the worker seed's sites) must start and
-end where that fact changes in the table's rows: a range that starts a release
-late (``0.27.1+`` where the row of 0.27.0 already has the field) is a copy that
-drifted. Messages derive their ranges from the table
-(:func:`releases.describe_releases`); this test holds every written copy to it.
+A range (``X.Y.Z+`` or ``X.Y.Z-A.B.C``, hyphen or en dash, spaced or not)
+written next to a fact the tables hold (a :class:`releases.SplitBody` field, a
+row of ``releases.RELEASE_FACTS``, the worker seed's sites, a checkpoint
+backend's first release) must start and end where that fact changes in the
+table's rows: a range that starts a release late (``0.27.1+`` where the row of
+0.27.0 already has the field) is a copy that drifted. Messages derive their
+ranges from the table (:func:`releases.describe_releases`); this test holds
+every written copy to it.
 """
 
 from __future__ import annotations
@@ -30,8 +32,12 @@ from vllm_mamba_align.releases import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-RANGE = re.compile(r"(?<![\w.])(0\.\d+\.\d+)(?:(\+)|-(0\.\d+\.\d+))(?![\w.])")
+RANGE = re.compile(
+    r"(?<![\w.])(0\.\d+\.\d+)(?: ?(\+)| ?[-\u2013] ?(0\.\d+\.\d+))(?![\w.])"
+)
 GENERATED = re.compile(r"<!-- (\w+):begin.*?<!-- \1:end -->", re.DOTALL)
+PARAGRAPH = re.compile(r"\n\s*\n|\n\s*[-*|] ")
+"""Where a paragraph, a list item or a table row ends."""
 WINDOW = 100
 """Characters on either side of a range in which a fact's words make it that
 fact's range (whitespace collapsed, so a wrapped docstring reads as one line)."""
@@ -102,6 +108,21 @@ FACTS = (
         r"checkpoint_grid|PREFIX_MATCH_UNIT|CACHE_HIT_ALIGNMENT",
         _field("checkpoint_grid"),
     ),
+    Fact(
+        "checkpoint_write_stride",
+        r"checkpoint_write_stride|16-aligned|FLASHKDA_CHUNK_SIZE",
+        _field("checkpoint_write_stride"),
+    ),
+    Fact(
+        "checkpoint_blocks_unalign",
+        r"checkpoint_blocks_unalign|unaligned anywhere",
+        _field("checkpoint_blocks_unalign"),
+    ),
+    Fact(
+        "drops_mid_block_stop",
+        r"drops_mid_block_stop|drop that stop",
+        _field("drops_mid_block_stop"),
+    ),
     Fact("split body", r"\bbody\b|\bbodies\b", lambda release: _body_of(release)),
     Fact(
         "worker seed",
@@ -109,6 +130,84 @@ FACTS = (
         _seed_site,
     ),
 )
+"""The split bodies' facts and the worker seed's."""
+
+RELEASE_FACT_WORDS: dict[str, str] = {
+    "SELECTOR_ASKS_BATCH_INVARIANCE": r"batch.invarian|VLLM_BATCH_INVARIANT"
+    r"|Mamba backend selector|no such check",
+    "SELECTOR_TAKES_BACKEND_ENUM": r"MAMBA_TYPE_TO_BACKEND_MAP|backend enum"
+    r"|attention.backend names",
+    "REQUEST_NEEDS_EOS_TOKEN_ID": r"eos_token_id",
+    "HASH_BLOCK_CHOSEN": r"supports_hash_block|hash block (can|may) be chosen",
+    "RETENTION_IN_KV_CONFIG": r"retention_in_kv_config|KV-cache config carries"
+    r"|prefix.cache.retention.interval|retention variable|variable's default"
+    r"|RETENTION_VARIABLE|VLLM_PREFIX_CACHE_RETENTION_INTERVAL",
+    "LOOKAHEAD_HASHES": r"lookahead (block )?hashes|supports_lookahead_hashes",
+    "HIDDEN_STATE_SCALING": r"HIDDEN_STATE_SCALING|multiplies every group",
+    "RETENTION_FOR_MAMBA": r"reach(es)? Mamba states|masks by|masks_by_retention"
+    r"|RETENTION_VARIABLE|VLLM_PREFIX_CACHE_RETENTION_INTERVAL",
+    "HIT_ALIGNMENT": r"(?<!cache-)hit alignment",
+    "EAGLE_REPLAY_PAIR": r"replay positions|replay.boundary function"
+    r"|get_replay_boundaries",
+    "REPLAY_BOUNDARIES_FUNCTION": r"\b(get_)?replay_boundaries\b",
+    "EAGLE_JUNCTION_BLOCK": r"drop_eagle_group_ids|eagle_group_ids"
+    r"|below (an|the) EAGLE junction|eagle_junction",
+    "MANAGER_LEAVES_SCRATCH": r"skips_scratch_move|leaves? (them|the scratch)"
+    r"|where they stood|MANAGER_LEAVES_SCRATCH",
+    "MANAGER_REKEYS_CHECKPOINT": r"rekeys?_checkpoint|re-keys?",
+    "CACHE_BLOCK_DIVIDES": r"C must divide B|CACHE_BLOCK_DIVIDES|DIVISOR",
+    "CACHE_BLOCK_EQUALS": r"refuses? C < B|C == B at startup|CACHE_BLOCK_EQUALS",
+    "MODEL_RUNNER_V1": r"Model Runner V1|VLLM_USE_V2_MODEL_RUNNER",
+    "WORKER_CHECKS_GROUPS_AT_START": r"WORKER_CHECKS_GROUPS_AT_START"
+    r"|worker (asserts|checks|stops)|initiali[sz]es? (its|the) KV cache"
+    r"|check the groups|worker's first step"
+    r"|initialize_kv_cache|Model Runner V2 (stops|asserts)",
+}
+"""The words that name each row of ``releases.RELEASE_FACTS`` in prose, by the
+row's name in releases.py."""
+
+
+def _release_fact(name: str) -> Fact:
+    fact = getattr(releases, name)
+    assert isinstance(fact, releases.ReleaseFact), name
+    return Fact(name, RELEASE_FACT_WORDS[name], fact.holds)
+
+
+FACTS += tuple(_release_fact(name) for name in RELEASE_FACT_WORDS)
+
+
+def _backend_fact(backend: str, since: str) -> Fact:
+    return Fact(
+        f"checkpoint backend {backend}",
+        rf"`{re.escape(backend)}`|\b{re.escape(backend)} (GPU )?backend",
+        lambda release: Version(release) >= Version(since),
+    )
+
+
+FACTS += tuple(
+    _backend_fact(backend, since)
+    for backend, since in releases.CHECKPOINT_BACKENDS_SINCE.items()
+)
+
+
+def test_the_release_notes_list_every_release_fact_as_its_row_has_it() -> None:
+    """docs/releases.md's table of release facts: each row's releases as
+    ``str(fact)`` writes them, from the row."""
+    notes = (ROOT / "docs" / "releases.md").read_text()
+    listed = {
+        name: line.rsplit("|", 2)[-2].strip()
+        for line in notes.splitlines()
+        for name in RELEASE_FACT_WORDS
+        if line.startswith(f"| `{name}` |")
+    }
+    expected = {name: str(getattr(releases, name)) for name in RELEASE_FACT_WORDS}
+    assert listed == expected
+
+
+def test_every_release_fact_has_its_words() -> None:
+    """A row added to the table gets words here, so its prose is checked too."""
+    named = {id(getattr(releases, name)) for name in RELEASE_FACT_WORDS}
+    assert named == {id(fact) for fact in releases.RELEASE_FACTS}
 
 
 def _changes(fact: Fact) -> tuple[set[str], set[str]]:
@@ -143,8 +242,24 @@ def _agrees(fact: Fact, first: str, last: str | None) -> bool:
     return all(fact.value(r) != before for r in SUPPORTED_RELEASES[begin:])
 
 
+def _agrees_with_any(near: list[Fact], first: str, last: str | None) -> bool:
+    """Whether the range agrees with a fact named near it; a closed range may
+    also run from where one such fact changes to where another does ("with
+    Model Runner V1 on 0.32.0-0.33.0": from the release whose worker checks
+    the groups to the last with Model Runner V1)."""
+    if any(_agrees(fact, first, last) for fact in near):
+        return True
+    if last is None:
+        return False
+    changes = [_changes(fact) for fact in near]
+    return any(first in starts for starts, _ in changes) and any(
+        last in ends for _, ends in changes
+    )
+
+
 def _texts() -> Iterator[tuple[str, str]]:
-    """The package's code and the project's docs, whitespace collapsed."""
+    """The package's code and the project's docs, one paragraph or list item
+    at a time, whitespace collapsed."""
     paths = [
         *sorted((ROOT / "vllm_mamba_align").rglob("*.py")),
         *sorted((ROOT / "docs").rglob("*.md")),
@@ -156,7 +271,9 @@ def _texts() -> Iterator[tuple[str, str]]:
         if path.name == "releases.py":
             # The table's own rows are the source, not a copy.
             text = re.sub(r'SeedCode\("[^"]*"|"[0-9a-f]{16}": "[^"]*"', "", text)
-        yield str(path.relative_to(ROOT)), " ".join(text.split())
+        # A range speaks of the words of its own paragraph, list item or row.
+        for block in PARAGRAPH.split(text):
+            yield str(path.relative_to(ROOT)), " ".join(block.split())
 
 
 def drifts(texts: Iterator[tuple[str, str]]) -> list[str]:
@@ -171,7 +288,7 @@ def drifts(texts: Iterator[tuple[str, str]]) -> list[str]:
                 continue  # not a range of releases the table covers
             around = text[max(0, match.start() - WINDOW) : match.end() + WINDOW]
             near = [fact for fact in FACTS if re.search(fact.words, around)]
-            if near and not any(_agrees(fact, first, last) for fact in near):
+            if near and not _agrees_with_any(near, first, last):
                 found.append(
                     f"{name}: {match.group(0)!r} near "
                     f"{', '.join(fact.name for fact in near)}: "
@@ -189,6 +306,9 @@ def test_a_new_drift_is_caught() -> None:
     late = "which lets a wide block advance in sub-block steps (0.27.1+)"
     early = "the fifth parameter (0.24.0-0.25.0 only)"
     assert len(drifts(iter([("late", late), ("early", early)]))) == 2
+    row = "Request() requires an eos_token_id argument (0.15.1-0.17.0)"
+    enum = "the selector takes the backend enum (0.28.0+)"
+    assert len(drifts(iter([("row", row), ("enum", enum)]))) == 2
     assert drifts(iter([("derived", late.replace("0.27.1", "0.27.0"))])) == []
 
 

@@ -11,7 +11,7 @@ import pytest
 from helpers import CacheBlockRule, cache_block_rule
 from packaging.version import Version
 
-from vllm_mamba_align import releases
+from vllm_mamba_align import batch_invariance, releases
 from vllm_mamba_align.releases import (
     BODIES,
     SEED_BODIES,
@@ -21,10 +21,13 @@ from vllm_mamba_align.releases import (
     PrefillRule,
     SeedSite,
     body_for,
-    checkpoint_backends_in,
     classify_seed,
     expected_body,
     in_prefill,
+)
+from vllm_mamba_align.tools.installed import (
+    CHECKPOINT_BACKEND_FILES,
+    checkpoint_backends_in,
 )
 
 ENVS = Path(__file__).resolve().parents[2] / "envs"
@@ -98,7 +101,7 @@ def test_rules_change_where_the_domain_notes_say() -> None:
 def test_checkpoint_backends_are_read_from_the_layer_files(tmp_path: Path) -> None:
     """A backend counts where its layer sets ``num_prefill_checkpoint_blocks``
     (keyword or assignment); naming the field is not declaring it."""
-    files = releases.CHECKPOINT_BACKEND_FILES
+    files = CHECKPOINT_BACKEND_FILES
     assert checkpoint_backends_in(None) == checkpoint_backends_in(tmp_path) == ()
     kda = tmp_path / files["flashkda"]
     kda.parent.mkdir(parents=True)
@@ -203,23 +206,23 @@ def test_batch_invariance_refusal_is_read_from_the_mamba_selector(
     package = tmp_path / "vllm"
     (package / "v1" / "attention").mkdir(parents=True)
     (package / "__init__.py").write_text("__version__ = '0.1.dev1+g0000000'\n")
-    (package / releases.SELECTOR_FILE).write_text(SELECTORS[selector])
+    (package / batch_invariance.SELECTOR_FILE).write_text(SELECTORS[selector])
     monkeypatch.setitem(
         sys.modules,
         "vllm",
         SimpleNamespace(__file__=str(package / "__init__.py")),
     )
-    assert releases.refuses_batch_invariance_for_mamba() is refuses
+    assert batch_invariance.refuses_batch_invariance_for_mamba() is refuses
 
 
 def test_an_unreadable_selector_counts_as_refusing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every release since 0.20.2 refuses: the likelier answer for code the
+    """The newest releases refuse: the likelier answer for code the
     plugin cannot read."""
     monkeypatch.setitem(
         sys.modules,
         "vllm",
         SimpleNamespace(__file__=str(tmp_path / "vllm" / "__init__.py")),
     )
-    assert releases.refuses_batch_invariance_for_mamba() is True
+    assert batch_invariance.refuses_batch_invariance_for_mamba() is True

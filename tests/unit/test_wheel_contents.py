@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 SERVING = {
     "__init__",
     "activation",
+    "batch_invariance",
     "checkpoints",
     "defects",
     "errors",
@@ -49,6 +50,7 @@ SERVING = {
     "split",
     "subclass_code",
     "subclasses",
+    "unverified",
     "version",
     "worker_seed",
     "audit.__init__",
@@ -56,6 +58,7 @@ SERVING = {
     "audit.export",
     "audit.ledger",
     "audit.reporter",
+    "audit.slots",
 }
 """What vLLM loads: ``register()``, the fix, the audit, and what they read."""
 
@@ -74,7 +77,9 @@ OPERATOR = {
     "probe.workload",
     "topology",
     "tools.__init__",
+    "tools.installed",
     "tools.modes",
+    "tools.retention_report",
     "tools.simulate",
     "tools.sim.__init__",
     "tools.sim.driver",

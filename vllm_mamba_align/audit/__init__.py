@@ -59,7 +59,6 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .. import settings
-from ..checkpoints import own_slot_write
 from ..errors import MambaAlignError
 from ..releases import PrefillRule, SplitBody, chunk_start
 from ..retention import Retention
@@ -81,6 +80,7 @@ from .reporter import (
     vllm_log,
     vllm_warn,
 )
+from .slots import own_slot_write
 
 if TYPE_CHECKING:
     from ..protocols import Request, Scheduler, SchedulerOutput

@@ -42,7 +42,7 @@ _POISONING = 4
 
 BackendWrite = Callable[[Request, int, int], int]
 """(request, chunk start, chunk end) -> the boundary the backend writes into
-its own slot inside the chunk (0: none); checkpoints.own_slot_write."""
+its own slot inside the chunk (0: none); audit.slots.own_slot_write."""
 
 
 def format_duration(seconds: float) -> str:
@@ -129,7 +129,7 @@ class Counts:
         """The B boundary inside a request's chunk ``(start, end)`` whose state
         the GPU backend writes into that boundary's own slot (0: none), where
         the Mamba spec reserves checkpoint blocks
-        (:func:`checkpoints.own_slot_write`); None: no in-chunk state is
+        (:func:`audit.slots.own_slot_write`); None: no in-chunk state is
         counted as written (upper bounds)."""
         self.prefill_chunks = 0
         self.prefill_tokens = 0

@@ -43,7 +43,7 @@ class Scenario:
     """A speculative drafter, (method, tokens per step); None: none."""
     checkpoint_backend: str | None = None
     """A GPU backend that writes one state inside a prefill chunk
-    (``checkpoints.CHECKPOINT_BACKEND_FILES``), by its alignment; None: none
+    (``tools.installed.CHECKPOINT_BACKEND_FILES``), by its alignment; None: none
     (the CPU backend)."""
 
 

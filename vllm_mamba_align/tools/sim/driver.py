@@ -8,7 +8,7 @@ import collections
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ...releases import requests_need_eos_token_id
+from ..installed import requests_need_eos_token_id
 from .engine import (
     SAMPLED_TOKEN,
     Geometry,

@@ -19,13 +19,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ...checkpoints import CHECKPOINT_BACKEND_FILES, checkpoint_backends_in
-from ...releases import (
-    installed_version,
+from ...releases import installed_version, vllm_package_dir
+from ..installed import (
+    CHECKPOINT_BACKEND_FILES,
+    checkpoint_backends_in,
     retention_in_kv_config,
     supports_hash_block,
     supports_lookahead_hashes,
-    vllm_package_dir,
 )
 from ..modes import environment_variable
 
@@ -298,7 +298,7 @@ def supports_admission_window() -> bool:
 CHECKPOINT_BACKENDS = tuple(CHECKPOINT_BACKEND_FILES)
 """Backends whose in-chunk prefill checkpoint the worker model writes, where
 the installed vLLM's layer declares checkpoint blocks
-(checkpoints.CHECKPOINT_BACKEND_FILES and CHECKPOINT_BACKENDS_SINCE), each by
+(installed.CHECKPOINT_BACKEND_FILES and releases.CHECKPOINT_BACKENDS_SINCE), each by
 its alignment (:func:`checkpoint_alignment`). 0.29.0 has no alignment field
 (flashkda's rule is 16 there)."""
 

@@ -382,7 +382,8 @@ class Oracle(SchedulerView):
             return 0
         options: dict[str, int] = {}
         if "num_hash_lookahead_tokens" in inspect.signature(position_of).parameters:
-            # 0.33.0's helper; 0.30.0-0.32.0's has no lookahead hashes.
+            # The helper of releases with lookahead block hashes
+            # (releases.LOOKAHEAD_HASHES).
             options["num_hash_lookahead_tokens"] = getattr(
                 self.scheduler, "num_hash_lookahead_tokens", 0
             )
