@@ -41,6 +41,7 @@ SERVING = {
     "policy",
     "protocols",
     "recognition",
+    "refusals",
     "releases",
     "retention",
     "settings",
