@@ -30,6 +30,7 @@ from .policy import StopPolicy, step_budget
 from .protocols import Scheduler
 from .recognition import SPLIT_METHOD as SPLIT_METHOD  # re-exported
 from .recognition import Recognition, split_findings
+from .releases import SplitBody
 from .retention import Retention, read_retention
 from .settings import Mode
 from .signature import SplitFunction
@@ -91,6 +92,13 @@ class Facts:
         assert self.scheduler is not None, "a row reads a scheduler doctor has not"
         return self.scheduler
 
+    @property
+    def body(self) -> SplitBody:
+        """The split body's rules (every row below unknown code has them)."""
+        body = self.recognition.body
+        assert body is not None
+        return body
+
     @functools.cached_property
     def upstream(self) -> bool:
         return upstream_fix_present(self.scheduler_class)
@@ -138,10 +146,8 @@ class Facts:
 
     @functools.cached_property
     def policy(self) -> StopPolicy:
-        body = self.recognition.body
-        assert body is not None  # the unknown-code row refused every other
         return StopPolicy.for_scheduler(
-            self.mode, body, self.retention, self.built, self.grid
+            self.mode, self.body, self.retention, self.built, self.grid
         )
 
 
@@ -220,14 +226,16 @@ def _groups_disagree(facts: Facts) -> bool:
     return facts.state_grid is None
 
 
-@at_start
-def _stalls(facts: Facts) -> bool:
+def _stalls(facts: Facts) -> bool | None:
     # Bodies without vLLM's "block too wide for one chunk" rule floor every
     # non-final chunk to the grid; on the B grid a B wider than the step budget
-    # floors to 0 tokens forever.
-    body = facts.recognition.body
-    assert body is not None
-    return not body.wide_block_exemption and facts.grid > step_budget(facts.built)[0]
+    # floors to 0 tokens forever. Known without a scheduler where the body has it.
+    return False if facts.body.wide_block_exemption else _wider_than_budget(facts)
+
+
+@at_start
+def _wider_than_budget(facts: Facts) -> bool:
+    return facts.grid > step_budget(facts.built)[0]
 
 
 @at_start
@@ -271,11 +279,9 @@ def _audit(facts: Facts) -> None:
     only here."""
     from . import audit
 
-    body = facts.recognition.body
-    assert body is not None
     scheduler = facts.built
     observer = audit.install(
-        scheduler, facts.grid, body, facts.recognition.split, facts.retention
+        scheduler, facts.grid, facts.body, facts.recognition.split, facts.retention
     )
     _bind_split(scheduler, observer)
     _log(facts, f"{audit.ACTIVE_STATUS}; {facts.retention.describe()}", facts.grid)
@@ -285,15 +291,13 @@ def _bind_vllms_split(facts: Facts) -> None:
     """Nothing to change on this scheduler: vLLM's own function, no layer."""
     scheduler = facts.built
     _bind_split(scheduler, facts.recognition.split.__get__(scheduler, type(scheduler)))
-    _activated(facts, messages.schedules_as_vllm_note(_body_name(facts)))
+    _activated(facts, messages.schedules_as_vllm_note(facts.body.name))
 
 
 def _bind_fix(facts: Facts) -> None:
-    body = facts.recognition.body
-    assert body is not None
     scheduler = facts.built
     route = state_grid_split(
-        scheduler, facts.recognition.split, facts.policy, facts.retention, body
+        scheduler, facts.recognition.split, facts.policy, facts.retention, facts.body
     )
     _bind_split(scheduler, route)
     _activated(facts)
@@ -310,12 +314,6 @@ def _activated(facts: Facts, note: str = "") -> None:
         note,
     )
     _log(facts, status, facts.grid)
-
-
-def _body_name(facts: Facts) -> str:
-    body = facts.recognition.body
-    assert body is not None
-    return body.name
 
 
 # The refusals' words are loaded only to refuse (a scheduler that starts never
@@ -354,10 +352,8 @@ def _refuse_subclass(facts: Facts) -> MambaAlignError:
 def _refuse_stall(facts: Facts) -> MambaAlignError:
     from . import refusals
 
-    body = facts.recognition.body
-    assert body is not None
     budget, source = step_budget(facts.built)
-    return refusals.refuse_stall(body, facts.grid, budget, source)
+    return refusals.refuse_stall(facts.body, facts.grid, budget, source)
 
 
 DECISION: tuple[Row, ...] = (

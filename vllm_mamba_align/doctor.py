@@ -66,8 +66,8 @@ PLUGIN_GROUP = "vllm.general_plugins"
 class RowWords:
     """How the doctor reads one row of the decision table to an operator."""
 
-    condition: str
-    """When the row holds."""
+    says: str
+    """When the row holds (and, for a row that binds, which route)."""
     starts: str | None
     """How a hybrid model in align mode starts where the row decides
     ("... starts <starts>"); None for a refusing row (its error says it)."""
@@ -99,7 +99,7 @@ ROW_WORDS = {
         None,
     ),
     "audit": RowWords(
-        f"{settings.MODE_VARIABLE}=audit",
+        f"{settings.MODE_VARIABLE}=audit: the audit's observer around vLLM's split",
         "with the audit counting (stock vLLM scheduling)",
     ),
     "stall": RowWords(
@@ -107,10 +107,14 @@ ROW_WORDS = {
         None,
     ),
     "as_vllm": RowWords(
-        "the fix would schedule as vLLM's split does (C = B, no stop applies)",
+        "the fix would schedule as vLLM's split does (C = B, no stop applies): "
+        "vLLM's own split",
         "with the fix active",
     ),
-    "fix": RowWords("any other scheduler", "with the fix active"),
+    "fix": RowWords(
+        "any other scheduler: the fix, the mode's route on the B grid",
+        "with the fix active",
+    ),
 }
 """The doctor's words for each row of :data:`activation.DECISION`, by key."""
 
@@ -209,7 +213,7 @@ class Report:
     """The rows of the plugin's decision table read for a hybrid model in align
     mode, first row first, up to the one that decides: row (its key), holds
     (yes / no / at start: read from the scheduler vLLM builds for a model),
-    outcome, condition (in words). Empty when a setting stops vLLM first."""
+    outcome, says (the row in words). Empty when a setting stops vLLM first."""
     decided_by: str | None = None
     """The key of the row that decides (None: a setting stops vLLM first)."""
     metrics_exported: bool = False
@@ -580,7 +584,7 @@ def collect(
                 "row": row.key,
                 "holds": {True: "yes", False: "no", None: "at start"}[held],
                 "outcome": row.outcome.value,
-                "condition": ROW_WORDS[row.key].condition,
+                "says": ROW_WORDS[row.key].says,
             }
             for row, held in walked
         ]
@@ -675,16 +679,19 @@ def _layer_lines(layers: list[dict[str, str | None]]) -> list[str]:
 
 
 def _decision_lines(report: Report) -> list[str]:
-    """The decision table's rows read here, up to the one that decides."""
+    """The row of the plugin's decision table that decides here, then the rows
+    before it that a model's scheduler decides at start (passed over here)."""
     if not report.decision:
         return []
+    *before, deciding = report.decision
     lines = [
-        "  decision        the plugin's rows for a hybrid model in align mode, "
-        "in order; the first that holds decides"
+        f"  decision        {deciding['says']} -> {deciding['outcome']} (row "
+        f"{len(report.decision)} of the plugin's table, the first that holds here)"
     ]
     lines.extend(
-        f"    {row['holds']:<9} {row['condition']}: {row['outcome']}"
-        for row in report.decision
+        f"    at start      {row['says']} -> {row['outcome']}"
+        for row in before
+        if row["holds"] == "at start"
     )
     return lines
 
