@@ -223,7 +223,7 @@ def _no_mamba_spec(facts: Facts) -> bool:
 def _groups_disagree(facts: Facts) -> bool:
     # No single grid can keep every slot's state at its boundary: guessing
     # one would publish wrong states.
-    return facts.state_grid is None
+    return len({group.block_size for group in facts.groups}) > 1
 
 
 def _stalls(facts: Facts) -> bool | None:

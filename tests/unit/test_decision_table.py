@@ -39,9 +39,7 @@ def test_doctor_words_a_start_only_where_the_row_starts_the_scheduler() -> None:
 def test_off_comes_before_every_row_that_refuses_or_binds() -> None:
     """Mode off changes nothing whatever the rows below it would find."""
     off = KEYS.index("off")
-    changing = [
-        row.key for row in DECISION if row.outcome is not Outcome.STAND_ASIDE
-    ]
+    changing = [row.key for row in DECISION if row.outcome is not Outcome.STAND_ASIDE]
     assert changing
     assert all(KEYS.index(key) > off for key in changing), KEYS
 
