@@ -688,11 +688,16 @@ def _decision_lines(report: Report) -> list[str]:
         f"  decision        {deciding['says']} -> {deciding['outcome']} (row "
         f"{len(report.decision)} of the plugin's table, the first that holds here)"
     ]
-    lines.extend(
-        f"    at start      {row['says']} -> {row['outcome']}"
+    at_start = [
+        f"{row['says']} -> {row['outcome']}"
         for row in before
         if row["holds"] == "at start"
-    )
+    ]
+    if at_start:
+        lines.append(
+            "                  before it, decided at start by the model's scheduler: "
+            + "; ".join(at_start)
+        )
     return lines
 
 
