@@ -6,6 +6,7 @@ import platform
 import textwrap
 
 import pytest
+from decision_rows import PRINT_ROWS, Decisions, row
 from helpers import (
     StartLines,
     built_or_skipped,
@@ -44,9 +45,11 @@ def test_disagreeing_mamba_groups_refuse_to_start_except_in_off(
     geometry = Geometry(cache_block=816, state_block=1648, extra_mamba_block=1600)
     lines = StartLines()
     monkeypatch.setattr(activation, "_logger", lambda: lines)
+    decisions = Decisions(monkeypatch)
     if mode == "off":
         with built_or_skipped(), scheduler_mode("off"):
             scheduler = build_scheduler(geometry)
+        assert decisions.keys == [row("off")]
         own = vars(type(scheduler))[SPLIT_METHOD].__wrapped__
         assert scheduler._mamba_block_aligned_split.__func__ is own
         assert activation.STATE_BLOCK_ATTRIBUTE not in vars(scheduler)
@@ -63,6 +66,7 @@ def test_disagreeing_mamba_groups_refuse_to_start_except_in_off(
         pytest.raises(MambaAlignError) as error,
     ):
         build_scheduler(geometry)
+    assert decisions.keys == [row("disagreeing_groups")]
     message = str(error.value)
     assert "disagree" in message
     assert "block_size=1648" in message and "block_size=1600" in message
@@ -133,7 +137,9 @@ exec(compile(edited, path, "exec"), module.__dict__, namespace)
 module.Scheduler._mamba_block_aligned_split = namespace["_mamba_block_aligned_split"]
 """
 
-BUILD = """
+BUILD = (
+    PRINT_ROWS
+    + """
 import vllm_mamba_align
 from vllm_mamba_align.plugin import is_patched
 from vllm_mamba_align.tools.sim import (
@@ -154,12 +160,19 @@ else:
     sim.run()
     print("chunk ends:", sim.chunk_ends("a"))
 """
+)
+
+
+def rows(out: str) -> list[str]:
+    """The rows that decided each scheduler a child built (PRINT_ROWS)."""
+    return [line.split()[1] for line in out.splitlines() if line.startswith("row: ")]
 
 
 def test_unknown_code_in_align_mode_refuses_to_start() -> None:
     result = run_python(EDIT_THE_SPLIT + BUILD)
     assert result.returncode == 0, result.stderr
     out = result.stdout
+    assert rows(out) == [row("no_align_split"), row("unknown_code")]
     assert "split patched: False" in out
     assert "non-hybrid started" in out, "models without align split are never blocked"
     refusal = next(line for line in out.splitlines() if line.startswith("refused:"))
@@ -192,6 +205,7 @@ def test_unknown_code_in_mode_off_runs_vllms_own_split() -> None:
     assert result.returncode == 0, result.stderr
     assert "split patched: False" in result.stdout
     assert "refused:" not in result.stdout
+    assert rows(result.stdout) == ["no_align_split", "off"]
     # Stock's first chunk crosses boundaries (equal geometry); the fix's would
     # end at the first one.
     assert "chunk ends: [" in result.stdout
@@ -206,6 +220,7 @@ def test_unverified_code_runs_only_with_the_opt_in() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "split patched: True" in result.stdout
+    assert rows(result.stdout) == ["no_align_split", "fix"]
     # Equal geometry: stock's first chunk would end at 4944, crossing 2 boundaries;
     # full stops at each.
     assert "chunk ends: [1648, 3296, 4944, " in result.stdout
@@ -220,6 +235,7 @@ def test_unverified_code_must_pass_the_structural_check() -> None:
     assert result.returncode == 0, result.stderr
     assert "split patched: False" in result.stdout
     assert "does NOT pass the structural check" in result.stdout
+    assert rows(result.stdout) == ["no_align_split", "unknown_code"]
 
 
 def _accepted(*geometries: Geometry) -> Geometry:
@@ -236,8 +252,12 @@ def _accepted(*geometries: Geometry) -> Geometry:
     pytest.skip("this vLLM starts none of these geometries")
 
 
-def test_a_state_block_wider_than_the_step_budget() -> None:
-    """Stall guard: bodies without vLLM's wide-block rule refuse; others finish."""
+@pytest.mark.parametrize("mode", ["full", "off"])
+def test_a_state_block_wider_than_the_step_budget(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stall guard: bodies without vLLM's wide-block rule (0.15.0-0.26.0)
+    refuse a fixing mode; others finish. ``off`` starts either, unchanged."""
     import vllm.v1.core.sched.scheduler as module
 
     from vllm_mamba_align.recognition import recognize
@@ -248,20 +268,28 @@ def test_a_state_block_wider_than_the_step_budget() -> None:
     )
     body = recognize(module.Scheduler).body
     assert body is not None
+    decisions = Decisions(monkeypatch)
+    if mode == "off":
+        with scheduler_mode("off"):
+            build_scheduler(geometry)
+        assert decisions.keys == ["off"]
+        return
     if not body.wide_block_exemption:
         with scheduler_mode("full"), pytest.raises(MambaAlignError) as error:
             build_scheduler(geometry)
+        assert decisions.keys == [row("stall")]
         message = str(error.value)
         assert "B=1648 is larger than the per-step prefill budget 1024" in message
         assert "--max-num-batched-tokens=1024" in message
         return
-    for mode in ("full", "grid"):
-        with scheduler_mode(mode):
+    for fixing in ("full", "grid"):
+        with scheduler_mode(fixing):
             sim = Simulation(geometry)
             sim.add("wide", prompt(5000, seed=4))
             sim.run()
         assert sim.records["wide"].prefilled_at_step is not None
         assert not sim.poisoned
+    assert "stall" not in decisions.keys
 
 
 def test_a_vendor_build_with_a_known_body_is_accepted() -> None:
@@ -311,15 +339,18 @@ def test_a_scheduler_class_with_its_own_split(
 
     monkeypatch.setattr(module, "Scheduler", OwnSplitScheduler)
     geometry = Geometry(cache_block=1648, state_block=1648, budget=8192)
+    decisions = Decisions(monkeypatch)
     if mode != "off":
         with scheduler_mode(mode), pytest.raises(MambaAlignError) as error:
             build_scheduler(geometry)
+        assert decisions.keys == [row("unverified_layers")]
         message = str(error.value)
         assert "OwnSplitScheduler overrides _mamba_block_aligned_split" in message
         assert "VLLM_MAMBA_ALIGN_MODE=off" in message
         return
     with scheduler_mode(mode):
         sim = Simulation(geometry)
+    assert decisions.keys == ["off"]
     sim.add("a", prompt(5000, seed=2))
     sim.step()
     assert calls == [5000], "the subclass's own split ran, unchanged"

@@ -1,23 +1,31 @@
-"""Per-scheduler decision: activate the fix, stand aside, or refuse to start.
+"""Per-scheduler decision: stand aside, refuse to start, or bind a route.
 
 Runs right after vLLM's own ``Scheduler.__init__``, when the KV-cache groups are
-known. Logs exactly one line through vLLM's logger saying what it found and did;
-its words (the refusals, the start line, the mode summaries) are messages.py's.
+known. :func:`attach` reads the mode once and walks :data:`DECISION`, one ordered
+table of (condition, outcome); the first row whose condition holds decides.
+``vllm-mamba-align doctor`` walks the same table on the installed vLLM (with no
+scheduler built, the rows that read one are "decided at start"), so its account
+cannot disagree with what a scheduler does. Every scheduler logs exactly one line
+through vLLM's logger; the words are messages.py's (refusals.py's, loaded only
+to refuse).
 """
 
 from __future__ import annotations
 
 import ast
+import enum
 import functools
 import sys
 import types
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import audit, hazard, messages, metrics, settings
+from . import hazard, messages, metrics, settings
 from .errors import MambaAlignError
-from .geometry import mamba_groups
-from .layers import Chain, walk
+from .geometry import MambaGroup, mamba_groups
+from .layers import Chain, Finding, walk
 from .policy import StopPolicy, step_budget
 from .recognition import SPLIT_METHOD as SPLIT_METHOD  # re-exported
 from .recognition import Recognition, split_findings
@@ -40,129 +48,370 @@ SPLIT_ATTRIBUTE = "_vllm_mamba_align_split"
 def attach(scheduler: Scheduler, recognition: Recognition) -> None:
     """Decide for one freshly built scheduler; raise to refuse it, never half-apply.
 
-    The mode is read once, first: in ``off`` nothing found here refuses
-    (vLLM's split runs unchanged, whoever wrote it, whatever the Mamba groups
-    say); the start line says why the plugin stands aside. The split's layers
-    are walked once, here: the refusal checks, mode ``off``'s binding and its
-    start line all read that one walk.
+    The mode is read once, first; each fact a row reads is read once, when a
+    row first asks (:class:`Facts`).
     """
-    mode = settings.read_mode()
-    if not _needs_align_split(scheduler):
-        _log(scheduler, recognition, mode, "inactive (no Mamba layers in align mode)")
-        return
-    if upstream_fix_present(type(scheduler)):
-        upstream = getattr(scheduler, STATE_BLOCK_ATTRIBUTE, None)
-        _log(
-            scheduler,
-            recognition,
-            mode,
-            "inactive (vLLM already derives mamba_state_block_size itself: "
-            "the upstream fix is present)",
-            upstream,
-        )
-        return
-    if mode is Mode.OFF:
-        _stand_aside(scheduler, recognition)
-        return
-    groups = mamba_groups(scheduler.kv_cache_config)
-    if len({group.block_size for group in groups}) > 1:
-        # No single grid can keep every slot's state at its boundary: guessing
-        # one would publish wrong states.
-        listing = "; ".join(group.describe() for group in groups)
-        raise messages.refuse_disagreeing_groups(listing, recognition.vllm_version)
-    state_grid = groups[0].block_size if groups else None
-    if state_grid is None:
-        _log(scheduler, recognition, mode, "inactive (no Mamba spec among KV groups)")
-        return
-    chain = walk(type(scheduler), SPLIT_METHOD)
-    refusal = split_refusal(recognition, chain, mode)
+    facts = Facts(settings.read_mode(), recognition, type(scheduler), scheduler)
+    refusal = decide(facts).act(facts)
     if refusal is not None:
         raise refusal
-    body = recognition.body
-    assert body is not None  # split_refusal refuses every body-less recognition
-    retention = read_retention(scheduler, state_grid)
-    if mode is Mode.AUDIT:  # stock schedules, counted: no stall guard needed
-        observer = audit.install(
-            scheduler, state_grid, body, recognition.split, retention
-        )
-        _bind_split(scheduler, observer)
-        _log(
-            scheduler,
-            recognition,
-            mode,
-            f"{audit.ACTIVE_STATUS}; {retention.describe()}",
-            state_grid,
-        )
-        return
-    if not body.wide_block_exemption:
-        _refuse_stall(scheduler, body, state_grid)
-    _activate_fix(scheduler, recognition, mode, retention, state_grid)
 
 
-def _stand_aside(scheduler: Scheduler, recognition: Recognition) -> None:
+class Outcome(enum.Enum):
+    """What a row of :data:`DECISION` does to the scheduler."""
+
+    STAND_ASIDE = "stand aside"
+    """vLLM's split runs as it would without the plugin; no attribute is set."""
+    REFUSE = "refuse"
+    """The scheduler does not start: its error names the ways out."""
+    BIND = "bind a route"
+    """The scheduler's split calls go to the route bound on it."""
+
+
+class Facts:
+    """What the rows' conditions read about one scheduler, each read when a
+    row first asks and then kept: a row's condition and its act read the same.
+
+    ``scheduler`` is None for ``doctor``, which judges the installed vLLM
+    without building a scheduler; a condition that reads one then answers None
+    (decided at start, :func:`at_start`)."""
+
+    def __init__(
+        self,
+        mode: Mode,
+        recognition: Recognition,
+        scheduler_class: type,
+        scheduler: Scheduler | None = None,
+    ) -> None:
+        self.mode = mode
+        self.recognition = recognition
+        self.scheduler_class = scheduler_class
+        self.scheduler = scheduler
+
+    @property
+    def built(self) -> Scheduler:
+        """The scheduler (only a condition under :func:`at_start` reads it)."""
+        assert self.scheduler is not None, "a row reads a scheduler doctor has not"
+        return self.scheduler
+
+    @property
+    def body(self) -> SplitBody:
+        """The split body's rules (every row below unknown code has them)."""
+        body = self.recognition.body
+        assert body is not None
+        return body
+
+    @functools.cached_property
+    def upstream(self) -> bool:
+        return upstream_fix_present(self.scheduler_class)
+
+    @functools.cached_property
+    def chain(self) -> Chain:
+        """The split's layers, walked once: the refusal checks, mode ``off``'s
+        binding and its start line read this one walk."""
+        return walk(self.scheduler_class, SPLIT_METHOD)
+
+    @functools.cached_property
+    def findings(self) -> tuple[Finding, ...]:
+        return split_findings(self.recognition, self.chain)
+
+    @functools.cached_property
+    def subclass_problems(self) -> tuple[type, list[str]] | None:
+        """Another distribution's class in the scheduler's MRO whose code the
+        fix cannot run in, and why (subclasses.py); None when there is none."""
+        for klass in foreign_classes(self.scheduler_class):
+            reasons = problems(klass, self.mode is Mode.AUDIT)
+            if reasons:
+                return klass, reasons
+        return None
+
+    @functools.cached_property
+    def groups(self) -> list[MambaGroup]:
+        return mamba_groups(self.built.kv_cache_config)
+
+    @functools.cached_property
+    def state_grid(self) -> int | None:
+        """B: the one block size of the Mamba groups (None: they disagree, or
+        there are none)."""
+        sizes = {group.block_size for group in self.groups}
+        return next(iter(sizes)) if len(sizes) == 1 else None
+
+    @property
+    def grid(self) -> int:
+        """B, for the rows after the groups were found to agree."""
+        assert self.state_grid is not None
+        return self.state_grid
+
+    @functools.cached_property
+    def retention(self) -> Retention:
+        return read_retention(self.built, self.grid)
+
+    @functools.cached_property
+    def policy(self) -> StopPolicy:
+        return StopPolicy.for_scheduler(
+            self.mode, self.body, self.retention, self.built, self.grid
+        )
+
+
+Condition = Callable[[Facts], bool | None]
+
+
+def at_start(condition: Callable[[Facts], bool]) -> Condition:
+    """A condition on the scheduler vLLM builds for a model: None (decided at
+    start) where there is none, as in ``doctor``."""
+
+    def holds(facts: Facts) -> bool | None:
+        return None if facts.scheduler is None else condition(facts)
+
+    return holds
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of :data:`DECISION`."""
+
+    key: str
+    """Names the row for ``doctor`` and the tests."""
+    holds: Condition
+    outcome: Outcome
+    act: Callable[[Facts], MambaAlignError | None]
+    """A refusing row's act returns its error and changes nothing (``doctor``
+    calls it for the words); any other row's binds its route, if any, and logs
+    the start line."""
+
+
+def decide(facts: Facts) -> Row:
+    """The first row of :data:`DECISION` whose condition holds."""
+    for row in DECISION:
+        if row.holds(facts):
+            return row
+    raise AssertionError("the table's last row holds for every scheduler")
+
+
+def rows_walked(facts: Facts) -> list[tuple[Row, bool | None]]:
+    """The rows ``doctor`` reads, in order, up to the one that decides, each
+    with whether its condition holds (None: decided at start). A row decided at
+    start is passed over, as for a hybrid model in align mode whose Mamba groups
+    agree and whose B fits the step budget."""
+    walked: list[tuple[Row, bool | None]] = []
+    for row in DECISION:
+        held = row.holds(facts)
+        walked.append((row, held))
+        if held:
+            return walked
+    raise AssertionError("the table's last row holds for every scheduler")
+
+
+# -- the rows' conditions ------------------------------------------------------
+
+
+@at_start
+def _no_align_split(facts: Facts) -> bool:
+    scheduler = facts.built
+    flag = getattr(scheduler, "need_mamba_block_aligned_split", None)
+    if flag is not None:
+        return not flag
+    has_mamba = bool(getattr(scheduler.kv_cache_config, "has_mamba_layers", False))
+    mode = getattr(scheduler.cache_config, "mamba_cache_mode", None)
+    return not (has_mamba and mode == "align")
+
+
+@at_start
+def _no_mamba_spec(facts: Facts) -> bool:
+    return not facts.groups
+
+
+@at_start
+def _groups_disagree(facts: Facts) -> bool:
+    # No single grid can keep every slot's state at its boundary: guessing
+    # one would publish wrong states.
+    return len({group.block_size for group in facts.groups}) > 1
+
+
+def _stalls(facts: Facts) -> bool | None:
+    # Bodies without vLLM's "block too wide for one chunk" rule floor every
+    # non-final chunk to the grid; on the B grid a B wider than the step budget
+    # floors to 0 tokens forever. Known without a scheduler where the body has it.
+    return False if facts.body.wide_block_exemption else _wider_than_budget(facts)
+
+
+@at_start
+def _wider_than_budget(facts: Facts) -> bool:
+    return facts.grid > step_budget(facts.built)[0]
+
+
+@at_start
+def _schedules_as_vllm(facts: Facts) -> bool:
+    return facts.policy.schedules_as_vllm(facts.built.cache_config.block_size)
+
+
+def _has_unverified_layer(facts: Facts) -> bool:
+    return any(not finding.verified for finding in facts.findings)
+
+
+# -- the rows' acts ------------------------------------------------------------
+
+
+def _inactive(status: str) -> Callable[[Facts], None]:
+    def act(facts: Facts) -> None:
+        _log(facts, status)
+
+    return act
+
+
+def _upstream_stands_aside(facts: Facts) -> None:
+    _log(
+        facts,
+        messages.UPSTREAM_STATUS,
+        getattr(facts.built, STATE_BLOCK_ATTRIBUTE, None),
+    )
+
+
+def _off(facts: Facts) -> None:
     """Mode ``off``: refuse nothing, bind vLLM's own split (or leave another
     plugin's layer in place), and say on the start line what a fixing mode
     would have refused, so an A/B run shows why the two differ."""
-    groups = mamba_groups(scheduler.kv_cache_config)
-    if not groups:
-        status = "inactive (no Mamba spec among KV groups)"
-        _log(scheduler, recognition, Mode.OFF, status)
-        return
-    sizes = {group.block_size for group in groups}
-    state_grid = next(iter(sizes)) if len(sizes) == 1 else None
-    chain = walk(type(scheduler), SPLIT_METHOD)
-    _bind_unchanged(scheduler, chain)
-    status = messages.off_status(recognition, chain, groups if len(sizes) > 1 else ())
-    _log(scheduler, recognition, Mode.OFF, status, state_grid)
+    _bind_unchanged(facts.built, facts.chain)
+    disagreeing = facts.groups if facts.state_grid is None else ()
+    _log(facts, messages.off_status(facts.findings, disagreeing), facts.state_grid)
 
 
-def _activate_fix(
-    scheduler: Scheduler,
-    recognition: Recognition,
-    mode: Mode,
-    retention: Retention,
-    state_grid: int,
-) -> None:
-    """Bind the fix of a fixing mode, or vLLM's own split where the fix would
-    schedule exactly as it does, and log the start line."""
-    body = recognition.body
-    assert body is not None
-    policy = StopPolicy.for_scheduler(mode, body, retention, scheduler, state_grid)
-    summary = messages.mode_summary(mode, retention, policy.yield_replay_to_checkpoint)
-    if policy.schedules_as_vllm(scheduler.cache_config.block_size):
-        # Nothing to change on this scheduler: vLLM's own function, no layer.
-        _bind_split(scheduler, recognition.split.__get__(scheduler, type(scheduler)))
-        summary += (
-            f"; here C = B and no stop applies to body {body.name}, so vLLM's own "
-            "split already schedules as the fix would and is bound unchanged"
-        )
-    else:
-        route = state_grid_split(scheduler, recognition.split, policy, retention, body)
-        _bind_split(scheduler, route)
-    setattr(scheduler, STATE_BLOCK_ATTRIBUTE, state_grid)
-    invariance = messages.batch_invariance_note(
-        mode, retention.dense, recognition.vllm_version
+def _audit(facts: Facts) -> None:
+    """Stock schedules, counted: no stall guard needed. The audit is loaded
+    only here."""
+    from . import audit
+
+    scheduler = facts.built
+    observer = audit.install(
+        scheduler, facts.grid, facts.body, facts.recognition.split, facts.retention
     )
-    _log(
-        scheduler,
-        recognition,
-        mode,
-        f"ACTIVE, mode={mode.value}: {summary} "
-        "(backport of vLLM PR #54076)" + (f"; {invariance}" if invariance else ""),
-        state_grid,
+    _bind_split(scheduler, observer)
+    _log(facts, f"{audit.ACTIVE_STATUS}; {facts.retention.describe()}", facts.grid)
+
+
+def _bind_vllms_split(facts: Facts) -> None:
+    """Nothing to change on this scheduler: vLLM's own function, no layer."""
+    scheduler = facts.built
+    _bind_split(scheduler, facts.recognition.split.__get__(scheduler, type(scheduler)))
+    _activated(facts, messages.schedules_as_vllm_note(facts.body.name))
+
+
+def _bind_fix(facts: Facts) -> None:
+    scheduler = facts.built
+    route = state_grid_split(
+        scheduler, facts.recognition.split, facts.policy, facts.retention, facts.body
+    )
+    _bind_split(scheduler, route)
+    _activated(facts)
+
+
+def _activated(facts: Facts, note: str = "") -> None:
+    scheduler = facts.built
+    setattr(scheduler, STATE_BLOCK_ATTRIBUTE, facts.grid)
+    status = messages.active_status(
+        facts.mode,
+        facts.retention,
+        facts.policy.yield_replay_to_checkpoint,
+        facts.recognition.vllm_version,
+        note,
+    )
+    _log(facts, status, facts.grid)
+
+
+# The refusals' words are loaded only to refuse (a scheduler that starts never
+# imports refusals.py).
+
+
+def _refuse_disagreeing_groups(facts: Facts) -> MambaAlignError:
+    from . import refusals
+
+    listing = "; ".join(group.describe() for group in facts.groups)
+    return refusals.refuse_disagreeing_groups(listing, facts.recognition.vllm_version)
+
+
+def _refuse_unverified_layers(facts: Facts) -> MambaAlignError:
+    from . import refusals
+
+    return refusals.refuse_unverified_layers(
+        facts.recognition, facts.chain, facts.findings
     )
 
 
-# -- recognition of the scheduler ----------------------------------------------
+def _refuse_unknown_code(facts: Facts) -> MambaAlignError:
+    from . import refusals
+
+    return refusals.refuse_unknown_code(facts.recognition)
 
 
-def _needs_align_split(scheduler: Scheduler) -> bool:
-    flag = getattr(scheduler, "need_mamba_block_aligned_split", None)
-    if flag is not None:
-        return bool(flag)
-    has_mamba = bool(getattr(scheduler.kv_cache_config, "has_mamba_layers", False))
-    mode = getattr(scheduler.cache_config, "mamba_cache_mode", None)
-    return has_mamba and mode == "align"
+def _refuse_subclass(facts: Facts) -> MambaAlignError:
+    from . import refusals
+
+    assert facts.subclass_problems is not None
+    klass, reasons = facts.subclass_problems
+    return refusals.refuse_subclass(facts.scheduler_class, klass, reasons)
+
+
+def _refuse_stall(facts: Facts) -> MambaAlignError:
+    from . import refusals
+
+    budget, source = step_budget(facts.built)
+    return refusals.refuse_stall(facts.body, facts.grid, budget, source)
+
+
+DECISION: tuple[Row, ...] = (
+    Row(
+        "no_align_split",
+        _no_align_split,
+        Outcome.STAND_ASIDE,
+        _inactive(messages.NO_ALIGN_SPLIT_STATUS),
+    ),
+    Row(
+        "upstream_fix",
+        lambda facts: facts.upstream,
+        Outcome.STAND_ASIDE,
+        _upstream_stands_aside,
+    ),
+    Row(
+        "no_mamba_spec",
+        _no_mamba_spec,
+        Outcome.STAND_ASIDE,
+        _inactive(messages.NO_MAMBA_SPEC_STATUS),
+    ),
+    # Mode off changes nothing, whatever the rows below would find.
+    Row("off", lambda facts: facts.mode is Mode.OFF, Outcome.STAND_ASIDE, _off),
+    Row(
+        "disagreeing_groups",
+        _groups_disagree,
+        Outcome.REFUSE,
+        _refuse_disagreeing_groups,
+    ),
+    Row(
+        "unverified_layers",
+        _has_unverified_layer,
+        Outcome.REFUSE,
+        _refuse_unverified_layers,
+    ),
+    Row(
+        "unknown_code",
+        lambda facts: facts.recognition.body is None,
+        Outcome.REFUSE,
+        _refuse_unknown_code,
+    ),
+    Row(
+        "foreign_subclass",
+        lambda facts: facts.subclass_problems is not None,
+        Outcome.REFUSE,
+        _refuse_subclass,
+    ),
+    Row("audit", lambda facts: facts.mode is Mode.AUDIT, Outcome.BIND, _audit),
+    Row("stall", _stalls, Outcome.REFUSE, _refuse_stall),
+    Row("as_vllm", _schedules_as_vllm, Outcome.BIND, _bind_vllms_split),
+    Row("fix", lambda facts: True, Outcome.BIND, _bind_fix),
+)
+"""The decision, first row first: the first whose condition holds decides."""
+
+
+# -- the upstream fix ----------------------------------------------------------
 
 
 def upstream_fix_present(scheduler_class: type) -> bool:
@@ -170,9 +419,8 @@ def upstream_fix_present(scheduler_class: type) -> bool:
     itself (upstream's fix, PR #54076, is in this vLLM): some module of the
     class's MRO assigns that attribute.
 
-    The one check both activation and ``vllm-mamba-align doctor`` use. Read
-    from the source, not an instance: the plugin sets the same attribute on the
-    schedulers it fixes. Each file is parsed once per process.
+    Read from the source, not an instance: the plugin sets the same attribute on
+    the schedulers it fixes. Each file is parsed once per process.
     """
     for klass in scheduler_class.__mro__:
         module = sys.modules.get(klass.__module__)
@@ -194,72 +442,6 @@ def _assigns_state_block(source_file: str) -> bool:
         and node.attr == STATE_BLOCK_ATTRIBUTE
         for node in ast.walk(tree)
     )
-
-
-# -- refusal checks ------------------------------------------------------------
-
-
-def split_refusal(
-    recognition: Recognition, chain: Chain, mode: Mode | None = None
-) -> MambaAlignError | None:
-    """Why a hybrid align-mode scheduler of the chain's class would be refused,
-    if at all: a layer in its split (``chain``, layers.walk) the plugin has not
-    verified (another plugin's wrapper, a subclass's override), or vLLM code the
-    plugin does not know.
-
-    The one decision both :func:`attach` and ``vllm-mamba-align doctor`` use. In
-    mode ``off`` nothing is refused: the split runs unchanged, whoever wrote it.
-    ``mode``: the one :func:`attach` read (None: read it here, for ``doctor``).
-    """
-    if mode is None:
-        mode = settings.read_mode()
-    if mode is Mode.OFF:
-        return None
-    found = split_findings(recognition, chain)
-    if any(not finding.verified for finding in found):
-        return messages.refuse_unverified_layers(recognition, chain, found)
-    refused = hybrid_refusal(recognition, mode)
-    if refused is not None:
-        return refused
-    return subclass_refusal(chain.scheduler_class, audit=mode is Mode.AUDIT)
-
-
-def hybrid_refusal(
-    recognition: Recognition, mode: Mode | None = None
-) -> MambaAlignError | None:
-    """Why a hybrid align-mode scheduler would be refused with this code, if at all.
-
-    The one decision both :func:`attach` and ``vllm-mamba-align doctor`` use, so
-    the doctor cannot disagree with what vLLM will do at start.
-    In mode ``off`` nothing is refused: vLLM's own split runs unchanged.
-    """
-    if mode is None:
-        mode = settings.read_mode()
-    if recognition.body is None and mode is not Mode.OFF:
-        return messages.refuse_unknown_code(recognition)
-    return None
-
-
-def subclass_refusal(scheduler_class: type, audit: bool) -> MambaAlignError | None:
-    """Why the fix cannot run inside this scheduler class, when it is another
-    distribution's subclass of vLLM's ``Scheduler`` that inherits vLLM's split
-    (subclasses.py); None when its code keeps what the fix relies on."""
-    for klass in foreign_classes(scheduler_class):
-        reasons = problems(klass, audit)
-        if reasons:
-            return messages.refuse_subclass(scheduler_class, klass, reasons)
-    return None
-
-
-def _refuse_stall(scheduler: Scheduler, body: SplitBody, state_grid: int) -> None:
-    """Stall guard for bodies without vLLM's "block too wide for one chunk" rule.
-
-    Those bodies (0.15.0-0.26.0) floor every non-final chunk to the grid; on the B
-    grid a B wider than the step budget floors to 0 tokens forever.
-    """
-    budget, source = step_budget(scheduler)
-    if state_grid > budget:
-        raise messages.refuse_stall(body, state_grid, budget, source)
 
 
 # -- binding and the start line ------------------------------------------------
@@ -299,22 +481,19 @@ def _logger() -> Any:
     return init_logger("vllm.plugins.mamba_align")
 
 
-def _log(
-    scheduler: Any,
-    recognition: Recognition,
-    mode: Mode,
-    status: str,
-    state_grid: int | None = None,
-) -> None:
+def _log(facts: Facts, status: str, state_grid: int | None = None) -> None:
+    scheduler = facts.built
+    recognition = facts.recognition
     _logger().info(
-        "%s", messages.start_line(scheduler, recognition, status, state_grid)
+        "%s",
+        messages.start_line(scheduler, recognition, facts.mode, status, state_grid),
     )
     hazard.warn_known_defects(
         scheduler, recognition.vllm_version, _logger(), state_grid
     )
     metrics.publish_info(
         scheduler,
-        mode=mode.value,
+        mode=facts.mode.value,
         status=metrics.status_word(status),
         state_block=state_grid,
         vllm_version=recognition.vllm_version,

@@ -13,10 +13,14 @@ selection), loads the general plugins, and calls the platform's
 another plugin's patches are in place when the split is walked. A failure in any
 of those steps is reported, not raised.
 
-The verdict ("would refuse") and the upstream-fix check are computed by the
-plugin's own decision code (:func:`recognition.recognize`,
-:func:`activation.split_refusal` and :func:`activation.upstream_fix_present`),
-never a copy, so the doctor cannot disagree with what happens at ``vllm serve``.
+What the plugin would do is read from the plugin's own decision table
+(:data:`activation.DECISION`, walked by :func:`activation.rows_walked` on
+:func:`recognition.recognize`'s recognition), never a copy, so the doctor cannot
+disagree with what happens at ``vllm serve``: each row the walk reads is reported
+with whether it holds here, the rows that read the scheduler built for a model
+as decided at start; the deciding row gives the verdict, and a refusing row its
+error, in the plugin's words. Only the words for each row (:data:`ROW_WORDS`) are
+the doctor's.
 """
 
 from __future__ import annotations
@@ -51,10 +55,68 @@ from .releases import (
     seed_code,
     vllm_package_dir,
 )
+from .settings import Mode
 from .version import __version__
 
 PLUGIN_NAME = "mamba_align"
 PLUGIN_GROUP = "vllm.general_plugins"
+
+
+@dataclass(frozen=True)
+class RowWords:
+    """How the doctor reads one row of the decision table to an operator."""
+
+    says: str
+    """When the row holds (and, for a row that binds, which route)."""
+    starts: str | None
+    """How a hybrid model in align mode starts where the row decides
+    ("... starts <starts>"); None for a refusing row (its error says it)."""
+
+
+ROW_WORDS = {
+    "no_align_split": RowWords(
+        "the model has no Mamba layers in align mode", "unchanged"
+    ),
+    "upstream_fix": RowWords(
+        "vLLM derives mamba_state_block_size itself (the upstream fix)", "unchanged"
+    ),
+    "no_mamba_spec": RowWords(
+        "no Mamba spec among the model's KV-cache groups", "unchanged"
+    ),
+    "off": RowWords(f"{settings.MODE_VARIABLE}=off", "unchanged"),
+    "disagreeing_groups": RowWords(
+        "the model's Mamba groups disagree on their block size", None
+    ),
+    "unverified_layers": RowWords(
+        "a layer of the split the plugin has not verified", None
+    ),
+    "unknown_code": RowWords(
+        "vLLM's split matches no verified release (and the opt-in does not run it)",
+        None,
+    ),
+    "foreign_subclass": RowWords(
+        "the scheduler class is another distribution's subclass the fix cannot run in",
+        None,
+    ),
+    "audit": RowWords(
+        f"{settings.MODE_VARIABLE}=audit: the audit's observer around vLLM's split",
+        "with the audit counting (stock vLLM scheduling)",
+    ),
+    "stall": RowWords(
+        "B is wider than the step budget, on a split body that floors chunks to B",
+        None,
+    ),
+    "as_vllm": RowWords(
+        "the fix would schedule as vLLM's split does (C = B, no stop applies): "
+        "vLLM's own split",
+        "with the fix active",
+    ),
+    "fix": RowWords(
+        "any other scheduler: the fix, the mode's route on the B grid",
+        "with the fix active",
+    ),
+}
+"""The doctor's words for each row of :data:`activation.DECISION`, by key."""
 
 
 class VllmMissing(Exception):
@@ -147,6 +209,13 @@ class Report:
     would_refuse: bool
     refusal: str | None
     """The exact error the plugin would raise for a hybrid align-mode model."""
+    decision: list[dict[str, str]] = field(default_factory=list)
+    """The rows of the plugin's decision table read for a hybrid model in align
+    mode, first row first, up to the one that decides: row (its key), holds
+    (yes / no / at start: read from the scheduler vLLM builds for a model),
+    outcome, says (the row in words). Empty when a setting stops vLLM first."""
+    decided_by: str | None = None
+    """The key of the row that decides (None: a setting stops vLLM first)."""
     metrics_exported: bool = False
     """prometheus_client importable and PROMETHEUS_MULTIPROC_DIR set: the audit's
     counters written in the engine core reach the API server's /metrics."""
@@ -434,10 +503,9 @@ def collect(
     ``vllm.v1.core.sched.scheduler.Scheduler`` names; :class:`BadSchedulerClass`
     when it cannot be."""
     root = _vllm_root()
-    from .activation import split_refusal, upstream_fix_present
-    from .layers import walk
+    from .activation import Facts, Outcome, rows_walked
     from .messages import scheduler_note
-    from .recognition import SPLIT_METHOD, recognize, split_findings
+    from .recognition import SPLIT_METHOD, recognize
     from .subclasses import SCHEDULER_MODULE, vllm_scheduler
 
     notes: list[str] = []
@@ -451,8 +519,16 @@ def collect(
             scheduler_cls, vllm_scheduler(scheduler_class)
         )
     recognition = recognize(vllm_scheduler(scheduler_class))
-    chain = walk(scheduler_class, SPLIT_METHOD)
-    layers = split_findings(recognition, chain)
+    mode: Mode | None = None
+    mode_error: str | None = None
+    try:
+        mode = settings.read_mode()
+    except MambaAlignError as error:
+        mode_error = str(error)
+    # What the decision table reads (a setting that stops vLLM first leaves
+    # the mode unread: the default stands in, and no row is walked).
+    facts = Facts(mode or settings.DEFAULT_MODE, recognition, scheduler_class)
+    layers = facts.findings
     foreign = any(not finding.verified for finding in layers)
     version = recognition.vllm_version
     shape = recognition.shape
@@ -483,12 +559,6 @@ def collect(
             f"unless {settings.MODE_VARIABLE}=off"
         )
 
-    mode: str | None = None
-    mode_error: str | None = None
-    try:
-        mode = settings.read_mode().value
-    except MambaAlignError as error:
-        mode_error = str(error)
     setting_errors = settings.startup_problems()
 
     entry = _entry_point()
@@ -501,13 +571,28 @@ def collect(
             "Python: install vllm-mamba-align into vLLM's environment"
         )
 
-    upstream = upstream_fix_present(scheduler_class)
+    upstream = facts.upstream
     refusal: str | None = None
+    decision: list[dict[str, str]] = []
+    decided_by: str | None = None
     if setting_errors:
         refusal = "\n  ".join(setting_errors)
-    elif not upstream:
-        refused = split_refusal(recognition, chain)
-        refusal = None if refused is None else str(refused)
+    else:
+        walked = rows_walked(facts)
+        decision = [
+            {
+                "row": row.key,
+                "holds": {True: "yes", False: "no", None: "at start"}[held],
+                "outcome": row.outcome.value,
+                "says": ROW_WORDS[row.key].says,
+            }
+            for row, held in walked
+        ]
+        deciding = walked[-1][0]
+        decided_by = deciding.key
+        if deciding.outcome is Outcome.REFUSE:
+            refused = deciding.act(facts)
+            refusal = None if refused is None else str(refused)
     if upstream:
         notes.append(
             "vLLM already derives mamba_state_block_size itself (upstream fix "
@@ -518,7 +603,8 @@ def collect(
             "the plugin would refuse, but vLLM would not load it with the current "
             "settings (see plugin loading)"
         )
-    seed, seed_detail = worker_seed_status(root, mode)
+    mode_name = None if mode is None else mode.value
+    seed, seed_detail = worker_seed_status(root, mode_name)
     serve_setting, defect_rows, corrupting = judge_defects(
         version, intended or Intended()
     )
@@ -546,7 +632,7 @@ def collect(
         vllm_plugins=plugins,
         would_load=loads,
         loading_note=loading_note,
-        mode=mode,
+        mode=mode_name,
         mode_error=mode_error,
         allow_unverified=settings.allow_unverified(),
         worker_seed=seed,
@@ -556,6 +642,8 @@ def collect(
         retention_by_mode=by_mode,
         would_refuse=refusal is not None,
         refusal=refusal,
+        decision=decision,
+        decided_by=decided_by,
         setting_errors=setting_errors,
         metrics_exported=export.exported,
         metrics_detail=export.describe(),
@@ -563,7 +651,7 @@ def collect(
         batch_invariance=describe_batch_invariance(version),
         notes=notes,
         topology=[
-            *(topology.headless_lines(mode, setting_errors) if headless else []),
+            *(topology.headless_lines(mode_name, setting_errors) if headless else []),
             *(topology.ray_lines(platform_name) if ray else []),
         ],
         serve_setting=serve_setting,
@@ -586,6 +674,29 @@ def _layer_lines(layers: list[dict[str, str | None]]) -> list[str]:
             f"{label}{number}. {layer['kind']} {layer['qualname']} "
             f"({layer['module']}; {layer['distribution'] or 'no distribution'}): "
             f"{verdict}"
+        )
+    return lines
+
+
+def _decision_lines(report: Report) -> list[str]:
+    """The row of the plugin's decision table that decides here, then the rows
+    before it that a model's scheduler decides at start (passed over here)."""
+    if not report.decision:
+        return []
+    *before, deciding = report.decision
+    lines = [
+        f"  decision        {deciding['says']} -> {deciding['outcome']} (row "
+        f"{len(report.decision)} of the plugin's table, the first that holds here)"
+    ]
+    at_start = [
+        f"{row['says']} -> {row['outcome']}"
+        for row in before
+        if row["holds"] == "at start"
+    ]
+    if at_start:
+        lines.append(
+            "                  before it, decided at start by the model's scheduler: "
+            + "; ".join(at_start)
         )
     return lines
 
@@ -677,6 +788,7 @@ def render_text(report: Report) -> str:
         for mode, meaning in report.retention_by_mode.items()
     )
     lines.append(f"  batch-invariant {report.batch_invariance}")
+    lines.extend(_decision_lines(report))
     lines.extend(_defect_lines(report))
     lines.extend(f"  note            {note}" for note in report.notes)
     lines.extend(f"  topology        {line}" for line in report.topology)
@@ -696,15 +808,8 @@ def render_text(report: Report) -> str:
             "defect"
         )
     else:
-        lines.append(
-            "verdict: [ok] a hybrid model in align mode starts "
-            + (
-                "with the fix active"
-                if report.mode not in (None, settings.Mode.OFF.value)
-                and not report.upstream_fix_present
-                else "unchanged"
-            )
-        )
+        starts = ROW_WORDS[report.decided_by].starts if report.decided_by else None
+        lines.append(f"verdict: [ok] a hybrid model in align mode starts {starts}")
     if report.corrupting:
         lines.append(
             "output:  [!!] known vLLM defects corrupt output with these serve "

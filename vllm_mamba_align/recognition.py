@@ -53,7 +53,7 @@ def recognize(scheduler_class: type) -> Recognition:
     fingerprinted is the innermost function, and it counts as vLLM's own only
     when it is a plain function of the scheduler's module. Every other layer
     (another plugin's wrapper, found here when that plugin patched first) is kept
-    in the recognition, and :func:`activation.split_refusal` refuses it.
+    in the recognition, and activation's decision table refuses it.
     """
     version = installed_version()
     chain = walk(scheduler_class, SPLIT_METHOD)

@@ -38,7 +38,9 @@ class Mode(str, enum.Enum):
     keeps every boundary (dense), or the scheduler's facts leave a case
     undecided, the same as ``kept``."""
     OFF = "off"
-    """Loaded and logging, changes nothing: for A/B runs against stock vLLM."""
+    """Loaded and logging, changes nothing whatever it finds (Mamba groups that
+    disagree, another plugin's split, code no release has: the start line names
+    them, vLLM runs as it is): for A/B runs against stock vLLM."""
     AUDIT = "audit"
     """Schedules exactly like stock vLLM and counts the poisoned slots and skipped
     state boundaries it causes on live traffic, before you switch the fix on."""

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from vllm_mamba_align import messages, releases
+from vllm_mamba_align import refusals, releases
 from vllm_mamba_align.releases import (
     BODIES,
     SEED_BODIES,
@@ -316,7 +316,7 @@ def test_the_stall_refusal_names_the_first_release_the_table_exempts() -> None:
     exempt = releases_where(lambda body: body.wide_block_exemption)
     assert describe_releases(exempt) == f"{exempt[0]}+"
     (stalling,) = [body for body in BODIES if body.releases == ("0.26.0",)]
-    message = str(messages.refuse_stall(stalling, 2048, 1024, "--budget"))
+    message = str(refusals.refuse_stall(stalling, 2048, 1024, "--budget"))
     assert f"upgrade to vLLM {exempt[0]}+ " in message
 
 

@@ -72,5 +72,6 @@ def test_the_doctor_asks_the_same_function() -> None:
     from vllm_mamba_align import doctor
 
     source = inspect.getsource(doctor)
-    assert "upstream_fix_present(" in source
+    # Through the decision table's facts (activation.Facts.upstream).
+    assert "facts.upstream" in source and "rows_walked(" in source
     assert "ast.parse" not in source, "the doctor has no check of its own"

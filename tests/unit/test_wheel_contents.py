@@ -42,6 +42,7 @@ SERVING = {
     "policy",
     "protocols",
     "recognition",
+    "refusals",
     "releases",
     "retention",
     "seed_site",
