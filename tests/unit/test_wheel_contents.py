@@ -44,7 +44,6 @@ SERVING = {
     "releases",
     "retention",
     "settings",
-    "signature",
     "split",
     "subclasses",
     "version",
