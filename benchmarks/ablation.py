@@ -9,9 +9,10 @@ inside it (the plugin binds a scheduler's route when the scheduler starts):
 - a decision of lean's policy turned off (:func:`policy_changed`: the policy
   the plugin builds per scheduler, ``StopPolicy.for_scheduler``, replaced);
 - lean's rule reading a view of vLLM's retention blind to the replay
-  boundaries or the junctions (:class:`BlindRetention`, passed to
-  ``split.lean_route``): lean then runs vLLM's own chunk past them;
-- lean's route wrapped so that it runs on past vLLM's stop at the prompt's
+  boundaries or the junctions (:class:`BlindRetention`, in the scheduler's
+  record as ``split.lean`` reads it): lean then runs vLLM's own chunk past
+  them;
+- lean's rule wrapped so that it runs on past vLLM's stop at the prompt's
   partial tail (:func:`past_tail`).
 """
 
@@ -28,7 +29,7 @@ from vllm_mamba_align.policy import StopPolicy
 from vllm_mamba_align.protocols import Request
 from vllm_mamba_align.releases import chunk_start, in_prefill, prefill_end
 from vllm_mamba_align.retention import Retention
-from vllm_mamba_align.signature import Route
+from vllm_mamba_align.split import Fix, Route
 
 Change = Callable[[], AbstractContextManager[None]]
 """One change to lean: a context manager factory (:data:`LEAN_ABLATION`)."""
@@ -80,19 +81,20 @@ class BlindRetention(Retention):
         return min(candidates, default=None)
 
 
-def past_tail(lean: Route, policy: StopPolicy, retention: Retention) -> Route:
-    """``lean``, run on to the prefill end where vLLM's own answer for a chunk
-    from a kept boundary, with no kept boundary in reach, stops at the
-    prompt's partial tail."""
-    grid, prefill_rule = policy.grid, policy.prefill
+def past_tail(lean: Route) -> Route:
+    """``lean`` (a plain function of the route: ``split.lean``), run on to the
+    prefill end where vLLM's own answer for a chunk from a kept boundary, with
+    no kept boundary in reach, stops at the prompt's partial tail."""
 
     def without_tail_stop(
+        fix: Fix,
         request: Request,
         num_new_tokens: int,
-        num_new_local_computed_tokens: int = 0,
-        num_external_computed_tokens: int = 0,
+        num_new_local_computed_tokens: int,
+        num_external_computed_tokens: int,
     ) -> int:
         num_tokens = lean(
+            fix,
             request,
             num_new_tokens,
             num_new_local_computed_tokens,
@@ -100,10 +102,11 @@ def past_tail(lean: Route, policy: StopPolicy, retention: Retention) -> Route:
         )
         if num_new_tokens <= 1:
             return num_tokens
+        grid, retention = fix.policy.grid, fix.retention
         start = chunk_start(
             request, num_new_local_computed_tokens, num_external_computed_tokens
         )
-        if not in_prefill(prefill_rule, request, start):
+        if not in_prefill(fix.policy.prefill, request, start):
             return num_tokens
         kept = retention.first_kept_after(request, start)
         if kept is not None and kept <= start + num_new_tokens:
@@ -121,36 +124,43 @@ def past_tail(lean: Route, policy: StopPolicy, retention: Retention) -> Route:
 
 
 @contextmanager
-def _lean_route_composed(
-    compose: Callable[[Callable[..., Route], tuple[Any, ...]], Route],
+def _lean_replaced(
+    lean: Callable[[Route], Route], reads: Callable[[Retention], Retention] | None
 ) -> Iterator[None]:
-    """``split.lean_route`` replaced while open: ``compose(shipped, arguments)``
-    builds each lean scheduler's route."""
-    shipped = split.lean_route
+    """While open, lean's rule (``split.lean``, which the route looks up on
+    each call) is ``lean(shipped)``; with ``reads``, lean's rule reads
+    ``reads(retention)`` for the scheduler's retention, and the B-grid route it
+    calls (``split.b_grid_route``), with its stops, reads vLLM's as shipped."""
+    shipped_lean, shipped_b_grid = split.lean, split.b_grid_route
+    changed = lean(shipped_lean)
+    views: dict[int, Fix] = {}  # the scheduler's record -> lean's view of it
+    records: dict[int, Fix] = {}  # lean's view -> the scheduler's record
 
-    def lean_route(*arguments: Any) -> Route:
-        return compose(shipped, arguments)
+    def lean_reading(fix: Fix, *arguments: Any) -> int:
+        view = views.get(id(fix))
+        if view is None and reads is not None:
+            view = views[id(fix)] = replace(fix, retention=reads(fix.retention))
+            records[id(view)] = fix
+        return changed(view or fix, *arguments)
 
-    split.lean_route = lean_route
+    def b_grid_route(fix: Fix, *arguments: Any) -> int:
+        return shipped_b_grid(records.get(id(fix), fix), *arguments)
+
+    split.lean, split.b_grid_route = lean_reading, b_grid_route  # type: ignore[assignment]
     try:
         yield
     finally:
-        split.lean_route = shipped
+        split.lean, split.b_grid_route = shipped_lean, shipped_b_grid
 
 
 def without(stop: LeanStop) -> Change:
     """Lean leaving out its stops of kind ``stop``."""
-
-    def blind(shipped: Callable[..., Route], arguments: tuple[Any, ...]) -> Route:
-        scheduler, call, policy, retention, kept, checkpoint_at = arguments
-        view = BlindRetention.of(retention, stop)
-        return shipped(scheduler, call, policy, view, kept, checkpoint_at)
-
-    def tail(shipped: Callable[..., Route], arguments: tuple[Any, ...]) -> Route:
-        _, _, policy, retention, _, _ = arguments
-        return past_tail(shipped(*arguments), policy, retention)
-
-    return lambda: _lean_route_composed(tail if stop is LeanStop.TAIL else blind)
+    if stop is LeanStop.TAIL:
+        return lambda: _lean_replaced(past_tail, None)
+    return lambda: _lean_replaced(
+        lambda shipped: shipped,
+        lambda retention: BlindRetention.of(retention, stop),
+    )
 
 
 def policy_changed(change: Callable[[StopPolicy], StopPolicy]) -> Change:

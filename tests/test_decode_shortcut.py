@@ -2,7 +2,7 @@
 
 vLLM calls the split for every running request at every step, so nearly every
 call is a decode. Every bound route answers such calls through the body's own
-past-prefill test (signature.py) before it does any of its work; and where the
+past-prefill test (``split.bind_route``) before it does any of its work; and where the
 fix would schedule exactly as vLLM (grid mode on a C == B geometry with no
 stop for the body) the plugin binds vLLM's own function. Both are shortcuts,
 and both are held here against the full computation on the real scheduler:
@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from helpers import built_or_skipped, cache_block_for, installed_body, scheduler_mode
 
-from vllm_mamba_align import activation
+from vllm_mamba_align import activation, split
 from vllm_mamba_align.policy import StopPolicy
 from vllm_mamba_align.retention import read_retention
 from vllm_mamba_align.settings import Mode
@@ -35,10 +35,17 @@ arguments."""
 
 
 def full_route(bound: Any) -> Any:
-    """The route behind a bound route's past-prefill shortcut (signature.py:
-    the shortcut's closure holds it as ``full``); None where no shortcut
-    stands in front."""
-    return inspect.getclosurevars(bound).nonlocals.get("full")
+    """The route behind a bound route's past-prefill shortcut: the same plain
+    route over the same record (the closure's ``route`` and ``bound``), bound
+    without a shortcut (``split.bind_route``); None where no shortcut stands
+    in front."""
+    names = inspect.getclosurevars(bound).nonlocals
+    if "route" not in names:
+        return None  # vLLM's own function
+    full = split.bind_route(names["route"], names["bound"], None)
+    if "shortcut" in names:  # five parameters: the shortcut is a flag
+        return full if names["shortcut"] else None
+    return None if full.__code__ is bound.__code__ else full
 
 
 POOL = 40

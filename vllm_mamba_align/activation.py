@@ -32,8 +32,7 @@ from .recognition import Recognition, split_findings
 from .releases import SplitBody
 from .retention import Retention, read_retention
 from .settings import Mode
-from .signature import SplitFunction
-from .split import state_grid_split
+from .split import SplitFunction, state_grid_split
 from .subclasses import foreign_classes, problems
 
 if TYPE_CHECKING:

@@ -7,7 +7,8 @@ vLLM decides to checkpoint internally (``use_internal_checkpoint`` in
 into the request's Mamba block column ``cdiv(end, B) - 2``, skipped when that
 column holds the null block. Every vLLM rule about it is written here once and
 read by the fix (split.py, policy.py), the audit (audit/) and the simulation
-(tools/sim/).
+(tools/sim/). vLLM's decision to take it is counted by the route
+(``split.observe_checkpoint_decision``).
 
 Importing this module needs neither vLLM nor torch.
 """
@@ -19,9 +20,8 @@ import enum
 import functools
 import inspect
 import textwrap
-import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from .protocols import Scheduler
@@ -96,31 +96,6 @@ def flashkda_position(start: int, end: int, grid: int) -> int:
     if end % grid == 0 or offset <= 0 or offset % FLASHKDA_CHUNK_SIZE:
         return -1
     return position
-
-
-class _CheckpointDecisions(threading.local):
-    """How many times vLLM decided for internal checkpointing, on this thread."""
-
-    taken: int = 0
-
-
-checkpoint_decisions = _CheckpointDecisions()
-
-
-def observe_checkpoint_decision(
-    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """Wrapper of the scheduler module's ``is_mamba_prefill_checkpoint_valid``.
-
-    On 0.30.0+ the split uses internal checkpointing exactly when this returns
-    True (it is the last operand of a short-circuit ``and``). Counting its True
-    answers keeps the plugin in step with vLLM's decision instead of re-deriving
-    it: a split call whose count moved took the decision.
-    """
-    result = wrapped(*args, **kwargs)
-    if result:
-        checkpoint_decisions.taken += 1
-    return result
 
 
 CheckpointRule = Callable[[int, int], int]
@@ -390,8 +365,8 @@ def backend_checkpoint_rule(
     position_of: Callable[..., int] | None = names.get(
         "get_mamba_prefill_checkpoint_position"
     )
-    # The plugin counts the module's validity calls (observe_checkpoint_decision):
-    # ask the function it wraps, so these calls are not counted as decisions.
+    # The route counts the module's validity calls (split.py's observer): ask
+    # the function it wraps, so these calls count no decision.
     valid: Callable[..., bool] | None = names.get("is_mamba_prefill_checkpoint_valid")
     valid = getattr(valid, "__wrapped__", valid)
     if position_of is None or valid is None:

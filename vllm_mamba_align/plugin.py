@@ -60,7 +60,10 @@ docs/maintaining/patches.md, which a test holds to the code:
    not add a stop where vLLM's backend checkpoints a chunk's interior itself;
    watching vLLM's own decision beats re-deriving it. How: a wrapt wrapper that
    counts True answers per thread and returns the answer unchanged
-   (checkpoints.py).
+   (``split.observe_checkpoint_decision``); the route compares the count
+   before and after vLLM's call. On the module, not per scheduler: vLLM's
+   split looks the name up in its module's globals on each call, and that
+   look-up is the only place its decision shows (docs/maintaining/patches.md).
    Upstream: PR #54076. Delete when: as 2.
 7. **Nothing wrapped: the engine core's open handshake, read at a refusal**
    (``EngineCoreProc._perform_handshake`` in ``vllm/v1/engine/core.py``).
@@ -88,7 +91,6 @@ import wrapt
 
 from . import settings
 from .activation import SPLIT_ATTRIBUTE, attach
-from .checkpoints import observe_checkpoint_decision
 from .errors import MambaAlignError
 from .layers import MARKER, contains_ours
 from .recognition import SPLIT_METHOD, recognize
@@ -101,6 +103,7 @@ from .releases import (
 )
 from .seed_site import RESEEDED
 from .settings import Mode
+from .split import observe_checkpoint_decision
 from .subclasses import SCHEDULER_MODULE, vllm_scheduler
 
 ENVS_MODULE = "vllm.envs"

@@ -184,7 +184,7 @@ backend_off_manager_grid`, 0.30.0-0.31.0) a longer chunk gets a wrongly
     mode. Delete when: 0.31.0 and older are no longer supported."""
     watch_decisions: bool
     """Read vLLM's internal-checkpoint decision for each call (the count of
-    :data:`checkpoints.checkpoint_decisions`) instead of re-deriving it. Why:
+    :data:`split.checkpoint_decisions`) instead of re-deriving it. Why:
     0.30.0+ decide with ``is_mamba_prefill_checkpoint_valid`` inside the split;
     a stop must not cut a chunk whose only boundary the backend writes.
     Releases: 0.30.0+, whenever any stop applies. Delete when: as

@@ -142,7 +142,7 @@ checkpoint_blocks_unalign``)."""
         """The prefill test behind which the bound route may answer a call
         with its token count, without calling vLLM's function: every verified
         body returns ``num_new_tokens`` unchanged for a call past the prefill
-        (read off each body; signature.py). None for opted-in unverified code,
+        (read off each body; ``split.bind_route``). None for opted-in unverified code,
         whose answer to such a call nobody has read: vLLM's function runs."""
         return None if self.releases == (UNVERIFIED,) else self.prefill
 

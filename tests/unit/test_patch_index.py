@@ -460,3 +460,53 @@ def test_dropping_a_release_names_only_what_exists() -> None:
         if not found:
             missing.append(match.group(0))
     assert missing == []
+
+
+def _cards(text: str) -> dict[str, str]:
+    """The page's cards by heading (the text after ``## ``)."""
+    parts = re.split(r"(?m)^## ", text)[1:]
+    return {part.split("\n", 1)[0]: part for part in parts}
+
+
+def _files_named(card: str) -> set[str]:
+    """The package files a card's **Files** entry names (``x.py``, ``dir/``)."""
+    unescaped = card.replace("\\_", "_")  # markdown's escaped underscores
+    match = re.search(r"- \*\*Files\*\*:(.*?)(?=\n- \*\*|\Z)", unescaped, re.DOTALL)
+    if match is None:
+        return set()
+    return set(re.findall(r"(?<![\w./])(\w+(?:/[\w.]+)*\.py|\w+/)", match.group(1)))
+
+
+def test_every_file_a_card_names_exists() -> None:
+    missing = {
+        heading: sorted(
+            name for name in _files_named(card) if not (PACKAGE / name).exists()
+        )
+        for heading, card in _cards(INDEX.read_text()).items()
+    }
+    assert {heading: names for heading, names in missing.items() if names} == {}
+
+
+def test_the_splits_card_names_every_module_the_route_reads() -> None:
+    """The route module (split.py) and the package modules it imports, but
+    the typing protocols of vLLM's objects, are named on the split's card."""
+    card = next(
+        text
+        for heading, text in _cards(INDEX.read_text()).items()
+        if heading.startswith("The split:")
+    )
+    named = set(re.findall(r"\b(\w+\.py)\b", card))
+    tree = ast.parse((PACKAGE / "split.py").read_text())
+    imported = {
+        f"{node.module}.py"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
+    }
+    assert "split.py" in _files_named(card)
+    assert sorted(imported - {"protocols.py"} - named) == []
+
+
+def test_a_card_naming_a_deleted_file_fails_the_check() -> None:
+    card = "## The x: `f`\n\n- **Files**: split.py, signature.py, audit/.\n"
+    assert _files_named(card) == {"split.py", "signature.py", "audit/"}
+    assert not (PACKAGE / "signature.py").exists()

@@ -3,13 +3,14 @@
 0.24.0-0.25.1 give ``_mamba_block_aligned_split`` a fifth parameter
 (``num_uncached_common_prefix_tokens``); every other release has four. The
 route is written once and bound with the installed method's parameters
-(signature.py): here it drives a vLLM-free split function of each shape,
+(split.py: ``bind_route``): here it drives a vLLM-free split function of each shape,
 which ends chunks on the grid it reads from ``self.cache_config.block_size``
 the way vLLM's does, and records what it was called with.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
 from types import SimpleNamespace
@@ -21,7 +22,7 @@ from vllm_mamba_align.policy import SchedulerFacts, StopPolicy
 from vllm_mamba_align.releases import BODIES, UNVERIFIED, SplitBody
 from vllm_mamba_align.retention import Retention
 from vllm_mamba_align.settings import Mode
-from vllm_mamba_align.split import state_grid_split
+from vllm_mamba_align.split import bind_route, state_grid_split
 
 B, C, P = 1648, 816, 16764
 FIVE = next(body for body in BODIES if body.extra_parameter is not None)
@@ -94,10 +95,17 @@ def request(computed: int = 0) -> SimpleNamespace:
 
 
 def full_route(bound: Any) -> Any:
-    """The route behind a bound route's past-prefill shortcut (signature.py:
-    the shortcut's closure holds it as ``full``); None where no shortcut
-    stands in front."""
-    return inspect.getclosurevars(bound).nonlocals.get("full")
+    """The route behind a bound route's past-prefill shortcut: the same plain
+    route over the same record (the closure's ``route`` and ``bound``), bound
+    without a shortcut (:func:`bind_route`); None where no shortcut stands
+    in front."""
+    names = inspect.getclosurevars(bound).nonlocals
+    if "route" not in names:
+        return None  # vLLM's own function
+    full = bind_route(names["route"], names["bound"], None)
+    if "shortcut" in names:  # five parameters: the shortcut is a flag
+        return full if names["shortcut"] else None
+    return None if full.__code__ is bound.__code__ else full
 
 
 def bind(stock: Any, body: SplitBody, mode: Mode) -> tuple[Scheduler, Any]:
@@ -174,3 +182,51 @@ def test_opted_in_unverified_code_answers_every_call_itself() -> None:
     assert route(decoding, 1) == 1
     assert scheduler.calls == [(B,)], "vLLM's function answered the decode"
     assert full_route(route) is None
+
+
+BINDERS = {"_no_output_yet", "_before_prefill_end", "_every_call", "_five_parameters"}
+"""The functions of split.py that build the one closure bound to a scheduler."""
+
+
+def nested_functions(source: str) -> dict[str, list[str]]:
+    """For each top-level function (or method) of ``source``, the functions
+    and lambdas defined inside it."""
+    found: dict[str, list[str]] = {}
+    for outer in ast.walk(ast.parse(source)):
+        if not isinstance(outer, ast.FunctionDef):
+            continue
+        inner = [
+            node.name if isinstance(node, ast.FunctionDef) else "<lambda>"
+            for node in ast.walk(outer)
+            if node is not outer and isinstance(node, ast.FunctionDef | ast.Lambda)
+        ]
+        if inner:
+            found[outer.name] = inner
+    return found
+
+
+def test_the_route_is_one_closure_per_scheduler_around_plain_functions() -> None:
+    """Only the shortcut binders define a function inside a function, one
+    each: everything a call does past the shortcut is a plain function of the
+    scheduler's record."""
+    import vllm_mamba_align.split as route_module
+
+    source = inspect.getsource(route_module)
+    assert {outer: len(inner) for outer, inner in nested_functions(source).items()} == {
+        binder: 1 for binder in BINDERS
+    }
+    nested = "def f():\n    def g():\n        pass\n    return lambda: g\n"
+    assert nested_functions(nested) == {"f": ["g", "<lambda>"]}
+
+
+@pytest.mark.parametrize("mode", [Mode.FULL, Mode.KEPT, Mode.GRID, Mode.LEAN])
+@pytest.mark.parametrize("body", [FOUR, FIVE], ids=["four", "five"])
+def test_a_bound_route_closes_over_a_plain_route_and_one_record(
+    mode: Mode, body: SplitBody
+) -> None:
+    stock = split if body is FOUR else split_with_prefix_tokens
+    _, bound = bind(stock, body, mode)
+    closed = inspect.getclosurevars(bound).nonlocals
+    assert set(closed) <= {"route", "bound", "shortcut"}
+    assert "<locals>" not in closed["route"].__qualname__
+    assert dataclasses.is_dataclass(closed["bound"])

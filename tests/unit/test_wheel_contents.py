@@ -47,7 +47,6 @@ SERVING = {
     "retention",
     "seed_site",
     "settings",
-    "signature",
     "split",
     "subclass_code",
     "subclasses",

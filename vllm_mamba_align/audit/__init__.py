@@ -47,7 +47,8 @@ vLLM's ``Request``.
 Parts: ``counting`` (the arithmetic, pure), ``ledger`` (proposed chunks matched
 against the step's output), ``reporter`` (the thread and the log lines); this
 module binds them to a scheduler (:func:`install`) and holds the summary
-cadence (:class:`Audit`). The audit imports nothing from the fix (split.py).
+cadence (:class:`Audit`). The audit imports nothing from the fix but the
+split's binding (split.py: the shortcut for decodes, vLLM's call).
 """
 
 from __future__ import annotations
@@ -56,13 +57,20 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import settings
 from ..errors import MambaAlignError
 from ..releases import PrefillRule, SplitBody, chunk_start
 from ..retention import Retention
-from ..signature import Route, SplitFunction, StockCall, bind_route
+from ..split import (  # the binding only: nothing of the fix's stops
+    FifthArgument,
+    SplitFunction,
+    bind_route,
+    call_vllm,
+    fifth_argument,
+)
 from .counting import (
     REQUEST_CHAIN,
     REQUEST_FLAGS,
@@ -273,46 +281,52 @@ _audits: weakref.WeakKeyDictionary[Any, Audit] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
+@dataclass(frozen=True, eq=False)
+class _ObservedSplit:
+    """What the split observer reads of one scheduler (split.py: ``Bound``)."""
+
+    scheduler: Scheduler
+    stock: SplitFunction
+    fifth: FifthArgument | None
+    note: Callable[[Request, int], None]
+
+
 def _observe_split(
     ledger: StepLedger, scheduler: Scheduler, stock: SplitFunction, body: SplitBody
 ) -> SplitFunction:
     """The split observer bound to one scheduler: vLLM's call, then O(1) notes.
 
-    It has vLLM's method's parameters (signature.py) and passes every argument
-    on unchanged, so the answer is vLLM's; prefill chunks are noted until the
-    step's output says whether they ran. One-token calls (decodes, most calls)
-    are left to the ledger's look at the output.
+    It has vLLM's method's parameters (``split.bind_route``) and passes every
+    argument on unchanged, so the answer is vLLM's; prefill chunks are noted
+    until the step's output says whether they ran. One-token calls (decodes,
+    most calls) are left to the ledger's look at the output.
     """
-    note = ledger.note
+    observed = _ObservedSplit(scheduler, stock, fifth_argument(body), ledger.note)
+    return bind_route(_observed_split, observed, body.past_prefill_shortcut)
 
-    def observer(call: StockCall) -> Route:
-        def observed_split(
-            request: Request,
-            num_new_tokens: int,
-            num_new_local_computed_tokens: int = 0,
-            num_external_computed_tokens: int = 0,
-        ) -> int:
-            num_tokens = call(
-                scheduler,
-                request,
-                num_new_tokens,
-                num_new_local_computed_tokens,
-                num_external_computed_tokens,
-            )
-            if num_new_tokens > 1 and num_tokens > 0:
-                note(
-                    request,
-                    chunk_start(
-                        request,
-                        num_new_local_computed_tokens,
-                        num_external_computed_tokens,
-                    ),
-                )
-            return num_tokens
 
-        return observed_split
-
-    return bind_route(observer, stock, body.extra_parameter, body.past_prefill_shortcut)
+def _observed_split(
+    observed: _ObservedSplit,
+    request: Request,
+    num_new_tokens: int,
+    num_new_local_computed_tokens: int,
+    num_external_computed_tokens: int,
+) -> int:
+    num_tokens = call_vllm(
+        observed,
+        request,
+        num_new_tokens,
+        num_new_local_computed_tokens,
+        num_external_computed_tokens,
+    )
+    if num_new_tokens > 1 and num_tokens > 0:
+        observed.note(
+            request,
+            chunk_start(
+                request, num_new_local_computed_tokens, num_external_computed_tokens
+            ),
+        )
+    return num_tokens
 
 
 def _vllm_method(scheduler: Scheduler, name: str) -> Callable[..., Any]:

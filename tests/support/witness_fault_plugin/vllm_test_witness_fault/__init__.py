@@ -27,9 +27,10 @@ its judge, which shares no code with the plugin, fails a plugin that breaks.
 Each fault is built from the plugin's own public pieces, outside its serving
 code: the stop policy it builds per scheduler (``StopPolicy.for_scheduler``,
 wrapped here to return a policy on another ``grid``), lean's rule
-(``split.lean_route``, which the plugin looks up when it binds a scheduler:
-here given a view of vLLM's retention blind to the junctions or the replay
-boundaries, as the benchmarks' ablation does in benchmarks/ablation.py) and
+(``split.lean``, which the route looks up on each call: here given the
+scheduler's record with a view of vLLM's retention blind to the junctions or
+the replay boundaries, as the benchmarks' ablation does in
+benchmarks/ablation.py) and
 the retention model's class. vLLM loads every general plugin before it builds
 a scheduler, and the plugin binds its route when a scheduler starts, so the
 order in which the two plugins load does not matter.
@@ -100,21 +101,17 @@ def _lean_blind_to(replay: bool) -> None:
                 candidates.append((start // self.interval + 1) * self.interval)
             return min(candidates, default=None)
 
-    shipped = split.lean_route
+    shipped = split.lean
+    blind: dict[int, Any] = {}  # per scheduler's record: lean's own record
 
-    def lean_route(
-        scheduler: Any,
-        call: Any,
-        policy: Any,
-        retention: Any,
-        kept: Any,
-        checkpoint_at: Any,
-    ) -> Any:
-        values = {f.name: getattr(retention, f.name) for f in fields(retention)}
-        blind = Blind(**values)
-        return shipped(scheduler, call, policy, blind, kept, checkpoint_at)
+    def lean(fix: Any, *arguments: Any) -> Any:
+        if id(fix) not in blind:
+            retention = fix.retention
+            values = {f.name: getattr(retention, f.name) for f in fields(retention)}
+            blind[id(fix)] = (fix, replace(fix, retention=Blind(**values)))
+        return shipped(blind[id(fix)][1], *arguments)
 
-    split.lean_route = lean_route
+    split.lean = lean
 
 
 FAULTS: dict[str, Callable[[], None]] = {
