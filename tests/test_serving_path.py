@@ -80,6 +80,10 @@ APART_FROM_A_LEAN_START = {
     "defects": "the hazard table, for a drafter with async scheduling only",
     "worker_seed": "the worker's re-seed, where vLLM's worker module is imported",
     "subclass_code": "the reader of another distribution's scheduler subclass",
+    "refusals": "the refusals' words, loaded only to refuse",
+    "batch_invariance": "the batch-invariance readers, when VLLM_BATCH_INVARIANT is on",
+    "unverified": "the readers of opted-in unverified split code",
+    "protocols": "typing protocols, read by type checkers only",
     "tools": "the operator's simulation",
     "probe": "the operator's probe",
     "doctor": "the operator's report",
@@ -112,22 +116,7 @@ def test_the_measure_sees_the_fix_a_lean_scheduler_binds(
     } <= set(lean_start["modules"])
 
 
-@pytest.mark.parametrize(
-    "apart",
-    [
-        pytest.param(
-            name,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="activation.py imports audit/ in every mode (issue 66's "
-                "decision part makes it load in audit mode only)",
-            ),
-        )
-        if name == "audit"
-        else name
-        for name in APART_FROM_A_LEAN_START
-    ],
-)
+@pytest.mark.parametrize("apart", list(APART_FROM_A_LEAN_START))
 def test_a_lean_scheduler_loads_only_the_fix(
     lean_start: dict[str, Any], apart: str
 ) -> None:
@@ -135,12 +124,6 @@ def test_a_lean_scheduler_loads_only_the_fix(
     assert loaded == [], f"{loaded}: {APART_FROM_A_LEAN_START[apart]}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 66's bound needs the other parts' moves too: audit/ imported "
-    "in audit mode only (activation.py), doctor-, tools- and audit-only code out "
-    "of releases.py, retention.py, checkpoints.py, refusal-only words",
-)
 def test_a_lean_scheduler_loads_at_most_2800_code_lines(
     lean_start: dict[str, Any],
 ) -> None:

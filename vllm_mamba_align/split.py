@@ -48,7 +48,7 @@ import inspect
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .checkpoints import (
     CheckpointRule,
@@ -56,9 +56,11 @@ from .checkpoints import (
     checkpoint_groups_agree,
 )
 from .policy import StopPolicy
-from .protocols import CacheConfig, Request, Scheduler
 from .releases import PrefillRule, SplitBody, chunk_start, in_prefill, prefill_end
 from .retention import Retention
+
+if TYPE_CHECKING:
+    from .protocols import CacheConfig, Request, Scheduler
 
 SplitFunction = Callable[..., int]
 """``_mamba_block_aligned_split`` as bound to one scheduler (no ``self``)."""
@@ -155,7 +157,7 @@ class Fix:
 
 # -- the shortcuts for decodes: the one closure per scheduler ------------------------
 
-Route = Callable[[Any, Request, int, int, int], int]
+Route = Callable[[Any, "Request", int, int, int], int]
 """A plain function: (record, request, num_new_tokens,
 num_new_local_computed_tokens, num_external_computed_tokens) -> token count."""
 
